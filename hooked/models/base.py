@@ -1,0 +1,178 @@
+"""What every hooked model shares: tokens in, logits out, blocks in between.
+
+Glossary
+    tokens          [batch pos] integer ids
+    attention_mask  [batch pos], 1 for real tokens, 0 for padding (left or right)
+    resid           [batch pos d_model] the residual stream
+    Context         what every block may need besides the residual: the mask, position ids
+                    (counted over real tokens only, so left padding does not shift positions), the
+                    tokens, and the original embedding (Zamba2's shared blocks read it)
+
+A model subclass builds `self.blocks` (an nn.ModuleList whose blocks take `(resid, ctx)`),
+`self.ln_final`, `self.unembed`, implements `embed_input(tokens, ctx) -> resid`, and calls
+`self.setup()` at the end of its `__init__`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from hooked.hook_points import HookedRootModule
+
+
+@dataclass
+class Context:
+    attention_mask: Bool[Tensor, "batch pos"] | None
+    position_ids: Int[Tensor, "batch pos"]
+    tokens: Int[Tensor, "batch pos"] | None = None
+    embedding: Float[Tensor, "batch pos d_model"] | None = None
+
+
+class HookedModel(HookedRootModule):
+    """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`."""
+
+    tokenizer: Any = None
+
+    # ---------------------------------------------------------------------------- to override
+    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        raise NotImplementedError
+
+    def resid_writers(self, layer: int) -> list[str]:
+        """Hook names of the outputs block `layer` adds to the residual stream (decompose_resid)."""
+        names = [f"blocks.{layer}.hook_attn_out", f"blocks.{layer}.hook_mlp_out", f"blocks.{layer}.hook_mixer_out"]
+        return [n for n in names if n in self._module_hooks()]
+
+    # --------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input: Int[Tensor, "batch pos"] | Float[Tensor, "batch pos d_model"] | str | list[str],
+        attention_mask: Tensor | None = None,
+        *,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        tokens: Int[Tensor, "batch pos"] | None = None,
+    ) -> Tensor:
+        """Logits [batch pos d_vocab], or the residual before block `stop_at_layer` when it is given.
+
+        With `start_at_layer`, `input` is the residual stream entering that block (e.g. returned by a
+        run with `stop_at_layer`); pass the same `attention_mask`, and `tokens` where a model needs
+        them past the embedding (Zamba2).
+        """
+        if isinstance(input, (str, list)):
+            if attention_mask is not None:
+                raise ValueError("attention_mask is computed from text; pass tokens to give your own mask")
+            input, attention_mask = self.tokenize(input)
+        n = self.cfg.n_layers
+        start = self._layer_index(start_at_layer, "start_at_layer", default=0)
+        stop = self._layer_index(stop_at_layer, "stop_at_layer", default=n)
+        if start > stop:
+            raise ValueError(f"start_at_layer ({start}) is after stop_at_layer ({stop})")
+        if start == 0 and start_at_layer is None:
+            tokens = self.check_tokens(input)
+            ctx = self.make_context(tokens.shape, attention_mask, tokens, input.device)
+            resid = self.embed_input(tokens, ctx)
+        else:
+            if not torch.is_tensor(input) or not input.is_floating_point() or input.ndim != 3:
+                raise ValueError("with start_at_layer, input must be the residual stream [batch pos d_model]")
+            if tokens is not None:
+                tokens = self.check_tokens(tokens)
+            ctx = self.make_context(input.shape[:2], attention_mask, tokens, input.device)
+            resid = input
+        for block in self.blocks[start:stop]:
+            resid = block(resid, ctx)
+        if stop_at_layer is not None:
+            return resid
+        return self.unembed(self.ln_final(resid))
+
+    def _layer_index(self, value: int | None, what: str, default: int) -> int:
+        n = self.cfg.n_layers
+        if value is None:
+            return default
+        if not -n <= value <= n:
+            raise ValueError(f"{what}={value} is outside the model's {n} layers")
+        return value + n if value < 0 else value
+
+    # ------------------------------------------------------------------------------- checking
+    def check_tokens(self, tokens: Any) -> Int[Tensor, "batch pos"]:
+        if not torch.is_tensor(tokens):
+            raise TypeError(f"tokens must be a tensor of ids, a string or a list of strings, got {type(tokens).__name__}")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be [batch pos] with pos >= 1, got shape {tuple(tokens.shape)}")
+        bad = (tokens < 0) | (tokens >= self.cfg.d_vocab)
+        if bad.any():
+            ids = sorted(set(tokens[bad].tolist()))[:10]
+            raise ValueError(f"token ids outside the vocabulary [0, {self.cfg.d_vocab}): {ids}")
+        return tokens
+
+    def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
+                     tokens: Tensor | None, device: torch.device) -> Context:
+        batch, pos = int(shape[0]), int(shape[1])
+        if attention_mask is None:
+            position_ids = torch.arange(pos, device=device).expand(batch, pos)
+            return Context(None, position_ids, tokens)
+        if not torch.is_tensor(attention_mask):
+            attention_mask = torch.as_tensor(attention_mask)
+        if attention_mask.ndim == 1:
+            attention_mask = attention_mask[None]
+        if tuple(attention_mask.shape) != (batch, pos):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, tokens are {(batch, pos)}")
+        if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
+            raise ValueError("attention_mask must hold only 0 and 1")
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        if mask.all():  # nothing padded: the plain causal path, bit-identical to no mask
+            return Context(None, torch.arange(pos, device=device).expand(batch, pos), tokens)
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return Context(mask, position_ids, tokens)
+
+    # ------------------------------------------------------------------------------ tokenizer
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; load it from a checkpoint that has one or set model.tokenizer")
+        return self.tokenizer
+
+    def tokenize(self, text: str | list[str], prepend_bos: bool | None = None,
+                 padding_side: str = "left") -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
+        """(tokens, attention_mask) for one text or a batch, padded on `padding_side`.
+
+        prepend_bos=None keeps the tokenizer's own choice; True adds BOS where the tokenizer does not.
+        """
+        tok = self._need_tokenizer()
+        texts = [text] if isinstance(text, str) else list(text)
+        rows = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
+        bos = tok.bos_token_id
+        if prepend_bos and bos is not None:
+            rows = [r if r[:1] == [bos] else [bos] + r for r in rows]
+        if prepend_bos is False and bos is not None:
+            rows = [r[1:] if r[:1] == [bos] and len(r) > 1 else r for r in rows]
+        width = max(len(r) for r in rows)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            sl = slice(width - len(r), width) if padding_side == "left" else slice(0, len(r))
+            tokens[b, sl] = torch.tensor(r)
+            mask[b, sl] = 1
+        device = self._device()
+        return tokens.to(device), mask.to(device)
+
+    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None,
+                  padding_side: str = "left") -> Int[Tensor, "batch pos"]:
+        return self.tokenize(text, prepend_bos, padding_side)[0]
+
+    def to_str_tokens(self, text: str | Tensor, prepend_bos: bool | None = None) -> list[str]:
+        tok = self._need_tokenizer()
+        ids = text if torch.is_tensor(text) else self.to_tokens(text, prepend_bos)[0]
+        return [tok.decode([i]) for i in ids.reshape(-1).tolist()]
+
+    def to_string(self, tokens: Tensor) -> str | list[str]:
+        tok = self._need_tokenizer()
+        return tok.decode(tokens.tolist()) if tokens.ndim == 1 else [tok.decode(t.tolist()) for t in tokens]

@@ -1,0 +1,19 @@
+"""Normalisations as pure functions (float32 inside, as Hugging Face computes them)."""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+
+def rms_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float) -> Float[Tensor, "... d"]:
+    """weight * x / sqrt(mean(x^2) + eps); the statistic in float32, the product in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def layer_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], bias: Float[Tensor, "d"] | None,
+               eps: float) -> Float[Tensor, "... d"]:
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
