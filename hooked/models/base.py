@@ -50,12 +50,12 @@ class HookedModel(HookedRootModule):
     # --------------------------------------------------------------------------------- forward
     def forward(
         self,
-        input: Int[Tensor, "batch pos"] | Float[Tensor, "batch pos d_model"] | str | list[str],
+        input: Tensor | str | list[str],  # tokens [batch pos] or [pos], text, or a residual (start_at_layer)
         attention_mask: Tensor | None = None,
         *,
         start_at_layer: int | None = None,
         stop_at_layer: int | None = None,
-        tokens: Int[Tensor, "batch pos"] | None = None,
+        tokens: Tensor | None = None,
     ) -> Tensor:
         """Logits [batch pos d_vocab], or the residual before block `stop_at_layer` when it is given.
 
