@@ -1,0 +1,292 @@
+"""Mamba-2 (Dao & Gu 2024): the SSD mixer with every state and kernel entry hookable.
+
+Glossary (shape word in annotations, einops letter, paper symbol):
+    batch      b          sequences
+    pos        l     T    position; kernel rows q_pos = target j, columns k_pos = source i
+    d_model    m          residual width
+    d_inner    (h p)      expand * d_model = n_heads * d_head
+    n_heads    h     H    SSM heads; head h reads group h // (n_heads // n_groups)
+    d_head     p     P    channels per head
+    n_groups   g     G    groups sharing one B and one C
+    d_state    n     N    state size
+    conv_dim   c          d_inner + 2 * n_groups * d_state: x, B and C go through the conv together
+    u                     the SSM input x of the paper (hook_ssm_in), called u so that x stays free
+    h                     the SSM state [d_head d_state] per head (never called x)
+
+Mixer, per head (A = -exp(A_log) < 0 a scalar per head, D a scalar per head):
+    z, xBC, dt_raw = in_proj(x)                  gate, conv input, step sizes
+    u, B, C = split(SiLU(conv(xBC)))
+    dt = clamp(softplus(dt_raw + dt_bias), dt_limit)
+    h_t = exp(dt_t A) h_{t-1} + dt_t u_t (outer) B_t      A_bar = exp(dt A), B_bar = dt B (Euler)
+    y_t = h_t . C_t;   ssm_out = y + D u
+    out = out_proj(gated_rms_norm(ssm_out, z))
+The scan runs in float32 (float64 for a float64 model), as HF's torch path does.
+
+Hooks under blocks.{l}.mixer., in forward order (DESIGN.md sections 3 and 4):
+    hook_in [b l c], hook_gate [b l d_inner], hook_conv [b l c], hook_ssm_in [b l h p],
+    hook_dt [b l h], hook_B / hook_C [b l g n], hook_A_bar [b l h], hook_B_bar [b l h n],
+    hook_h [b l h p n], hook_kernel [b h q_pos k_pos], hook_y [b l h p], hook_ssm_out [b l h p],
+    hook_gated [b l d_inner], hook_head_out [b l h d_model].
+A_bar, B_bar, h, kernel and head_out are lazy: built only when their hook is active (or, for
+A_bar and B_bar, when h needs them). With no hooks the forward is the chunked SSD alone.
+Edits propagate: dt, B, C feed everything after them; an edited A_bar or B_bar is what the scan
+uses; an edit e = h' - h scans forward (h + linear_scan_heads(A_bar, e)) into y; an edited kernel
+adds (K' - K) u to y; an edited head_out is summed into the mixer output. A lazy quantity whose
+hook changed nothing leaves the fast path's numbers bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange, repeat
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from hooked.hook_points import HookPoint
+from hooked.models.base import Context, HookedModel
+from hooked.models.gated_norm import GatedRMSNorm
+from hooked.models.norms import RMSNorm
+from hooked.models.ssm_block import SSMBlock
+from hooked.ops.conv import causal_conv1d
+from hooked.ops.ssd import linear_scan_heads, mamba2_kernel, ssd_chunked
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    n_layers: int
+    d_model: int
+    n_heads: int  # H, SSM heads
+    d_head: int  # P, channels per SSM head
+    d_inner: int | None = None  # expand * d_model; must equal n_heads * d_head (None: that product)
+    d_state: int = 128  # N
+    n_groups: int = 1  # G, groups of heads sharing B and C
+    d_conv: int = 4
+    chunk_size: int = 256  # SSD chunk length; HF parity needs HF's value
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # HF time_step_limit: clamp of dt after softplus
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj and out_proj biases
+    eps: float = 1e-5  # every RMSNorm, the gated one included
+    tied: bool = False  # unembed shares the embedding matrix
+    d_vocab: int = 50288
+    n_ctx: int = 2048  # no positional limit in an SSM; kept for TransformerLens compatibility
+
+    def __post_init__(self) -> None:
+        if self.d_inner is None:
+            object.__setattr__(self, "d_inner", self.n_heads * self.d_head)
+        if self.d_inner != self.n_heads * self.d_head:
+            raise ValueError(f"d_inner ({self.d_inner}) must equal n_heads * d_head ({self.n_heads * self.d_head})")
+        if self.n_heads % self.n_groups:
+            raise ValueError(f"n_groups ({self.n_groups}) must divide n_heads ({self.n_heads})")
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+
+def _through_hook(hook: HookPoint, value: Tensor, rebuild: Callable[[], Tensor]) -> tuple[Tensor, Tensor | None]:
+    """Pass a lazily built tensor through its hook.
+
+    Returns (the value after the hook, the value before it), the second None when the hook changed
+    nothing, so that unchanged quantities keep the fast path. An in-place edit is detected by the
+    tensor's version counter and the original rebuilt.
+    """
+    version = value._version
+    out = hook(value)
+    if value._version != version:
+        return out, rebuild()
+    if out is value or torch.equal(out, value):
+        return out, None
+    return out, value
+
+
+def _heads(BC: Float[Tensor, "batch pos n_groups d_state"], n_heads: int) -> Float[Tensor, "batch pos n_heads d_state"]:
+    """Each head's B or C: head h reads group h // (n_heads // n_groups)."""
+    return repeat(BC, "b l g n -> b l (g r) n", r=n_heads // BC.shape[2])
+
+
+def _kernel_discrete(
+    A_bar: Float[Tensor, "batch pos n_heads"],
+    B_bar: Float[Tensor, "batch pos n_heads d_state"],
+    C: Float[Tensor, "batch pos n_heads d_state"],
+) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+    """kernel[b, h, j, i] = (C_j . B_bar_i) prod_{t=i+1..j} A_bar_t from (possibly edited) discrete tensors.
+
+    The product is a cumulative product down each column (no logarithm: an edited A_bar may be 0
+    or negative). Private: ops/ssd.py has the kernel from dt and A only.
+    """
+    seq_len = A_bar.shape[1]
+    below = torch.ones(seq_len, seq_len, dtype=torch.bool, device=A_bar.device).tril(-1)
+    steps = repeat(A_bar, "b j h -> b h j i", i=seq_len).masked_fill(~below, 1.0)  # [j, i] = A_bar_j for j > i
+    decay = steps.cumprod(dim=-2).tril()  # prod over i < t <= j; zero above the diagonal
+    return einsum(C, B_bar, "b j h n, b i h n -> b h j i") * decay
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 mixer from plain sizes (Zamba2 builds its Mamba layers from this too).
+
+    Args:
+        d_model, d_inner, n_heads, d_head, d_state, n_groups, d_conv: sizes (glossary).
+        chunk_size: SSD chunk length of the fast path.
+        conv_bias, proj_bias: biases of the conv and of in_proj / out_proj.
+        eps: epsilon of the gated RMSNorm (its group size is d_inner // n_groups, as in HF).
+        dt_limit: (min, max) clamp of dt after softplus.
+    """
+
+    def __init__(self, d_model: int, d_inner: int, n_heads: int, d_head: int, d_state: int, n_groups: int,
+                 d_conv: int, chunk_size: int, conv_bias: bool = True, proj_bias: bool = False,
+                 eps: float = 1e-5, dt_limit: tuple[float, float] = (0.0, math.inf)) -> None:
+        super().__init__()
+        if d_inner != n_heads * d_head or n_heads % n_groups:
+            raise ValueError(f"need d_inner == n_heads * d_head and n_groups | n_heads; got d_inner={d_inner}, "
+                             f"n_heads={n_heads}, d_head={d_head}, n_groups={n_groups}")
+        self.d_inner, self.n_heads, self.d_head = d_inner, n_heads, d_head
+        self.d_state, self.n_groups, self.chunk_size = d_state, n_groups, chunk_size
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.conv_dim = d_inner + 2 * n_groups * d_state
+        self.in_proj = nn.Linear(d_model, d_inner + self.conv_dim + n_heads, bias=proj_bias)  # z, xBC, dt
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, d_conv).uniform_(-d_conv**-0.5, d_conv**-0.5))
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if conv_bias else None
+        dt = torch.exp(torch.rand(n_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1 of dt in [1e-3, 0.1]
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(n_heads))
+        self.norm = GatedRMSNorm(d_inner, d_inner // n_groups, eps)
+        self.out_proj = nn.Linear(d_inner, d_model, bias=proj_bias)
+
+        self.hook_in = HookPoint()  # [batch pos conv_dim]  x, B, C before the conv
+        self.hook_gate = HookPoint()  # [batch pos d_inner]  z, before SiLU
+        self.hook_conv = HookPoint()  # [batch pos conv_dim]  conv output, before SiLU
+        self.hook_ssm_in = HookPoint()  # [batch pos n_heads d_head]  u
+        self.hook_dt = HookPoint()  # [batch pos n_heads]  after softplus and clamp
+        self.hook_B = HookPoint()  # [batch pos n_groups d_state]
+        self.hook_C = HookPoint()  # [batch pos n_groups d_state]
+        self.hook_A_bar = HookPoint()  # [batch pos n_heads]  exp(dt A), lazy
+        self.hook_B_bar = HookPoint()  # [batch pos n_heads d_state]  dt B, lazy
+        self.hook_h = HookPoint()  # [batch pos n_heads d_head d_state]  state after pos, lazy
+        self.hook_kernel = HookPoint()  # [batch n_heads q_pos k_pos]  lazy
+        self.hook_y = HookPoint()  # [batch pos n_heads d_head]  C . h
+        self.hook_ssm_out = HookPoint()  # [batch pos n_heads d_head]  y + D u
+        self.hook_gated = HookPoint()  # [batch pos d_inner]  gated RMSNorm output
+        self.hook_head_out = HookPoint()  # [batch pos n_heads d_model]  each head's write, lazy
+
+    @classmethod
+    def from_config(cls, cfg: Mamba2Config) -> "Mamba2Mixer":
+        return cls(cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_head, cfg.d_state, cfg.n_groups, cfg.d_conv,
+                   cfg.chunk_size, cfg.conv_bias, cfg.proj_bias, cfg.eps, cfg.dt_limit)
+
+    def A(self) -> Float[Tensor, "n_heads"]:
+        """A = -exp(A_log), the (negative) continuous decay rate of each head, in float32."""
+        return -torch.exp(self.A_log.float())
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
+        if mask is not None:  # padding enters the mixer, and the conv, as zeros: the state stays 0
+            x = x * mask
+        gate, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
+        if mask is not None:  # equal to HF without in_proj bias; with one, keeps padded rows exact
+            xBC = xBC * mask
+        xBC = self.hook_in(xBC)
+        gate = self.hook_gate(gate)
+        conv = causal_conv1d(xBC, self.conv_weight, self.conv_bias)
+        conv = self.hook_conv(conv)
+        xBC = F.silu(conv) if mask is None else F.silu(conv) * mask
+        ssm_dtype = torch.promote_types(x.dtype, torch.float32)
+        u, B, C = xBC.to(ssm_dtype).split([self.d_inner, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
+        ssm_in = rearrange(u, "b l (h p) -> b l h p", p=self.d_head)
+        ssm_in = self.hook_ssm_in(ssm_in)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.dt_limit).to(ssm_dtype)
+        dt = self.hook_dt(dt)
+        B = rearrange(B, "b l (g n) -> b l g n", g=self.n_groups)
+        B = self.hook_B(B)
+        C = rearrange(C, "b l (g n) -> b l g n", g=self.n_groups)
+        C = self.hook_C(C)
+        y = self._scan(ssm_in, dt, self.A().to(ssm_dtype), B, C)
+        y = self.hook_y(y)
+        ssm_out = y + self.D.to(ssm_dtype)[:, None] * ssm_in
+        ssm_out = self.hook_ssm_out(ssm_out)
+        gated = self.norm(rearrange(ssm_out, "b l h p -> b l (h p)"), gate).to(x.dtype)
+        gated = self.hook_gated(gated)
+        return self._out_proj(gated)
+
+    def _scan(
+        self,
+        u: Float[Tensor, "batch pos n_heads d_head"],
+        dt: Float[Tensor, "batch pos n_heads"],
+        A: Float[Tensor, "n_heads"],
+        B: Float[Tensor, "batch pos n_groups d_state"],
+        C: Float[Tensor, "batch pos n_groups d_state"],
+    ) -> Float[Tensor, "batch pos n_heads d_head"]:
+        """y = C . h (no D skip) through the lazy hooks hook_A_bar, hook_B_bar, hook_h, hook_kernel."""
+        need_states = self.hook_h.is_active
+        discrete_edited = False
+        if need_states or self.hook_A_bar.is_active or self.hook_B_bar.is_active:
+            A_bar, A_bar_was = _through_hook(self.hook_A_bar, torch.exp(dt * A), lambda: torch.exp(dt * A))
+            B_bar, B_bar_was = _through_hook(self.hook_B_bar, dt[..., None] * _heads(B, self.n_heads),
+                                             lambda: dt[..., None] * _heads(B, self.n_heads))
+            discrete_edited = A_bar_was is not None or B_bar_was is not None
+
+            def states_fn() -> Tensor:
+                return linear_scan_heads(A_bar, einsum(u, B_bar, "b l h p, b l h n -> b l h p n"))
+
+        C_heads = _heads(C, self.n_heads)
+        if discrete_edited:  # the recurrence on the edited discrete tensors
+            states = states_fn()
+            y = einsum(states, C_heads, "b l h p n, b l h n -> b l h p")
+        else:  # the fast path: chunked SSD, no per-position state
+            states = None
+            y, _ = ssd_chunked(u, dt, A, B, C, self.chunk_size)
+        if need_states:
+            h, h_was = _through_hook(self.hook_h, states if states is not None else states_fn(), states_fn)
+            if h_was is not None:  # the recurrence is linear in h: scan the edit forward
+                y = y + einsum(linear_scan_heads(A_bar, h - h_was), C_heads, "b l h p n, b l h n -> b l h p")
+        if self.hook_kernel.is_active:
+            if discrete_edited:
+                kernel_fn = lambda: _kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731
+            else:
+                kernel_fn = lambda: mamba2_kernel(dt, A, B, C)  # noqa: E731
+            kernel, kernel_was = _through_hook(self.hook_kernel, kernel_fn(), kernel_fn)
+            if kernel_was is not None:  # y_j += sum_i (K' - K)[j, i] u_i
+                y = y + einsum(kernel - kernel_was, u, "b h j i, b i h p -> b j h p")
+        return y
+
+    def _out_proj(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
+        """out_proj(gated); with hook_head_out active, each head's write, summed when edited."""
+        if not self.hook_head_out.is_active:
+            return self.out_proj(gated)
+
+        def head_out_fn() -> Tensor:
+            W_out = rearrange(self.out_proj.weight, "m (h p) -> h p m", p=self.d_head)
+            per_head = rearrange(gated, "b l (h p) -> b l h p", p=self.d_head)
+            return einsum(per_head, W_out, "b l h p, h p m -> b l h m")
+
+        head_out, head_out_was = _through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
+        if head_out_was is None:
+            return self.out_proj(gated)
+        out = head_out.sum(dim=2)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
+
+
+class HookedMamba2(HookedModel):
+    """Mamba-2 language model: embed, n_layers x SSMBlock(RMSNorm, Mamba2Mixer), RMSNorm, unembed."""
+
+    def __init__(self, cfg: Mamba2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            SSMBlock(RMSNorm(cfg.d_model, cfg.eps), Mamba2Mixer.from_config(cfg)) for _ in range(cfg.n_layers)
+        )
+        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
+        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        if cfg.tied:
+            self.unembed.weight = self.embed.weight
+        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.setup()
+
+    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        return self.hook_embed(self.embed(tokens))
