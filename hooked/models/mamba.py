@@ -1,0 +1,276 @@
+"""Mamba-1 (Gu & Dao 2023) and FalconMamba, with every quantity of the selective scan hookable.
+
+Glossary (axis word in code = paper symbol)
+    batch     b
+    pos       l, t       sequence position (q_pos / k_pos: target j / source i of the kernel)
+    d_model   D          residual width
+    d_inner   E*D        mixer channels (expand * d_model); for ablation a channel is a "head"
+    d_state   N          state size per channel
+    dt_rank   R          rank of the Δ projection
+    d_conv               width of the depthwise causal conv
+    u                    SSM input (hook_ssm_in), SiLU(conv(in_proj_x(x)))
+    dt        Δ          softplus(dt_proj(x_proj(u)[:R])), per channel
+    A                    -exp(A_log), [d_inner d_state], input independent
+    A_bar, B_bar         exp(Δ·A) and Δ·B: B_bar is the Euler step HF and mamba-ssm use, not ZOH
+    h                    the state, [d_inner d_state] per position: h_t = A_bar_t * h_{t-1} + B_bar_t * u_t
+    y                    C_t · h_t (sum over d_state), before the D skip
+
+Mixer hooks, under blocks.{l}.mixer., in forward order (DESIGN.md sections 3 and 4):
+    hook_in [b l d_inner] -> hook_gate [b l d_inner] -> hook_conv [b l d_inner] (before SiLU)
+    -> hook_ssm_in [b l d_inner] -> hook_dt [b l d_inner] -> hook_B, hook_C [b l d_state]
+    -> hook_A_bar, hook_B_bar, hook_h [b l d_inner d_state] -> hook_kernel [b d_inner q_pos k_pos]
+    -> hook_y, hook_ssm_out, hook_gated [b l d_inner] -> hook_head_out [b l d_inner d_model]
+A_bar, B_bar, h, kernel and head_out are lazy: built only when their HookPoint is active. Without
+them the scan is `selective_scan`, which never holds a [b l d_inner d_state] tensor.
+
+Edits propagate. dt, B, C feed everything after them. Edited A_bar / B_bar are what the scan
+uses (`linear_scan` on the discrete tensors). An edit of h with difference e = h' - h gives the
+states h + linear_scan(A_bar, e): the recurrence continued from the edited state; y is recomputed
+from them. An edit of the kernel adds (K' - K)·u to y. An edit of head_out makes the mixer output
+head_out.sum(d_inner) (+ out_proj bias). Unedited lazy hooks leave the fast path's numbers
+untouched (bit-identical logits); an in-place edit is seen through the tensor's version counter.
+
+FalconMamba = Mamba-1 plus weightless RMS norms on the Δ input (dt_rank wide), B and C, turned on
+by `MambaConfig.mixer_rms_eps`. Padding (Context.attention_mask) zeroes the mixer input, the
+conv input and the conv output at padded positions, as HF's slow path does: a left-padded row
+keeps a zero state until its first real token, so it equals the prompt run alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import einsum
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from hooked.hook_points import HookPoint
+from hooked.models.base import Context, HookedModel
+from hooked.models.norms import RMSNorm
+from hooked.models.ssm_block import SSMBlock
+from hooked.ops.conv import causal_conv1d
+from hooked.ops.selective_scan import linear_scan, mamba1_kernel, mamba1_kernel_discrete, selective_scan
+
+HEAD_OUT_BUDGET_BYTES = 2 * 1024**3  # hook_head_out is refused above this size (it is b*l*d_inner*d_model)
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    n_layers: int
+    d_model: int
+    d_vocab: int
+    d_inner: int | None = None  # E*D; None -> 2 * d_model
+    d_state: int = 16  # N
+    d_conv: int = 4
+    dt_rank: int | None = None  # R; None -> ceil(d_model / 16), HF's "auto"
+    n_ctx: int = 2048  # informational: the scan has no position limit
+    eps: float = 1e-5  # block and final RMSNorm
+    conv_bias: bool = True
+    proj_bias: bool = False  # bias of in_proj and out_proj (HF use_bias)
+    tied: bool = True  # unembed shares the embedding matrix
+    mixer_rms_eps: float | None = None  # FalconMamba: weightless RMS norms on Δ input, B, C
+
+    def __post_init__(self) -> None:
+        if self.d_inner is None:
+            object.__setattr__(self, "d_inner", 2 * self.d_model)
+        if self.dt_rank is None:
+            object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
+
+    @property
+    def n_heads(self) -> int:
+        """For ablation a Mamba-1 "head" is one inner channel."""
+        return self.d_inner
+
+    @property
+    def d_head(self) -> int:
+        return 1
+
+    @property
+    def n_groups(self) -> int:
+        """All channels read the same B and C."""
+        return 1
+
+
+def _version(t: Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return None
+
+
+def _run_hook(hook: HookPoint, value: Tensor,
+              rebuild: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor, bool]:
+    """(value after the hook, the value before it, whether a hook changed it).
+
+    A hook that edits in place leaves no copy of the original; `rebuild()` recomputes it.
+    """
+    version = _version(value)
+    out = hook(value)
+    in_place = version is not None and _version(value) != version
+    original = rebuild() if in_place and rebuild is not None else value
+    return out, original, in_place or out is not value
+
+
+class MambaMixer(nn.Module):
+    """in_proj -> causal conv -> selective scan -> gate -> out_proj, all hooked."""
+
+    def __init__(self, cfg: MambaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
+        self.in_proj = nn.Linear(cfg.d_model, 2 * d, bias=cfg.proj_bias)  # [in ; gate]
+        self.conv_weight = nn.Parameter(torch.empty(d, cfg.d_conv))  # HF conv1d.weight [d 1 w] squeezed
+        self.conv_bias = nn.Parameter(torch.zeros(d)) if cfg.conv_bias else None
+        self.x_proj = nn.Linear(d, r + 2 * n, bias=False)  # [Δ input ; B ; C]
+        self.dt_proj = nn.Linear(r, d, bias=True)
+        self.A_log = nn.Parameter(torch.empty(d, n))
+        self.D = nn.Parameter(torch.ones(d))
+        self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
+        self.reset_parameters()
+
+        self.hook_in = HookPoint()  # [batch pos d_inner]
+        self.hook_gate = HookPoint()  # [batch pos d_inner]
+        self.hook_conv = HookPoint()  # [batch pos d_inner]
+        self.hook_ssm_in = HookPoint()  # [batch pos d_inner]
+        self.hook_dt = HookPoint()  # [batch pos d_inner]
+        self.hook_B = HookPoint()  # [batch pos d_state]
+        self.hook_C = HookPoint()  # [batch pos d_state]
+        self.hook_A_bar = HookPoint()  # [batch pos d_inner d_state], lazy
+        self.hook_B_bar = HookPoint()  # [batch pos d_inner d_state], lazy
+        self.hook_h = HookPoint()  # [batch pos d_inner d_state], lazy
+        self.hook_kernel = HookPoint()  # [batch d_inner q_pos k_pos], lazy
+        self.hook_y = HookPoint()  # [batch pos d_inner]
+        self.hook_ssm_out = HookPoint()  # [batch pos d_inner]
+        self.hook_gated = HookPoint()  # [batch pos d_inner]
+        self.hook_head_out = HookPoint()  # [batch pos d_inner d_model], lazy
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Mamba's initialisation: S4D-real A, D = 1, Δ = softplus(bias) log-uniform in [1e-3, 1e-1]."""
+        if self.A_log.is_meta:
+            return
+        d, n = self.A_log.shape
+        self.A_log.copy_(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).expand(d, n))
+        nn.init.kaiming_uniform_(self.conv_weight, a=math.sqrt(5))
+        dt = torch.exp(torch.rand(d) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def A(self) -> Float[Tensor, "d_inner d_state"]:
+        """The continuous-time A = -exp(A_log), at least float32 (as HF computes it)."""
+        return -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        keep = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
+        if keep is not None:
+            x = x * keep
+        in_, gate = self.in_proj(x).chunk(2, dim=-1)
+        if keep is not None:
+            in_ = in_ * keep  # a padded position feeds the conv zeros, as causal padding does
+        in_ = self.hook_in(in_)
+        gate = self.hook_gate(gate)
+        conv = causal_conv1d(in_, self.conv_weight, self.conv_bias)
+        conv = self.hook_conv(conv)
+        ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
+        ssm_in = self.hook_ssm_in(ssm_in)
+        dt_in, B, C = self.x_proj(ssm_in).split([self.cfg.dt_rank, self.cfg.d_state, self.cfg.d_state], dim=-1)
+        if self.cfg.mixer_rms_eps is not None:  # FalconMamba
+            dt_in, B, C = (_weightless_rms_norm(t, self.cfg.mixer_rms_eps) for t in (dt_in, B, C))
+        dt = F.softplus(self.dt_proj(dt_in))
+        dt = self.hook_dt(dt)
+        B = self.hook_B(B)
+        C = self.hook_C(C)
+        y = self.scan(ssm_in, dt, B, C)
+        y = self.hook_y(y)
+        ssm_out = y + self.D.to(y.dtype) * ssm_in
+        ssm_out = self.hook_ssm_out(ssm_out)
+        gated = ssm_out * F.silu(gate)
+        gated = self.hook_gated(gated)
+        return self.write_out(gated)
+
+    def scan(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
+             B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"]) -> Float[Tensor, "batch pos d_inner"]:
+        """y = C·h with the lazy hooks A_bar, B_bar, h, kernel; at least float32 inside (as HF)."""
+        dtype = u.dtype
+        A = self.A()
+        u, dt, B, C = (t.to(A.dtype) for t in (u, dt, B, C))
+        y = None
+        A_bar = B_bar = None
+        discrete_edited = False
+        if self.hook_A_bar.is_active or self.hook_B_bar.is_active or self.hook_h.is_active:
+            A_bar = torch.exp(dt[..., None] * A)  # [b l d n]
+            A_bar, _, edited_A = _run_hook(self.hook_A_bar, A_bar)
+            B_bar = dt[..., None] * B[:, :, None, :]  # [b l d n], the Euler step Δ·B
+            B_bar, _, edited_B = _run_hook(self.hook_B_bar, B_bar)
+            discrete_edited = edited_A or edited_B
+        if self.hook_h.is_active or discrete_edited:
+            h = linear_scan(A_bar, B_bar * u[..., None])
+            if discrete_edited:
+                y = einsum(h, C, "b l d n, b l n -> b l d")
+            if self.hook_h.is_active:
+                h, h_orig, edited = _run_hook(self.hook_h, h, lambda: linear_scan(A_bar, B_bar * u[..., None]))
+                if edited:  # the recurrence continued from the edited states: scan the difference
+                    h = h_orig + linear_scan(A_bar, h - h_orig)
+                    y = einsum(h, C, "b l d n, b l n -> b l d")
+        if y is None:
+            y, _ = selective_scan(u, dt, A, B, C)
+        if self.hook_kernel.is_active:
+            if discrete_edited:
+                build = lambda: mamba1_kernel_discrete(A_bar, B_bar, C)  # noqa: E731
+            else:
+                build = lambda: mamba1_kernel(dt, A, B, C)  # noqa: E731
+            kernel, kernel_orig, edited = _run_hook(self.hook_kernel, build(), build)
+            if edited:
+                y = y + einsum(kernel - kernel_orig, u, "b d j i, b i d -> b j d")
+        return y.to(dtype)
+
+    def write_out(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
+        """out_proj(gated); with hook_head_out active, the sum of the per-channel writes."""
+        if not self.hook_head_out.is_active:
+            return self.out_proj(gated)
+        batch, pos, d_inner = gated.shape
+        size = batch * pos * d_inner * self.cfg.d_model * gated.element_size()
+        if size > HEAD_OUT_BUDGET_BYTES:
+            raise ValueError(
+                f"{self.hook_head_out.name}: one write per channel would be a [{batch}, {pos}, {d_inner}, "
+                f"{self.cfg.d_model}] tensor ({size / 2**30:.1f} GiB > HEAD_OUT_BUDGET_BYTES = "
+                f"{HEAD_OUT_BUDGET_BYTES / 2**30:.1f} GiB); hook fewer tokens, or leave hook_head_out out of "
+                "names_filter and use hook_gated with out_proj.weight instead"
+            )
+        head_out = gated[..., None] * self.out_proj.weight.T  # [b l d_inner d_model]
+        head_out, _, edited = _run_hook(self.hook_head_out, head_out)
+        if not edited:
+            return self.out_proj(gated)
+        mixer_out = head_out.sum(dim=-2)
+        return mixer_out if self.out_proj.bias is None else mixer_out + self.out_proj.bias
+
+
+def _weightless_rms_norm(t: Float[Tensor, "batch pos d"], eps: float) -> Float[Tensor, "batch pos d"]:
+    """FalconMamba's norm on Δ input, B, C: t / rms(t), float32 inside, no weight."""
+    t32 = t.float()
+    return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
+
+
+class HookedMamba(HookedModel):
+    """Mamba-1 / FalconMamba language model: embed -> n_layers SSMBlocks -> RMSNorm -> unembed."""
+
+    def __init__(self, cfg: MambaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            SSMBlock(RMSNorm(cfg.d_model, cfg.eps), MambaMixer(cfg)) for _ in range(cfg.n_layers)
+        )
+        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
+        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        if cfg.tied:
+            self.unembed.weight = self.embed.weight
+        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.setup()
+
+    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        embed = self.embed(tokens)
+        return self.hook_embed(embed)
