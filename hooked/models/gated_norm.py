@@ -10,7 +10,7 @@ Glossary
     gated_rms_norm(x, z) = weight * g / sqrt(mean_group(g^2) + eps),   g = x * SiLU(z)
 
 The gate is applied BEFORE the normalisation (mamba-ssm's norm_before_gate=False, what HF does).
-The statistic and the product are computed in float32, the result cast back to x's dtype before
+The statistic and the product are computed in float32 (float64 for float64 inputs), the result cast back to x's dtype before
 the weight multiplies it, as HF's MambaRMSNormGated does. The module holds no hook: the mixer
 that owns it names its output (`hook_gated`).
 """
@@ -42,7 +42,8 @@ def gated_rms_norm(
     Returns:
         the normalised, gated tensor in x's dtype (times weight, which may promote it).
     """
-    g = x.to(torch.float32) * F.silu(gate.to(torch.float32))
+    compute = torch.promote_types(x.dtype, torch.float32)
+    g = x.to(compute) * F.silu(gate.to(compute))
     grouped = rearrange(g, "... (k s) -> ... k s", s=group_size)
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
     return weight * rearrange(grouped, "... k s -> ... (k s)").to(x.dtype)

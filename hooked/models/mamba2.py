@@ -180,8 +180,8 @@ class Mamba2Mixer(nn.Module):
                    cfg.chunk_size, cfg.conv_bias, cfg.proj_bias, cfg.eps, cfg.dt_limit)
 
     def A(self) -> Float[Tensor, "n_heads"]:
-        """A = -exp(A_log), the (negative) continuous decay rate of each head, in float32."""
-        return -torch.exp(self.A_log.float())
+        """A = -exp(A_log), the (negative) continuous decay rate of each head, in float32 or wider."""
+        return -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
 
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
@@ -192,7 +192,7 @@ class Mamba2Mixer(nn.Module):
             xBC = xBC * mask
         xBC = self.hook_in(xBC)
         gate = self.hook_gate(gate)
-        conv = causal_conv1d(xBC, self.conv_weight, self.conv_bias)
+        conv = causal_conv1d(xBC, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
         conv = self.hook_conv(conv)
         xBC = F.silu(conv) if mask is None else F.silu(conv) * mask
         ssm_dtype = torch.promote_types(x.dtype, torch.float32)
