@@ -1,0 +1,166 @@
+"""Causal self-attention with grouped-query heads, every quantity hooked, and the pre-norm block.
+
+Glossary
+    d_in, d_out   input and output widths (d_model in GPT-2 and Llama; Zamba2's shared block reads
+                  [hidden, embedding], d_in = 2 * d_model)
+    n_heads       query heads; n_kv_heads key/value heads (GQA: n_heads = group * n_kv_heads,
+                  query head h reads kv head h // group, as HF's `repeat_kv`)
+    d_head        width of one head
+    q_pos, k_pos  query (target, row) and key (source, column) positions of the pattern
+    scale         multiplier of q.k (d_head^-1/2 unless the architecture says otherwise)
+    rotary        an `ops.rotary.Rotary` (Llama) or None (GPT-2: positions enter as embeddings)
+
+Hooks, under `blocks.{l}.attn.`:
+    hook_q         [batch pos n_heads d_head]       queries (before rotary)
+    hook_k, hook_v [batch pos n_kv_heads d_head]    keys, values (kv heads are not repeated)
+    hook_rot_q     [batch pos n_heads d_head]       queries after rotary (rotary models only)
+    hook_rot_k     [batch pos n_kv_heads d_head]    keys after rotary (rotary models only)
+    hook_attn_scores [batch n_heads q_pos k_pos]    scale * q.k, masked, before softmax
+    hook_pattern   [batch n_heads q_pos k_pos]      softmax of the scores over k_pos
+    hook_z         [batch pos n_heads d_head]       pattern-weighted values
+    hook_result    [batch pos n_heads d_out]        each head's write, z_h @ W_O[:, h]^T; built only
+                                                    when hooked or cached
+
+Masking. A masked score (a future key, or a padding key) is set to `finfo(dtype).min`, the value
+HF's eager path ends up with (it adds finfo.min). Unlike -inf, this keeps a query row with no
+visible key (a left-padding query) finite: its pattern is uniform, never NaN. Padding queries are
+meaningless; compare real positions only.
+
+Numerics follow HF eager: scores and the pattern-weighted sum in the activations' dtype, the
+softmax in float32 (float64 for float64 models). There is no SDPA fast path: the pattern must
+exist to be hooked.
+
+hook_result. attn_out is o_proj(z) plus the sum over heads of whatever the hooks changed in the
+results: attn_out = o_proj(z) + sum_h (result'_h - result_h). With nothing edited this is exactly
+o_proj(z) (bit-identical to the unhooked forward); with edits it equals sum_h result'_h + b_O, so
+zeroing a head's result is zeroing that head's columns of o_proj. Gradients reach z and W_O through
+the results only (the o_proj(z) term carries the value, detached but for the bias), so a backward
+hook on hook_result sees d loss / d result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from hooked.hook_points import HookPoint
+from hooked.models.base import Context
+from hooked.ops.rotary import Rotary, apply_rotary
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with GQA; q/k/v/o projections are plain attributes a caller may wrap."""
+
+    def __init__(self, d_in: int, n_heads: int, n_kv_heads: int, d_head: int, d_out: int | None = None, *,
+                 qkv_bias: bool = False, o_bias: bool = False, rotary: Rotary | None = None,
+                 scale: float | None = None) -> None:
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        d_out = d_in if d_out is None else d_out
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head
+        self.scale = d_head**-0.5 if scale is None else scale
+        self.rotary = rotary
+        self.q_proj = nn.Linear(d_in, n_heads * d_head, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_in, n_kv_heads * d_head, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_in, n_kv_heads * d_head, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * d_head, d_out, bias=o_bias)
+        self.hook_q = HookPoint()  # [batch pos n_heads d_head]
+        self.hook_k = HookPoint()  # [batch pos n_kv_heads d_head]
+        self.hook_v = HookPoint()  # [batch pos n_kv_heads d_head]
+        if rotary is not None:
+            self.hook_rot_q = HookPoint()  # [batch pos n_heads d_head]
+            self.hook_rot_k = HookPoint()  # [batch pos n_kv_heads d_head]
+        self.hook_attn_scores = HookPoint()  # [batch n_heads q_pos k_pos]
+        self.hook_pattern = HookPoint()  # [batch n_heads q_pos k_pos]
+        self.hook_z = HookPoint()  # [batch pos n_heads d_head]
+        self.hook_result = HookPoint()  # [batch pos n_heads d_out]
+
+    def forward(self, x: Float[Tensor, "batch pos d_in"], ctx: Context) -> Float[Tensor, "batch pos d_out"]:
+        q = rearrange(self.q_proj(x), "batch pos (n_heads d_head) -> batch pos n_heads d_head", d_head=self.d_head)
+        q = self.hook_q(q)
+        k = rearrange(self.k_proj(x), "batch pos (n_kv_heads d_head) -> batch pos n_kv_heads d_head", d_head=self.d_head)
+        k = self.hook_k(k)
+        v = rearrange(self.v_proj(x), "batch pos (n_kv_heads d_head) -> batch pos n_kv_heads d_head", d_head=self.d_head)
+        v = self.hook_v(v)
+        if self.rotary is not None:
+            cos, sin = self.rotary(ctx.position_ids, q.dtype)
+            rot_q = apply_rotary(q, cos, sin)
+            rot_q = self.hook_rot_q(rot_q)
+            rot_k = apply_rotary(k, cos, sin)
+            rot_k = self.hook_rot_k(rot_k)
+            q, k = rot_q, rot_k
+        k, v = self.repeat_kv(k), self.repeat_kv(v)  # [batch pos n_heads d_head]
+
+        scores = einsum(q, k, "batch q_pos n_heads d_head, batch k_pos n_heads d_head -> batch n_heads q_pos k_pos")
+        scores = scores * self.scale
+        attn_scores = scores.masked_fill(~self.visible(ctx, scores.shape[-1], scores.device), torch.finfo(scores.dtype).min)
+        attn_scores = self.hook_attn_scores(attn_scores)
+        softmax_dtype = torch.promote_types(attn_scores.dtype, torch.float32)
+        pattern = attn_scores.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
+        pattern = self.hook_pattern(pattern)
+        z = einsum(pattern, v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
+        z = self.hook_z(z)
+
+        flat_z = rearrange(z, "batch pos n_heads d_head -> batch pos (n_heads d_head)")
+        if not self.hook_result.is_active:
+            return self.o_proj(flat_z)
+        result = self.head_results(z)  # lazy: [batch pos n_heads d_out] only when someone asks
+        written = result.detach().sum(dim=2)  # before the hooks, which may edit `result` in place
+        result = self.hook_result(result)
+        # the value of o_proj(z) (bit-identical when nothing is edited), the gradient through the results
+        unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
+        return unedited + (result.sum(dim=2) - written)
+
+    def repeat_kv(self, t: Float[Tensor, "batch pos n_kv_heads d_head"]) -> Float[Tensor, "batch pos n_heads d_head"]:
+        """Each kv head serves `group` consecutive query heads."""
+        return t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
+
+    @staticmethod
+    def visible(ctx: Context, pos: int, device: torch.device) -> Tensor:
+        """Bool [q_pos k_pos] (no padding) or [batch 1 q_pos k_pos]: key at or before the query, not padding."""
+        causal = torch.ones(pos, pos, dtype=torch.bool, device=device).tril()
+        if ctx.attention_mask is None:
+            return causal
+        return causal & ctx.attention_mask[:, None, None, :]
+
+    def head_results(self, z: Float[Tensor, "batch pos n_heads d_head"]) -> Float[Tensor, "batch pos n_heads d_out"]:
+        """Each head's write to the output, without o_proj's bias (which belongs to no head)."""
+        w_o = rearrange(self.o_proj.weight, "d_out (n_heads d_head) -> n_heads d_head d_out", d_head=self.d_head)
+        return einsum(z, w_o, "batch pos n_heads d_head, n_heads d_head d_out -> batch pos n_heads d_out")
+
+    def extra_repr(self) -> str:
+        rope = f", rotary={self.rotary}" if self.rotary is not None else ""
+        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, scale={self.scale:.4g}{rope}"
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: resid + attn(ln1(resid)), then + mlp(ln2(.)). GPT-2 and Llama differ only in parts.
+
+    Hooks: blocks.{l}.hook_resid_pre, ln1.hook_normalized, attn.*, hook_attn_out, hook_resid_mid,
+    ln2.hook_normalized, mlp.*, hook_mlp_out, hook_resid_post (all [batch pos d_model] but attn/mlp).
+    """
+
+    def __init__(self, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_attn_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_mid = HookPoint()  # [batch pos d_model]
+        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+
+    def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        resid_pre = self.hook_resid_pre(resid)
+        attn_out = self.attn(self.ln1(resid_pre), ctx)
+        attn_out = self.hook_attn_out(attn_out)
+        resid_mid = resid_pre + attn_out
+        resid_mid = self.hook_resid_mid(resid_mid)
+        mlp_out = self.mlp(self.ln2(resid_mid))
+        mlp_out = self.hook_mlp_out(mlp_out)
+        resid_post = resid_mid + mlp_out
+        resid_post = self.hook_resid_post(resid_post)
+        return resid_post

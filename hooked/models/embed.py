@@ -1,0 +1,46 @@
+"""The unembedding, with weights tied to the token embedding or its own.
+
+Glossary
+    d_vocab    vocabulary size; d_model residual width
+    W_U        unembed.weight [d_vocab d_model]; logits = x @ W_U^T (no bias, as in GPT-2 and Llama)
+    tied       W_U is the token embedding's weight: `model.unembed.weight is model.embed.weight`
+
+A tied Unembed does not own a parameter: it reads the embedding's weight when called. The tie is
+therefore structural, and survives what breaks ties held as two references to one Parameter
+(`module.to_empty(device=...)` after building on the meta device replaces each module's
+parameters separately). The embedding is kept out of the module tree here, so it appears once in
+`named_parameters()` and `state_dict()` (under `embed.weight`); a loader's key map leaves
+`unembed.weight` out when tied.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+
+
+class Unembed(nn.Module):
+    def __init__(self, d_model: int, d_vocab: int, tied_to: nn.Embedding | None = None) -> None:
+        super().__init__()
+        self.__dict__["_tied_to"] = tied_to  # a plain reference, not a submodule
+        if tied_to is None:
+            self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
+            nn.init.normal_(self.weight, std=0.02)
+
+    @property
+    def tied(self) -> bool:
+        return self._tied_to is not None
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.__dict__.get("_tied_to") is not None:
+            return self._tied_to.weight
+        return super().__getattr__(name)
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        d_vocab, d_model = self.weight.shape
+        return f"d_model={d_model}, d_vocab={d_vocab}, tied={self.tied}"
