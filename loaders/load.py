@@ -1,28 +1,346 @@
-"""Checkpoint -> hooked model. (Minimal `from_hf`; the full loader is being written.)"""
+"""Checkpoint -> hooked model: `from_pretrained` (directory, hub id, GGUF file, alias) and `from_hf`.
+
+Glossary
+    source       a TensorSource (loaders/safetensors_io.py): names, shapes, one tensor read at a time
+    key map      `arch.key_map(cfg)`: {our parameter: Key(checkpoint names, transform)}; the first
+                 name present in the checkpoint is read, then transformed, then shape-checked
+    plan         our parameter -> the checkpoint name it reads; built and checked before any
+                 memory is allocated, so every problem is reported at once in one CheckpointError
+    missing      a parameter none of whose checkpoint names is present
+    unexpected   a checkpoint tensor no parameter reads, except the ignored ones: buffers HF itself
+                 recomputes (IGNORED_KEYS, `Architecture.ignore`), `lm_head.weight` when our model
+                 ties it to the embedding (the key map leaves it out), and, in `from_hf`, a name that
+                 is the very same tensor as one that is read (HF's tied weights)
+    mis-shaped   a tensor whose shape after the Key's transform differs from the parameter's; the
+                 transform is first run on a meta tensor of the checkpoint's shape, so this too is
+                 known before reading data
+    meta build   the model is built with its parameters on the meta device (no memory, no init),
+                 its buffers real; `materialise` then allocates each parameter once in the final
+                 dtype and device (like `to_empty`, keeping ties), and tensors are read into them one
+                 at a time, straight from the file when no conversion is needed: peak memory ~1x
+
+A failed load raises before the model is returned; no half-loaded model ever escapes.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
-from loaders.registry import find_architecture
+from loaders.hub import looks_like_repo_id, resolve_repo
+from loaders.registry import Architecture, find_architecture
+from loaders.safetensors_io import INDEX_FILE, SINGLE_FILE, MappingSource, SafetensorsCheckpoint
+from loaders.tokenizer import load_gguf_tokenizer, load_tokenizer, prepare_tokenizer
+
+IGNORED_KEYS = (  # checkpoint tensors HF models recompute instead of loading
+    r"(^|\.)rotary_emb\.inv_freq$",
+    r"(^|\.)attn\.(masked_)?bias$",  # old GPT-2 checkpoints store the causal mask
+)
+TIED_OUTPUT_KEYS = ("lm_head.weight",)
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def from_hf(hf_model: Any) -> Any:
+def _smollm2() -> Path:
+    from loaders.smollm2 import smollm2_path
+
+    return smollm2_path()
+
+
+ALIASES: dict[str, Callable[[], Path]] = {"smollm2-135m": _smollm2}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; `.missing`, `.unexpected`, `.mismatched` list all of it."""
+
+    def __init__(self, origin: str, arch: str, missing: list[str], unexpected: list[str], mismatched: list[str],
+                 unmapped: list[str] = ()) -> None:
+        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
+        self.unmapped = list(unmapped)
+        parts = [f"missing ({len(missing)}): {', '.join(missing)}" if missing else "",
+                 f"unexpected ({len(unexpected)}): {', '.join(unexpected)}" if unexpected else "",
+                 f"mis-shaped ({len(mismatched)}): {'; '.join(mismatched)}" if mismatched else "",
+                 f"parameters the {arch} key map does not cover ({len(self.unmapped)}): {', '.join(self.unmapped)}"
+                 if self.unmapped else ""]
+        super().__init__(f"{origin}: checkpoint does not fit {arch}:\n  " + "\n  ".join(p for p in parts if p))
+
+
+# ------------------------------------------------------------------------------------- entry points
+def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                    allow_pickle: bool = False, revision: str | None = None) -> Any:
+    """A hooked model from a checkpoint, with `model.tokenizer` set when the checkpoint has one.
+
+    Args:
+        path_or_repo_id: an alias ("smollm2-135m"), a `.gguf` file, a directory with config.json and
+            model.safetensors (or a sharded model.safetensors.index.json), or a hub repo id
+            (the hub cache is tried first, so a cached repo loads offline).
+        dtype: parameter dtype; default the checkpoint's (config "dtype"/"torch_dtype", else its tensors').
+        device: where the parameters live.
+        allow_pickle: read pytorch pickles (`*.bin`) when there are no safetensors, with
+            `torch.load(weights_only=True)`. Refused by default.
+        revision: hub branch, tag or commit.
+    Raises:
+        CheckpointError (a ValueError): missing, unexpected or mis-shaped tensors, all listed.
+        CheckpointFileError (a ValueError): a truncated or corrupt file, named.
+        ValueError: unknown architecture; pickled weights without allow_pickle.
+        FileNotFoundError: nothing at that path, or a repo id neither cached nor downloadable.
+    """
+    path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
+    if path.is_file():
+        return load_gguf(path, dtype=dtype, device=device)
+    return load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle)
+
+
+def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
+    """The local `.gguf` file or checkpoint directory that `from_pretrained` would read."""
+    name = str(path_or_repo_id)
+    if name.lower() in ALIASES:
+        return ALIASES[name.lower()]()
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return path
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{path}: expected a checkpoint directory (config.json + model.safetensors) or a .gguf file")
+    if looks_like_repo_id(name):
+        return resolve_repo(name, revision, allow_pickle)
+    raise FileNotFoundError(f"{name!r} is not an alias ({', '.join(ALIASES)}), a .gguf file, a directory or a hub repo id")
+
+
+def from_hf(hf_model: Any, tokenizer: Any = None) -> Any:
     """A hooked model with the same weights, dtype and device as an in-memory HF model."""
     hf_config = hf_model.config.to_dict()
+    p = next(hf_model.parameters())
+    source = MappingSource(hf_model.state_dict(), origin=type(hf_model).__name__)
+    model = build_from_source(hf_config, source, dtype=p.dtype, device=p.device)
+    model.tokenizer = prepare_tokenizer(tokenizer)
+    return model
+
+
+def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+             allow_pickle: bool = False) -> Any:
+    """Load a checkpoint directory: config.json plus safetensors (or, opted in, pickles), and its tokenizer."""
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d}: no config.json (is this a Hugging Face checkpoint directory?)")
+    hf_config = json.loads((d / "config.json").read_text())
+    if (d / INDEX_FILE).is_file() or (d / SINGLE_FILE).is_file():
+        source = SafetensorsCheckpoint.from_dir(d)
+    else:
+        source = _pickle_source(d, allow_pickle)
+    model = build_from_source(hf_config, source, dtype=dtype, device=device)
+    model.tokenizer = load_tokenizer(d)
+    return model
+
+
+def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> Any:
+    """Load a GGUF file (dequantized to float32 unless `dtype` says otherwise) with its tokenizer."""
+    from loaders.gguf import read_gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    ckpt = read_gguf(path)
+    source = MappingSource(ckpt.tensors, origin=str(path), shapes=ckpt.tensors.shapes)
+    model = build_from_source(ckpt.config, source, dtype=dtype or torch.float32, device=device)
+    model.tokenizer = load_gguf_tokenizer(path)
+    return model
+
+
+def _pickle_source(d: Path, allow_pickle: bool) -> MappingSource:
+    found = [n for n in PICKLE_FILES if (d / n).is_file()]
+    if not found:
+        have = sorted(p.name for p in d.iterdir())
+        raise FileNotFoundError(f"{d}: no {SINGLE_FILE}, {INDEX_FILE} or pickled weights; found {have}")
+    if not allow_pickle:
+        raise ValueError(
+            f"{d} has only pickled PyTorch weights ({', '.join(found)}). Pickles can run code when loaded, so they "
+            f"are refused: convert them to safetensors, or pass allow_pickle=True if you trust them "
+            f"(they are then read with torch.load(weights_only=True)).")
+    if "pytorch_model.bin.index.json" in found:
+        files = sorted(set(json.loads((d / "pytorch_model.bin.index.json").read_text())["weight_map"].values()))
+    else:
+        files = ["pytorch_model.bin"]
+    state: dict[str, Tensor] = {}
+    for f in files:
+        try:
+            state.update(torch.load(d / f, map_location="cpu", weights_only=True, mmap=True))
+        except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
+            state.update(torch.load(d / f, map_location="cpu", weights_only=True))
+    return MappingSource(state, origin=str(d))
+
+
+# ------------------------------------------------------------------------------------------- core
+def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dtype | None,
+                      device: str | torch.device) -> Any:
+    """Build the architecture's model on meta, check the whole plan, then materialise and fill it."""
     arch = find_architecture(hf_config)
     cfg = arch.config_from_hf(hf_config)
-    state = hf_model.state_dict()
-    p = next(hf_model.parameters())
-    model = arch.build(cfg).to(device=p.device, dtype=p.dtype)
+    dtype = dtype or checkpoint_dtype(hf_config, source)
+    with params_on_meta():
+        model = arch.build(cfg)
+    plan = plan_load(arch, cfg, model, source)
+    materialise(model, dtype=dtype, device=torch.device(device))
+    copy_weights(model, plan, source, arch)
+    return model.eval()
+
+
+def checkpoint_dtype(hf_config: dict[str, Any], source: Any) -> torch.dtype:
+    """The checkpoint's dtype: config "dtype" / "torch_dtype", else its first floating tensor's, else float32."""
+    for field in ("dtype", "torch_dtype"):
+        value = hf_config.get(field)
+        if isinstance(value, str) and value.removeprefix("torch.") != "auto":
+            dtype = getattr(torch, value.removeprefix("torch."), None)
+            if isinstance(dtype, torch.dtype):
+                return dtype
+    for name in source.keys():
+        dtype = source.dtype(name)
+        if dtype is not None and dtype.is_floating_point:
+            return dtype
+    return torch.float32
+
+
+def plan_load(arch: Architecture, cfg: Any, model: nn.Module, source: Any) -> dict[str, tuple[str, Any]]:
+    """{our parameter: (checkpoint name, Key)} for every parameter; raises CheckpointError listing all problems."""
+    key_map = arch.key_map(cfg)
+    params = dict(model.named_parameters())  # one name per tensor: tied aliases are not listed twice
+    present = set(source.keys())
+    plan: dict[str, tuple[str, Any]] = {}
+    missing, mismatched = [], []
+    unmapped = [n for n in params if n not in key_map]
+    unmapped += [f"{n} (not a parameter)" for n in key_map if n not in params]
+    for name, key in key_map.items():
+        src = next((n for n in key.names if n in present), None)
+        if src is None:
+            missing.append(key.names[0] if len(key.names) == 1 else f"{key.names[0]} (or {', '.join(key.names[1:])})")
+            continue
+        plan[name] = (src, key)
+        if name in params:
+            got = _shape_after(key, source.shape(src))
+            if got is not None and tuple(got) != tuple(params[name].shape):
+                mismatched.append(f"{src}: {list(source.shape(src))} -> {list(got)}, expected {list(params[name].shape)} "
+                                  f"for {name}")
+    used = {src for src, _ in plan.values()}
+    referenced = {n for key in key_map.values() for n in key.names}
+    patterns = [re.compile(p) for p in IGNORED_KEYS + tuple(getattr(arch, "ignore", ()))]
+    identity = getattr(source, "identity", lambda n: None)
+    used_ids = {identity(n) for n in used} - {None}
+    unexpected = [n for n in source.keys() if n not in used and not any(p.search(n) for p in patterns)
+                  and not (n in TIED_OUTPUT_KEYS and n not in referenced) and identity(n) not in used_ids]
+    if missing or unexpected or mismatched or unmapped:
+        raise CheckpointError(getattr(source, "origin", "checkpoint"), arch.name, missing, unexpected, mismatched,
+                              unmapped)
+    return plan
+
+
+def _shape_after(key: Any, shape: tuple[int, ...]) -> torch.Size | None:
+    """The shape `key.transform` gives a tensor of `shape`, found on a meta tensor; None if it cannot tell."""
+    if key.transform is None:
+        return torch.Size(shape)
+    try:
+        return key.transform(torch.empty(shape, device="meta")).shape
+    except Exception:  # data-dependent transform: checked on the real tensor instead
+        return None
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Inside, every registered parameter moves to the meta device (no memory) and `torch.nn.init`
+    does nothing (the values are overwritten anyway; on meta, some init functions would import
+    torch._dynamo: seconds and ~100 MB). Buffers stay real: models compute them in __init__."""
+    original = nn.Module.register_parameter
+    inits = {n: f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    for n in inits:
+        setattr(nn.init, n, _skip_init)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+        for n, f in inits.items():
+            setattr(nn.init, n, f)
+
+
+def _skip_init(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return tensor
+
+
+def materialise(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Allocate the meta parameters, uninitialised, in `dtype` on `device` (what `to_empty` does, but
+    keeping tied parameters tied and buffers' values); floating buffers are cast like `.to(dtype)`."""
+    new: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta, allocated); meta kept alive
+    for m in model.modules():
+        for n, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in new:
+                p_dtype = dtype if p.is_floating_point() else p.dtype
+                # torch.empty, not empty_like: on meta tensors the latter imports sympy (seconds, ~100 MB)
+                new[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=p_dtype, device=device), p.requires_grad))
+            m._parameters[n] = new[id(p)][1]
+        for n, b in m._buffers.items():
+            if b is not None:
+                m._buffers[n] = b.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+
+
+def copy_weights(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any, arch: Architecture) -> None:
+    """Read each planned tensor into its parameter, one at a time.
+
+    A tensor that needs no conversion is read straight into the parameter. The others (transformed,
+    or in another dtype) are read into one scratch buffer, allocated once at the size of the largest
+    of them and reused, so the allocator is not left holding a freed temporary per tensor; a tensor
+    read by several parameters (GPT-2's fused c_attn) is read once.
+    """
     params = dict(model.named_parameters())
+    order = sorted(plan.items(), key=lambda item: item[1][0])
+    scratch = _scratch(order, params, source)
+    last: tuple[str, Tensor] | None = None
     with torch.no_grad():
-        for name, key in arch.key_map(cfg).items():
-            src = next(n for n in key.names if n in state)
-            t = state[src]
-            t = key.transform(t) if key.transform else t
-            params[name].copy_(t)
-    model.eval()
-    return model
+        for name, (src, key) in order:
+            param = params[name]
+            if key.transform is None and source.read_into(src, param.data):
+                continue
+            if last is None or last[0] != src:
+                last = None
+                last = (src, _read(source, src, scratch))
+            t = key.transform(last[1]) if key.transform is not None else last[1]
+            if t.shape != param.shape:
+                raise CheckpointError(getattr(source, "origin", "checkpoint"), arch.name, [], [],
+                                      [f"{src}: {list(last[1].shape)} -> {list(t.shape)}, expected "
+                                       f"{list(param.shape)} for {name}"])
+            param.copy_(t)
+
+
+def _scratch(order: list, params: dict[str, Tensor], source: Any) -> Tensor | None:
+    """A byte buffer for the reads that cannot go straight into their parameter (None if no source streams)."""
+    if not getattr(source, "streams", False):
+        return None
+    sizes = [math.prod(source.shape(src)) * source.dtype(src).itemsize for name, (src, key) in order
+             if key.transform is not None or source.dtype(src) != params[name].dtype or params[name].device.type != "cpu"]
+    return torch.empty(max(sizes), dtype=torch.uint8) if sizes else None
+
+
+def _read(source: Any, name: str, scratch: Tensor | None) -> Tensor:
+    if scratch is None:
+        return source.read(name)
+    dtype, shape = source.dtype(name), source.shape(name)
+    out = scratch[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    if not source.read_into(name, out):
+        return source.read(name)
+    return out

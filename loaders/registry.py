@@ -37,6 +37,7 @@ class Architecture:
     config_from_hf: Callable[[dict[str, Any]], Any]
     build: Callable[[Any], Any]
     key_map: Callable[[Any], dict[str, Key]]
+    ignore: tuple[str, ...] = ()  # regexes of checkpoint names HF itself does not load (not "unexpected")
 
 
 REGISTRY: dict[str, Architecture] = {}

@@ -1,0 +1,219 @@
+"""Streaming reads of safetensors checkpoints: one tensor at a time, straight into its destination.
+
+Glossary
+    header        the file's first 8 bytes (little-endian u64 n) then n bytes of JSON:
+                  {name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}
+    data section  the bytes after the header; `data_offsets` are relative to its start
+    shard         one file of a sharded checkpoint; `model.safetensors.index.json` maps each tensor
+                  name to its shard (`{"weight_map": {name: file}}`)
+    TensorSource  what the loader reads from: `keys()`, `shape(name)`, `dtype(name)`, `read(name)`,
+                  `read_into(name, out)`. `SafetensorsCheckpoint` is one; `MappingSource` wraps a
+                  state dict or any lazy name -> tensor mapping (GGUF)
+
+Why not `safe_open(...).get_tensor`: it memory-maps the file, and every page it copies from stays
+resident in the process for as long as the file is open, so loading costs the model plus the file
+(about 2x). Here each tensor is read with plain `readinto` into the parameter's own storage when the
+dtype and layout already match (about 1x), or into one temporary tensor when it must be converted.
+The header is validated against the file size before anything is read, so a truncated file fails
+at once with its name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER = 100_000_000  # the format's own limit
+
+
+class CheckpointFileError(ValueError):
+    """A checkpoint file that cannot be read: truncated, corrupt header, missing shard."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed and checked against the file size; data read on demand."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointFileError(f"{self.path}: truncated safetensors file ({size} bytes, no header)")
+            n = struct.unpack("<Q", head)[0]
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointFileError(
+                    f"{self.path}: truncated or corrupt safetensors file: header of {n} bytes, file of {size} bytes")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointFileError(f"{self.path}: corrupt safetensors header ({e})") from None
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.tensors: dict[str, TensorInfo] = {}
+        start, last = 8 + n, 8 + n
+        for name, entry in header.items():
+            info = self._info(name, entry, start)
+            self.tensors[name] = info
+            last = max(last, info.end)
+        if last > size:
+            raise CheckpointFileError(
+                f"{self.path}: truncated safetensors file: tensors need {last} bytes, the file has {size} "
+                f"({last - size} missing)")
+
+    def _info(self, name: str, entry: Any, start: int) -> TensorInfo:
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(s) for s in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointFileError(f"{self.path}: corrupt header entry for {name!r}: {entry!r} ({e!r})") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise CheckpointFileError(
+                f"{self.path}: {name!r} has offsets [{begin}, {end}) but {entry['dtype']}{list(shape)} needs {nbytes} bytes")
+        return TensorInfo(dtype, shape, start + begin, start + end)
+
+    def read_into(self, name: str, out: Tensor) -> None:
+        """Read tensor `name` into `out` (same dtype, contiguous CPU, same number of elements)."""
+        info = self.tensors[name]
+        buf = out.reshape(-1).view(torch.uint8)
+        if buf.data_ptr() != out.data_ptr() or buf.numel() != info.end - info.begin:
+            raise ValueError(f"{name}: destination is not a contiguous buffer of {info.end - info.begin} bytes")
+        if buf.numel() == 0:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(info.begin)
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != buf.numel():
+            raise CheckpointFileError(f"{self.path}: truncated while reading {name!r} ({got} of {buf.numel()} bytes)")
+
+    def read(self, name: str) -> Tensor:
+        info = self.tensors[name]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        self.read_into(name, out)
+        return out
+
+
+class SafetensorsCheckpoint:
+    """A single `model.safetensors` or a sharded checkpoint behind `model.safetensors.index.json`."""
+
+    streams = True  # read_into works for any contiguous CPU buffer of the stored dtype
+
+    def __init__(self, files: Iterable[str | os.PathLike]) -> None:
+        self.files = [SafetensorsFile(p) for p in files]
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self.files:
+            for name in f.tensors:
+                if name in self._where:
+                    raise CheckpointFileError(f"tensor {name!r} is in both {self._where[name].path} and {f.path}")
+                self._where[name] = f
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> "SafetensorsCheckpoint":
+        d = Path(directory)
+        if (d / INDEX_FILE).is_file():
+            return cls.from_index(d / INDEX_FILE)
+        if (d / SINGLE_FILE).is_file():
+            return cls([d / SINGLE_FILE])
+        raise FileNotFoundError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+    @classmethod
+    def from_index(cls, index_path: str | os.PathLike) -> "SafetensorsCheckpoint":
+        index_path = Path(index_path)
+        try:
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointFileError(f"{index_path}: not a safetensors index ({e!r})") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (index_path.parent / s).is_file()]
+        if missing:
+            raise CheckpointFileError(f"{index_path}: shard files missing: {missing}")
+        ckpt = cls(index_path.parent / s for s in shards)
+        absent = sorted(n for n, s in weight_map.items() if n not in ckpt._where)
+        if absent:
+            raise CheckpointFileError(f"{index_path}: tensors listed in the index but in no shard: {absent}")
+        return ckpt
+
+    @property
+    def origin(self) -> str:
+        return str(self.files[0].path.parent)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name].tensors[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._where[name].tensors[name].dtype
+
+    def read(self, name: str) -> Tensor:
+        return self._where[name].read(name)
+
+    def read_into(self, name: str, out: Tensor) -> bool:
+        """Read straight into `out` when no conversion is needed; False if the caller must copy."""
+        f = self._where[name]
+        info = f.tensors[name]
+        if out.device.type != "cpu" or out.dtype != info.dtype or not out.is_contiguous() \
+                or out.numel() != math.prod(info.shape):
+            return False
+        f.read_into(name, out)
+        return True
+
+
+class MappingSource:
+    """A TensorSource over a name -> tensor mapping (a state dict, or GGUF's lazy tensors)."""
+
+    streams = False  # tensors are already in memory (or made by the mapping): read() hands them over
+
+    def __init__(self, tensors: Mapping[str, Tensor], origin: str, shapes: Mapping[str, Any] | None = None) -> None:
+        self.tensors, self.origin = tensors, origin
+        self._shapes = shapes
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._shapes[name]) if self._shapes is not None else tuple(self.tensors[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        if self._shapes is not None:
+            return getattr(self.tensors, "dtype", None)
+        return self.tensors[name].dtype
+
+    def read(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def read_into(self, name: str, out: Tensor) -> bool:
+        return False
+
+    def identity(self, name: str) -> tuple | None:
+        """Equal for two names holding the very same tensor (HF's tied weights); None for lazy tensors."""
+        if self._shapes is not None:
+            return None
+        t = self.tensors[name]
+        return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
