@@ -1,0 +1,311 @@
+"""Information flow to the last token (Geva et al. 2023; Endy et al. 2025, "Mamba Knockout").
+
+Glossary
+    window      layers [l, l + window), clipped at the last layer, for every start layer l
+    source set  subject / relation / last / first tokens of each fact (analysis.facts)
+    target      the last token (position -1: rows are left-padded)
+    p, p_ko     probability of the answer's first token at the last position, clean / knocked out
+    change      100 * (p_ko - p) / p, the relative change in %, per fact, source set and window;
+                reported as the mean over facts with a t-interval (95% by default)
+    prefix reuse  blocks before the window are untouched by the knockout, so the clean residual
+                entering block l (one cached clean run per batch) is the start of every window at l
+
+Only facts the model gets right are kept by default (top-1 next token = the answer's first token).
+Every forward runs under no_grad, rows of several facts and all source sets share one batch (left
+padding, per-row bool masks), and logits are computed at the last position only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from analysis.facts import SOURCE_SETS, FactPrompt, load_facts, pad_id, pad_left, prepare_facts, source_masks
+from analysis.knockout import knockout
+
+
+# ----------------------------------------------------------------------------------- results
+@dataclass
+class InfoFlowResult:
+    """changes[f, s, w]: % change of fact f's answer probability, source set s, window w."""
+
+    window: int
+    sources: tuple[str, ...]
+    starts: list[int]  # first layer of each window
+    ends: list[int]  # one past its last layer
+    facts: list[dict[str, Any]]  # kept facts with their clean probability p_clean
+    changes: Tensor  # [n_facts n_sources n_windows], %
+    settings: dict[str, Any] = field(default_factory=dict)
+    confidence: float = 0.95
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per (source set, window): mean change and its t-interval over facts."""
+        rows = []
+        n = self.changes.shape[0]
+        for s, name in enumerate(self.sources):
+            for w, (start, end) in enumerate(zip(self.starts, self.ends)):
+                mean, lo, hi = mean_interval(self.changes[:, s, w], self.confidence)
+                rows.append({"source": name, "window_start": start, "window_end": end, "mean": mean,
+                             "ci_low": lo, "ci_high": hi, "n": n})
+        return rows
+
+    def to_json(self, path: str | Path) -> None:
+        data = {"window": self.window, "sources": list(self.sources), "starts": self.starts, "ends": self.ends,
+                "confidence": self.confidence, "settings": self.settings, "summary": self.summary(),
+                "facts": [{**f, "changes": {name: self.changes[i, s].tolist() for s, name in enumerate(self.sources)}}
+                          for i, f in enumerate(self.facts)]}
+        Path(path).write_text(json.dumps(data, indent=1))
+
+    def to_csv(self, path: str | Path, per_fact: bool = False) -> None:
+        """The summary table, or (per_fact) one row per fact, source set and window."""
+        if per_fact:
+            rows = [{"known_id": f.get("known_id", i), "subject": f["subject"], "attribute": f["attribute"],
+                     "p_clean": f["p_clean"], "source": name, "window_start": start, "window_end": end,
+                     "change": float(self.changes[i, s, w])}
+                    for i, f in enumerate(self.facts) for s, name in enumerate(self.sources)
+                    for w, (start, end) in enumerate(zip(self.starts, self.ends))]
+        else:
+            rows = self.summary()
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["source"])
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def plot(self, path: str | Path | None = None, ax: Any = None, title: str | None = None) -> Any:
+        return plot_info_flow(self, path, ax, title)
+
+
+def plot_info_flow(result: InfoFlowResult, path: str | Path | None = None, ax: Any = None,
+                   title: str | None = None) -> Any:
+    """One line per source set over the window start, shaded t-interval (the paper's figure)."""
+    import matplotlib
+
+    if ax is None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = (plt.subplots(figsize=(6, 3.5)) if ax is None else (ax.figure, ax))
+    rows = result.summary()
+    for name in result.sources:
+        mine = [r for r in rows if r["source"] == name]
+        x = [r["window_start"] for r in mine]
+        ax.plot(x, [r["mean"] for r in mine], marker="o", ms=3, label=name)
+        ax.fill_between(x, [r["ci_low"] for r in mine], [r["ci_high"] for r in mine], alpha=0.2)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel(f"window start layer (window of {result.window} layers)")
+    ax.set_ylabel("change in p(answer) (%)")
+    ax.set_title(title or f"Knockout to the last token, {result.changes.shape[0]} facts")
+    ax.legend(title="source")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=150)
+    return fig
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Quantile of Student's t distribution (bisection on a Simpson-integrated density)."""
+    if df < 1:
+        return math.nan
+    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float, steps: int = 2000) -> float:  # 0.5 + integral_0^x density, x >= 0
+        h = x / steps
+        dens = [math.exp(logc - (df + 1) / 2 * math.log1p((k * h) ** 2 / df)) for k in range(steps + 1)]
+        return 0.5 + h / 3 * (dens[0] + dens[-1] + 4 * sum(dens[1:-1:2]) + 2 * sum(dens[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < q:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(values: Tensor, confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): mean +- t_{(1+confidence)/2, n-1} * std / sqrt(n); NaN bounds for n < 2."""
+    v = values.double()
+    mean = float(v.mean()) if len(v) else math.nan
+    if len(v) < 2:
+        return mean, math.nan, math.nan
+    half = t_quantile((1 + confidence) / 2, len(v) - 1) * float(v.std()) / math.sqrt(len(v))
+    return mean, mean - half, mean + half
+
+
+# --------------------------------------------------------------------------------- forwards
+def _device(model: Any) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _last_probs(model: Any, resid: Tensor) -> Tensor:
+    """Next-token probabilities at the last position from the final residual [batch pos d_model]."""
+    logits = model.unembed(model.ln_final(resid[:, -1:]))[:, 0]
+    return torch.softmax(logits.float(), dim=-1)
+
+
+def _clean_run(model: Any, tokens: Tensor, mask: Tensor, keep_prefix: bool) -> tuple[Tensor, dict[int, Tensor]]:
+    """Clean last-token probabilities and, when asked, the residual entering every block."""
+    n = model.cfg.n_layers
+    if not keep_prefix:
+        return _last_probs(model, model(tokens, attention_mask=mask, stop_at_layer=n)), {}
+    names = [f"blocks.{l}.hook_resid_pre" for l in range(n)]
+    resid, cache = model.run_with_cache(tokens, attention_mask=mask, stop_at_layer=n, names_filter=names)
+    return _last_probs(model, resid), {l: cache[names[l]] for l in range(n)}
+
+
+def screen(model: Any, prompts: Sequence[FactPrompt], n: int | None = None, batch_size: int = 32,
+           require_correct: bool = True, progress: bool = True) -> tuple[list[tuple[FactPrompt, float]], int]:
+    """((prompt, clean answer probability) of the first `n` facts kept, in order; how many were run).
+
+    Kept = the top-1 next token is the answer's first token (when require_correct)."""
+    kept: list[tuple[FactPrompt, float]] = []
+    pad, device = pad_id(model.tokenizer), _device(model)
+    bar = tqdm(total=len(prompts), desc="screening facts", disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start: start + batch_size]
+        tokens, mask = pad_left([fp.ids for fp in chunk], pad, device)
+        probs = _clean_run(model, tokens, mask, keep_prefix=False)[0]
+        for fp, p in zip(chunk, probs):
+            if not require_correct or int(p.argmax()) == fp.answer:
+                kept.append((fp, float(p[fp.answer])))
+        bar.update(len(chunk))
+        if n is not None and len(kept) >= n:
+            break
+    bar.close()
+    return (kept[:n] if n is not None else kept), bar.n
+
+
+# ----------------------------------------------------------------------------------- sweep
+@torch.no_grad()
+def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = None, window: int = 9,
+              sources: Sequence[str] = SOURCE_SETS, relation_includes_last: bool = True, batch_size: int = 16,
+              n: int | None = None, require_correct: bool = True, attention: str = "scores",
+              channels: Any = None, cut_conv: bool = False, reuse_prefix: bool = True,
+              confidence: float = 0.95, progress: bool = True) -> InfoFlowResult:
+    """Knock out each source set -> last token in every window of `window` layers; see the module doc.
+
+    Args:
+        facts: fact dicts, a path to a known_1000.json-style file, or None (the shipped copy).
+        n: keep at most this many facts (after the correctness screen); None keeps all.
+        batch_size: facts per forward (each contributes one row per source set).
+        attention, channels, cut_conv: passed to knockout.
+        reuse_prefix: start each window's forward from the cached clean residual at its first layer.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    unknown = [s for s in sources if s not in SOURCE_SETS]
+    if unknown or not sources:
+        raise ValueError(f"unknown source sets {unknown}; choose from {SOURCE_SETS}")
+    model._need_tokenizer()
+    if facts is None or isinstance(facts, (str, Path)):
+        facts = load_facts(facts)
+    prompts, skipped = prepare_facts(model.tokenizer, facts)
+    kept, n_screened = screen(model, prompts, n, max(batch_size * len(sources), 1), require_correct, progress)
+    n_layers = model.cfg.n_layers
+    starts = list(range(n_layers))
+    ends = [min(l + window, n_layers) for l in starts]
+    order = sorted(range(len(kept)), key=lambda i: len(kept[i][0]))  # similar lengths pad less
+    changes = torch.zeros(len(kept), len(sources), len(starts), dtype=torch.float64)
+    p_clean = torch.zeros(len(kept), dtype=torch.float64)
+    pad, device = pad_id(model.tokenizer), _device(model)
+    bar = tqdm(total=len(kept) * len(starts), desc="knockout windows", unit="fact-window", disable=not progress)
+    for b0 in range(0, len(order), batch_size):
+        idx = order[b0: b0 + batch_size]
+        chunk = [kept[i][0] for i in idx]
+        tokens, mask = pad_left([fp.ids for fp in chunk], pad, device)
+        answers = torch.tensor([fp.answer for fp in chunk], device=device)
+        probs, prefix = _clean_run(model, tokens, mask, keep_prefix=reuse_prefix)
+        clean = probs.gather(1, answers[:, None])[:, 0].double()
+        p_clean[idx] = clean.cpu()
+        rows = len(sources)
+        src = torch.cat([source_masks(chunk, s, tokens.shape[1], relation_includes_last) for s in sources]).to(device)
+        tokens_r, mask_r, answers_r = tokens.repeat(rows, 1), mask.repeat(rows, 1), answers.repeat(rows)
+        for w, (start, end) in enumerate(zip(starts, ends)):
+            with knockout(model, src, [-1], range(start, end), channels=channels, attention=attention,
+                          cut_conv=cut_conv):
+                if reuse_prefix:
+                    resid = model(prefix[start].repeat(rows, 1, 1), attention_mask=mask_r, start_at_layer=start,
+                                  stop_at_layer=n_layers, tokens=tokens_r)
+                else:
+                    resid = model(tokens_r, attention_mask=mask_r, stop_at_layer=n_layers)
+            p_ko = _last_probs(model, resid).gather(1, answers_r[:, None])[:, 0].double()
+            change = 100 * (p_ko.view(rows, len(chunk)) - clean) / clean
+            changes[idx, :, w] = change.T.cpu()
+            bar.update(len(chunk))
+    bar.close()
+    fact_rows = [{**{k: kept[i][0].fact.get(k) for k in ("known_id", "subject", "attribute", "prompt")},
+                  "p_clean": float(p_clean[i])} for i in range(len(kept))]
+    settings = {"model": getattr(model.cfg, "name", type(model).__name__), "attention": attention,
+                "cut_conv": cut_conv, "relation_includes_last": relation_includes_last,
+                "require_correct": require_correct, "n_facts_given": len(prompts) + len(skipped), "n_screened": n_screened,
+                "n_skipped": len(skipped), "n_kept": len(kept),
+                "channels": None if channels is None else str(channels)}
+    return InfoFlowResult(window, tuple(sources), starts, ends, fact_rows, changes, settings, confidence)
+
+
+def markdown_table(result: InfoFlowResult) -> str:
+    """Window start down, source sets across: 'mean [low, high]' in %."""
+    rows = {(r["source"], r["window_start"]): r for r in result.summary()}
+    lines = ["| window | " + " | ".join(result.sources) + " |", "|---" * (len(result.sources) + 1) + "|"]
+    for start, end in zip(result.starts, result.ends):
+        cells = [f"{rows[s, start]['mean']:+.1f} [{rows[s, start]['ci_low']:+.1f}, {rows[s, start]['ci_high']:+.1f}]"
+                 for s in result.sources]
+        lines.append(f"| {start}-{end - 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------- CLI
+def add_knockout_parser(subparsers: Any) -> Any:
+    """`hooked knockout MODEL [--facts PATH] [--n N] [--window W] [--out DIR]`: the info-flow sweep."""
+    p = subparsers.add_parser("knockout", help="information flow to the last token (knockout sweep over windows)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="hub id, local directory, .gguf file or alias (smollm2-135m)")
+    p.add_argument("--facts", default=None, help="known_1000.json-style file (default: the shipped copy)")
+    p.add_argument("--n", type=int, default=None, help="keep at most N facts (the first N the model gets right)")
+    p.add_argument("--screen", type=int, default=None, help="consider only the first M facts of the file")
+    p.add_argument("--window", type=int, default=9, help="layers per window (default 9)")
+    p.add_argument("--out", default="out/knockout", help="output directory (JSON, CSV, markdown, PNG)")
+    p.add_argument("--batch-size", type=int, default=16, help="facts per forward (default 16)")
+    p.add_argument("--attention", choices=("scores", "pattern"), default="scores")
+    p.add_argument("--cut-conv", action="store_true", help="also cut the SSM conv taps (SSM models)")
+    p.add_argument("--relation-excludes-last", action="store_true", help="relation set without the last token")
+    p.add_argument("--all-facts", action="store_true", help="keep facts the model gets wrong too")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_knockout)
+    return p
+
+
+def run_knockout(args: Any) -> int:
+    from loaders import from_pretrained
+
+    torch.set_grad_enabled(False)
+    model = from_pretrained(args.model)
+    result = info_flow(model, load_facts(args.facts, args.screen), window=args.window, batch_size=args.batch_size,
+                       n=args.n, require_correct=not args.all_facts, attention=args.attention,
+                       cut_conv=args.cut_conv, relation_includes_last=not args.relation_excludes_last,
+                       progress=not args.no_progress)
+    result.settings["model"] = str(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result.to_json(out / "info_flow.json")
+    result.to_csv(out / "info_flow.csv")
+    result.to_csv(out / "info_flow_facts.csv", per_fact=True)
+    table = markdown_table(result)
+    (out / "info_flow.md").write_text(table + "\n")
+    result.plot(out / "info_flow.png", title=f"{args.model}: knockout to the last token, "
+                                              f"{len(result.facts)} facts")
+    s = result.settings
+    print(f"{s['n_kept']} facts kept of {s['n_screened']} screened ({s['n_skipped']} skipped); window {args.window}")
+    print(table)
+    print(f"wrote {out}/info_flow.{{json,csv,md,png}} and info_flow_facts.csv")
+    return 0
