@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from einops import einsum
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.overrides import TorchFunctionMode
 
 from hooked.ops import (
     causal_conv1d,
@@ -257,16 +256,16 @@ def test_causal_conv1d_matches_torch_conv(dtype, width, with_bias, seq_len):
 # ---------------------------------------------------------------- memory
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an aten op returns."""
+class LargestTensor(TorchFunctionMode):
+    """Records the largest number of elements of any tensor a torch function returns."""
 
     def __init__(self):
         super().__init__()
         self.numel = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.numel = max(self.numel, t.numel())
         return out
@@ -317,3 +316,24 @@ def test_shapes_are_checked_under_pytest():
     inp["A"] = inp["A"][:2]
     with pytest.raises(TypeError, match="Type-check error"):
         selective_scan(**inp)
+
+
+GRADCHECK_CASES = {
+    "selective_scan": lambda u, dt, A, B, C: selective_scan(u, dt, A, B, C, chunk_size=2)[0],
+    "mamba1_kernel": lambda u, dt, A, B, C: mamba1_kernel(dt, A, B, C),
+    "mamba1_kernel_pairs": lambda u, dt, A, B, C: mamba1_kernel_pairs(
+        dt, A, B, C, torch.tensor([0, 1]), torch.tensor([3, 2]), torch.tensor([1, 2])
+    ),
+}
+
+
+@pytest.mark.parametrize("name", GRADCHECK_CASES)
+def test_mamba1_gradients(name):
+    inp = [t.requires_grad_() for t in mamba1_inputs(4, d_inner=2, d_state=2).values()]
+    assert torch.autograd.gradcheck(GRADCHECK_CASES[name], inp)
+
+
+def test_ssd_chunked_gradients():
+    inp = [t.requires_grad_() for t in mamba2_inputs(5, n_heads=2, d_head=2, n_groups=1, d_state=2).values()]
+    h0 = torch.randn(2, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: ssd_chunked(*a[:5], chunk_size=2, h0=a[5]), [*inp, h0])

@@ -71,10 +71,11 @@ def _linear_recurrence(A_bar: Tensor, X: Tensor, h: Tensor | None) -> Tensor:
             states.append(h)
         return torch.stack(states, dim=1)
     states = X.clone()  # overwritten in place, position by position
+    A_bar_t, h_t = A_bar.unbind(1), states.unbind(1)  # views, made once
     if h is not None:
-        states[:, 0].addcmul_(A_bar[:, 0], h)
+        h_t[0].addcmul_(A_bar_t[0], h)
     for t in range(1, seq_len):
-        states[:, t].addcmul_(A_bar[:, t], states[:, t - 1])
+        h_t[t].addcmul_(A_bar_t[t], h_t[t - 1])
     return states
 
 
