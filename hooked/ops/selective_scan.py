@@ -119,6 +119,11 @@ def mamba1_kernel(
     prod_{t=i+1..j} A_bar_t = exp(A * sum_{t=i+1..j} dt_t), the sums from the stable segsum.
     Above the diagonal the sum is set to 0 before exp (A * -inf would be +inf, and inf * 0 nan),
     then the entries are zeroed. Memory: 3 x batch * d_inner * pos^2 at peak.
+
+    Args:
+        dt, A, B, C: as selective_scan.
+    Returns:
+        kernel: [b, d, j, i], row = target j, column = source i; y_j = sum_i kernel[:, :, j, i] u_i.
     """
     seq_len = dt.shape[1]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=dt.device).tril()
@@ -144,6 +149,11 @@ def mamba1_kernel_discrete(
     prod_{t=i+1..j} A_bar_t = exp(segsum(log|A_bar|)) * (-1)^(number of negative factors), so
     any A_bar works: zeros give log 0 = -inf and a zero product, negatives flip the sign.
     Memory O(batch * d_inner * pos^2), built one d_state at a time.
+
+    Args:
+        A_bar: decay per position (hook_A_bar). B_bar: dt * B (hook_B_bar). C: output projection.
+    Returns:
+        kernel: as mamba1_kernel.
     """
     seq_len = A_bar.shape[1]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=A_bar.device).tril()
@@ -175,6 +185,12 @@ def mamba1_kernel_pairs(
     positions, summed in float64 so the difference keeps the input dtype's precision. Indices
     must lie in [0, pos); entries with source > target are 0. Pairs are processed `chunk` at a
     time (default: about 2^22 elements of [chunk d_inner d_state]), so peak memory is bounded.
+
+    Args:
+        dt, A, B, C: as selective_scan. batch_idx, target, source: one kernel entry per pair.
+        chunk: pairs per block (None: the default above).
+    Returns:
+        entries: [pair, d_inner], the kernel of every channel at each (batch_idx, target, source).
     """
     d_inner, d_state = A.shape
     chunk = chunk or max(1, 2**22 // (d_inner * d_state))

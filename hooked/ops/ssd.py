@@ -201,7 +201,11 @@ def ssd_states(
 ) -> Float[Tensor, "batch pos n_heads d_head d_state"]:
     """Every state h_t (for hook_h): linear_scan_heads(exp(dt*A), dt * x (outer) B, h0).
 
-    C is accepted (and ignored: states do not depend on it) so the call matches ssd_chunked's.
+    Args:
+        x, dt, A, B, h0: as ssd_sequential. C: accepted and ignored (states do not depend on
+            it), so a call written like ssd_chunked's works.
+    Returns:
+        states: h_t after reading each position t.
     """
     B_bar_x = einsum(
         dt[..., None] * x, _heads_from_groups(B, x.shape[2]), "b l h p, b l h n -> b l h p n"
@@ -219,6 +223,11 @@ def mamba2_kernel(
 
     Zero for i > j; y_j = sum_i kernel[:, :, j, i] * x_i equals the scan (no D skip).
     Costs O(batch * n_heads * pos^2) memory.
+
+    Args:
+        dt, A, B, C: as ssd_sequential.
+    Returns:
+        kernel: [b, h, j, i], row = target j, column = source i.
     """
     n_heads = dt.shape[-1]
     CB = einsum(C, B, "b j g n, b i g n -> b g j i")
@@ -241,6 +250,11 @@ def mamba2_kernel_pairs(
     Closed form exp(S_target - S_source) with S = cumsum(dt * A) over positions, summed in
     float64 so the difference keeps the input dtype's precision. Indices must lie in
     [0, pos); entries with source > target are 0. Memory O(pair * (n_heads + n_groups * d_state)).
+
+    Args:
+        dt, A, B, C: as ssd_sequential. batch_idx, target, source: one kernel entry per pair.
+    Returns:
+        entries: [pair, n_heads], every head's kernel at each (batch_idx, target, source).
     """
     n_heads, n_groups = dt.shape[-1], B.shape[2]
     S = torch.cumsum((dt * A).double(), dim=1)  # [b l h]
