@@ -1,0 +1,267 @@
+"""The `hooked` console script: `hooked hooks MODEL`, `hooked parity MODEL [--out DIR]`, ...
+
+Glossary
+    MODEL       anything `loaders.from_pretrained` reads: an alias ("smollm2-135m"), a .gguf file, a
+                checkpoint directory (config.json + safetensors), a hub repo id (from the cache)
+    command     a function `run(args) -> int` registered with `@command(name, help, *arguments)`,
+                where each `arg(...)` takes argparse's `add_argument` parameters. Adding a
+                subcommand is one function and its decorator; `main` builds the parser from COMMANDS
+    parity row  one compared quantity: "embed", "resid_post {l}", "ln_final" (our
+                ln_final.hook_normalized against HF's last hidden state, which is taken after the
+                final norm), "logits". HF's hidden_states come in two layouts: attention models give
+                [block 0 input, block 0..n-2 outputs, final norm]; the Mamba family
+                (POST_BLOCK_HIDDEN_STATES) gives [block 0..n-1 outputs, final norm]
+    rel diff    max |ours - HF| / max |HF| over the tensor, the maximum over prompts (DESIGN section 6)
+    top-1       the argmax token; "agreement" counts positions where ours and HF's are the same
+
+Exit status: 0 on success; `parity` returns 1 when a row exceeds --tol or a next token differs;
+2 for a model that cannot be loaded (the error is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_PROMPTS = ["The capital of France is", "The Eiffel Tower is located in the city of",
+                   "Memorize the following dictionary:\nlantern:42\norchid:7\nThe value of the key 'orchid' is"]
+POST_BLOCK_HIDDEN_STATES = ("mamba", "falcon_mamba", "mamba2")  # HF model_types (transformers 5.24)
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+COMMANDS: dict[str, tuple[str, tuple[tuple[tuple[str, ...], dict[str, Any]], ...], Callable[[Any], int]]] = {}
+
+
+def arg(*flags: str, **kwargs: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """One argument of a command, as `parser.add_argument(*flags, **kwargs)` takes it."""
+    return flags, kwargs
+
+
+def command(name: str, help: str, *arguments: tuple[tuple[str, ...], dict[str, Any]]):
+    """Register `run(args) -> int` as the subcommand `name`."""
+
+    def register(run: Callable[[Any], int]) -> Callable[[Any], int]:
+        COMMANDS[name] = (help, arguments, run)
+        return run
+
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hooked", description="Hook-everything language models.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help, arguments, run) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help, description=help)
+        for flags, kwargs in arguments:
+            sub.add_argument(*flags, **kwargs)
+        sub.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"hooked {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ----------------------------------------------------------------------------------------- shared
+MODEL_ARG = arg("model", help="alias (smollm2-135m), .gguf file, checkpoint directory or hub repo id")
+
+
+def load(model: str, dtype: str | None = None) -> Any:
+    from loaders import from_pretrained
+
+    return from_pretrained(model, dtype=DTYPES[dtype] if dtype else None)
+
+
+def prompt_tokens(model: Any, prompt: str, n_random: int = 8) -> Tensor:
+    """[1 pos] token ids of `prompt`; without a tokenizer, `n_random` ids drawn from a seed of the prompt."""
+    if model.tokenizer is not None:
+        return model.to_tokens(prompt)
+    g = torch.Generator().manual_seed(sum(map(ord, prompt)))
+    return torch.randint(0, model.cfg.d_vocab, (1, n_random), generator=g)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+
+
+# ------------------------------------------------------------------------------------------ hooks
+@command("hooks", "print every hook name with its shape on a short prompt", MODEL_ARG,
+         arg("--prompt", default=DEFAULT_PROMPT, help="text to run (random ids when the model has no tokenizer)"),
+         arg("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: the checkpoint's)"))
+def hooks_command(args: Any) -> int:
+    model = load(args.model, args.dtype)
+    tokens = prompt_tokens(model, args.prompt)
+    rows = hook_shapes(model, tokens)
+    print(markdown_table(["hook", "shape", "dtype"], rows))
+    print(f"\n{len(rows)} hooks; input tokens {list(tokens.shape)}")
+    return 0
+
+
+def hook_shapes(model: Any, tokens: Tensor) -> list[tuple[str, str, str]]:
+    """(name, shape, dtype) of every hook in forward order, from one run with every hook listening.
+
+    A hook the model refuses to build at this size (DESIGN: Mamba-1 hook_head_out may be refused)
+    makes that run fail; then hooks are run one family at a time ("blocks.{l}.mixer.hook_h" for all
+    layers at once) and a refused family is reported with its error.
+    """
+    seen: dict[str, tuple[str, str]] = {}
+
+    def record(x: Tensor, hook: Any) -> None:
+        seen[hook.name] = (str(list(x.shape)), str(x.dtype).removeprefix("torch."))
+
+    names = list(model.hook_dict)
+    with torch.no_grad():
+        try:
+            model.run_with_hooks(tokens, fwd_hooks=[(lambda n: True, record)])
+        except Exception:
+            seen.clear()
+            families: dict[str, list[str]] = {}
+            for n in names:
+                families.setdefault(re.sub(r"\.\d+\.", ".{l}.", n), []).append(n)
+            for family in families.values():
+                try:
+                    model.run_with_hooks(tokens, fwd_hooks=[(n, record) for n in family])
+                except Exception as e:
+                    seen.update({n: (f"refused: {str(e).splitlines()[0]}", "") for n in family})
+    return [(n, *seen.get(n, ("not fired", ""))) for n in names]
+
+
+# ----------------------------------------------------------------------------------------- parity
+@command("parity", "compare our logits and every layer's residual with Hugging Face's; save a table and a figure",
+         MODEL_ARG,
+         arg("--out", default="out/parity", help="output directory (default: out/parity)"),
+         arg("--prompts", nargs="+", default=DEFAULT_PROMPTS, help="prompts to run, one batch each"),
+         arg("--tol", type=float, default=1e-3, help="largest relative difference that passes (default 1e-3)"),
+         arg("--revision", default=None, help="hub revision, for a repo id"))
+def parity_command(args: Any) -> int:
+    from loaders import from_pretrained
+    from loaders.load import resolve_checkpoint
+
+    source = resolve_checkpoint(args.model, revision=args.revision)
+    ours = from_pretrained(source, dtype=torch.float32)
+    hf = load_hf(source)
+    batches = [prompt_tokens(ours, p) for p in args.prompts]
+    rows, top1 = compare(ours, hf, batches)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = ["quantity", "max abs diff", "max abs HF", "rel diff", f"<= {args.tol:g}"]
+    table = [[q, f"{a:.3e}", f"{s:.3e}", f"{r:.3e}", "yes" if r <= args.tol else "NO"] for q, a, s, r in rows]
+    with open(out / "parity.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header[:4]] + [[q, a, s, r] for q, a, s, r in rows])
+    agree = sum(a for a, _, _ in top1) / sum(n for _, n, _ in top1)
+    nexts = [f"{args.prompts[i]!r} -> ours {o!r}, HF {h!r}" for i, (_, _, (o, h)) in enumerate(top1)]
+    text = (f"# Parity: {args.model}\n\nsource: {source}; float32; {len(batches)} prompts; "
+            f"rel diff = max |ours - HF| / max |HF|\n\n{markdown_table(header, table)}\n\n"
+            f"top-1 agreement over all positions: {agree:.4f}\n\nnext token:\n" + "\n".join(f"- {s}" for s in nexts))
+    (out / "parity.md").write_text(text + "\n")
+    figure = plot_mixing(ours, batches[0], out)
+    print(text)
+    print(f"\nwrote {out / 'parity.csv'}, {out / 'parity.md'}, {figure}")
+    ok = all(r <= args.tol for *_, r in rows) and all(o == h for _, _, (o, h) in top1)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def load_hf(source: Path) -> Any:
+    """The HF model from the same checkpoint, float32, eager attention (GGUF through `gguf_file=`)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    location = source
+    if source.is_file():
+        location, kwargs["gguf_file"] = source.parent, source.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(location), attn_implementation="eager", **kwargs)
+    except (ValueError, TypeError):  # a model without attention may refuse the argument
+        model = AutoModelForCausalLM.from_pretrained(str(location), **kwargs)
+    return model.eval()
+
+
+def compare(ours: Any, hf: Any, batches: list[Tensor]) -> tuple[list[tuple[str, float, float, float]], list]:
+    """Rows (quantity, max abs diff, max abs HF, rel diff) maxed over batches, and per batch
+    (top-1 agreements, positions, (our next token, HF's next token))."""
+    n = ours.cfg.n_layers
+    if getattr(hf.config, "model_type", None) in POST_BLOCK_HIDDEN_STATES:
+        layers, names, labels = range(n), [], []
+    else:
+        layers, names, labels = range(n - 1), ["blocks.0.hook_resid_pre"], ["embed"]
+    names += [f"blocks.{l}.hook_resid_post" for l in layers] + ["ln_final.hook_normalized"]
+    labels += [f"resid_post {l}" for l in layers] + ["ln_final", "logits"]
+    worst: dict[str, list[float]] = {label: [0.0, 0.0, 0.0] for label in labels}
+    top1 = []
+    for tokens in batches:
+        with torch.no_grad():
+            out = hf(tokens, output_hidden_states=True)
+            logits, cache = ours.run_with_cache(tokens, names_filter=names)
+        theirs = list(out.hidden_states) + [out.logits]
+        mine = [cache[name] for name in names] + [logits]
+        if len(theirs) != len(mine):
+            raise ValueError(f"HF returned {len(theirs) - 1} hidden states, expected {n + 1}")
+        for label, a, b in zip(labels, mine, theirs):
+            diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+            w = worst[label]
+            w[:] = [max(w[0], diff), max(w[1], scale), max(w[2], diff / scale if scale else diff)]
+        ids, hf_ids = logits.argmax(-1), out.logits.argmax(-1)
+        nxt = (_decode(ours, ids[0, -1]), _decode(ours, hf_ids[0, -1]))
+        top1.append((int((ids == hf_ids).sum()), ids.numel(), nxt))
+    return [(label, *worst[label]) for label in labels], top1
+
+
+def _decode(model: Any, token: Tensor) -> str:
+    return model.tokenizer.decode([int(token)]) if model.tokenizer is not None else str(int(token))
+
+
+def plot_mixing(model: Any, tokens: Tensor, out: Path) -> Path:
+    """Save the middle layer's head-0 attention pattern (SSMs: channel 0's kernel, min-max normalised)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in model.hook_dict if n.endswith(("attn.hook_pattern", "mixer.hook_kernel"))]
+    if not names:
+        raise ValueError("the model has no attention pattern or SSM kernel hook to plot")
+    name = names[len(names) // 2]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=[name])
+    m = cache[name][0, 0].float()  # [q_pos k_pos]
+    kind = "head" if name.endswith("hook_pattern") else "channel"
+    if kind == "channel":
+        causal = torch.ones_like(m, dtype=torch.bool).tril()
+        lo, hi = m[causal].min(), m[causal].max()
+        m = torch.where(causal, (m - lo) / (hi - lo).clamp(min=1e-12), torch.nan)
+    fig, ax = plt.subplots(figsize=(6, 5))
+    im = ax.imshow(m.numpy(), cmap="viridis")
+    if model.tokenizer is not None and tokens.shape[1] <= 40:
+        labels = [model.tokenizer.decode([int(t)]) for t in tokens[0]]
+        ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xlabel("source (key) position")
+    ax.set_ylabel("target (query) position")
+    ax.set_title(f"{name}, {kind} 0" + (" (min-max normalised)" if kind == "channel" else ""), fontsize=9)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    path = out / ("pattern.png" if kind == "head" else "kernel.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
