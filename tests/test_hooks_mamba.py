@@ -209,18 +209,19 @@ def test_cached_quantities_equal_brute_force(config: str) -> None:
 
 
 @pytest.mark.parametrize("t", [0, 3, POS - 1])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_state_edit_continues_the_recurrence(t: int, in_place: bool) -> None:
+@pytest.mark.parametrize("how", ["returned", "in_place", "in_place_inference_mode"])
+def test_state_edit_continues_the_recurrence(t: int, how: str) -> None:
     model = make_model("mamba")
     cfg = model.cfg
     new_h = torch.randn(BATCH, cfg.d_inner, cfg.d_state, dtype=torch.float64)
 
     def edit(x: Tensor, hook):
-        if in_place:
-            x[:, t] = new_h
-            return None
-        return at(t, new_h)(x, hook)
-    q = mixer_inputs(model, tokens(), edits=[("blocks.0.mixer.hook_h", edit)])
+        if how == "returned":
+            return at(t, new_h)(x, hook)
+        x[:, t] = new_h
+    with torch.inference_mode(how == "in_place_inference_mode"):
+        q = mixer_inputs(model, tokens(), edits=[("blocks.0.mixer.hook_h", edit)])
+    q = {k: v.clone() for k, v in q.items()}  # normal tensors again, usable with autograd
     A = model.blocks[0].mixer.A()
     y, _ = brute_force(q["hook_ssm_in"], q["hook_dt"], A, q["hook_B"], q["hook_C"],
                        edit_h=lambda s, h: new_h if s == t else h)

@@ -28,7 +28,8 @@ uses (`linear_scan` on the discrete tensors). An edit of h with difference e = h
 states h + linear_scan(A_bar, e): the recurrence continued from the edited state; y is recomputed
 from them. An edit of the kernel adds (K' - K)·u to y. An edit of head_out makes the mixer output
 head_out.sum(d_inner) (+ out_proj bias). Unedited lazy hooks leave the fast path's numbers
-untouched (bit-identical logits); an in-place edit is seen through the tensor's version counter.
+untouched (bit-identical logits); an in-place edit is seen through the tensor's version counter
+(under torch.inference_mode, by comparing with a copy).
 
 FalconMamba = Mamba-1 plus weightless RMS norms on the Δ input (dt_rank wide), B and C, turned on
 by `MambaConfig.mixer_rms_eps`. Padding (Context.attention_mask) zeroes the mixer input, the
@@ -106,12 +107,20 @@ def _run_hook(hook: HookPoint, value: Tensor,
               rebuild: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor, bool]:
     """(value after the hook, the value before it, whether a hook changed it).
 
-    A hook that edits in place leaves no copy of the original; `rebuild()` recomputes it.
+    A hook that edits in place leaves no copy of the original; `rebuild()` recomputes it. Tensors
+    made under torch.inference_mode() have no version counter: a copy is kept to compare with.
     """
+    if not hook.is_active:
+        return value, value, False
     version = _version(value)
+    saved = value.clone() if version is None else None
     out = hook(value)
-    in_place = version is not None and _version(value) != version
-    original = rebuild() if in_place and rebuild is not None else value
+    if saved is not None:
+        in_place = not torch.equal(saved, value)
+        original = saved
+    else:
+        in_place = _version(value) != version
+        original = rebuild() if in_place and rebuild is not None else value
     return out, original, in_place or out is not value
 
 
