@@ -356,11 +356,33 @@ def read_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GG
     return GGUFCheckpoint(path, config, GGUFTensors(reader, config, dtype), reader)
 
 
-def load_gguf_tokenizer(path: str | os.PathLike):
-    """The transformers tokenizer for a GGUF file's vocabulary (transformers' own GGUF converter)."""
+def load_gguf_tokenizer(path: str | os.PathLike, cache: bool = True):
+    """The transformers tokenizer for a GGUF file's vocabulary (transformers' own GGUF converter).
+
+    Converting a GGUF vocabulary takes tens of seconds, so the converted tokenizer is saved once under
+    `$HOOKED_CACHE` (default ~/.cache/hooked) keyed by the file's name, size and mtime, and read from
+    there afterwards (a fraction of a second). `cache=False` always converts.
+    """
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not cache:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    stat = path.stat()
+    root = Path(os.environ.get("HOOKED_CACHE", Path.home() / ".cache" / "hooked"))
+    saved = root / "gguf-tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (saved / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception:  # a damaged cache entry: convert again below
+            pass
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = saved.with_name(saved.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, saved) if not saved.exists() else None
+    except OSError:  # a read-only home: no cache, same tokenizer
+        pass
+    return tok

