@@ -1,0 +1,216 @@
+"""Zamba2 (Glorioso et al. 2024): Mamba-2 layers, some of which first call a shared transformer.
+
+Glossary (TransformerLens / SSM names; HF Zamba2Config names in brackets)
+    n_layers [num_hidden_layers]  d_model [hidden_size]  d_vocab [vocab_size]
+    layer_types [layers_block_type]  "mamba" (HF "linear_attention") or "hybrid", one per layer
+    hybrid_layer_ids  the layers whose type is "hybrid"; invocation i = the i-th of them
+    Mamba-2 layers (mamba2.py's glossary): n_heads [n_mamba_heads] SSM heads, d_head [mamba_headdim],
+        d_inner [mamba_expand * hidden_size], d_state [mamba_d_state], n_groups [mamba_ngroups],
+        d_conv [mamba_d_conv], chunk_size, dt_limit [(time_step_min, inf)]
+    shared transformer (zamba2_shared.py): n_attn_heads [num_attention_heads], n_attn_kv_heads
+        [num_key_value_heads], d_attn_head [attention_head_dim = 2 d_model / n_attn_heads],
+        d_mlp [intermediate_size], act_fn [hidden_act], num_mem_blocks (shared blocks, cycled over
+        the invocations), use_shared_attention_adapter, adapter_rank, use_mem_rope, rope_theta
+    proj_bias [add_bias_linear]  biases of in_proj, out_proj, gate_up_proj and down_proj
+    embedding  the token embedding, read again by every shared block (Context.embedding)
+
+    resid_0 = W_E[token]                                                   hook_embed
+    mamba layer l:   resid = resid + mixer(ln1(resid))                     (SSMBlock)
+    hybrid layer l:  shared_out = linear_l(shared_{i % num_mem_blocks}([resid, embedding]))
+                     resid = resid + mixer(ln1(resid + shared_out))        (HybridBlock)
+    logits = ln_final(resid) @ W_U^T  (W_U tied to W_E by default)
+
+The shared block's output enters the Mamba layer's INPUT only; the residual skips it.
+
+Hooks: hook_embed; every layer blocks.{l}.hook_resid_pre, ln1.hook_normalized, mixer.* (Mamba-2,
+mamba2.py), hook_mixer_out, hook_resid_post; hybrid layers also blocks.{l}.shared.* (one set per
+invocation, zamba2_shared.py) and blocks.{l}.hook_shared_out [batch pos d_model] after linear_l;
+ln_final.hook_normalized. A shared attention head at one invocation is ("blocks.{l}.shared.attn", h).
+
+The shared blocks read the original embedding: `model(resid, start_at_layer=k, tokens=tokens)` needs
+`tokens` when a hybrid layer follows k (it is embedded again, without hook_embed firing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from hooked.hook_points import HookPoint
+from hooked.models.base import Context, HookedModel
+from hooked.models.embed import Unembed
+from hooked.models.mamba2 import Mamba2Mixer
+from hooked.models.norms import RMSNorm
+from hooked.models.ssm_block import SSMBlock
+from hooked.models.zamba2_shared import SharedSizes, SharedTransformer, shared_invocation
+from hooked.ops.rotary import Rotary
+
+LAYER_TYPES = ("mamba", "hybrid")
+GATED_NORM_EPS = 1e-5  # HF's Zamba2MambaMixer fixes its gated RMSNorm's eps, whatever rms_norm_eps says
+
+
+@dataclass(frozen=True)
+class Zamba2Config:
+    n_layers: int
+    d_model: int
+    d_vocab: int
+    layer_types: tuple[str, ...]  # "mamba" or "hybrid", one per layer
+    n_heads: int  # H, SSM heads of every Mamba-2 layer
+    d_head: int | None = None  # P; None: d_inner // n_heads
+    d_inner: int | None = None  # None: 2 * d_model (HF mamba_expand = 2)
+    d_state: int = 64  # N
+    n_groups: int = 1  # G
+    d_conv: int = 4
+    chunk_size: int = 256  # SSD chunk length; HF parity needs HF's value
+    dt_limit: tuple[float, float] = (0.001, math.inf)  # HF (time_step_min, inf)
+    proj_bias: bool = False
+    n_attn_heads: int = 32
+    n_attn_kv_heads: int | None = None  # None: n_attn_heads
+    d_attn_head: int | None = None  # None: 2 * d_model // n_attn_heads
+    d_mlp: int | None = None  # None: 4 * d_model
+    act_fn: str = "gelu"
+    num_mem_blocks: int = 1
+    use_shared_attention_adapter: bool = False
+    adapter_rank: int = 128
+    use_mem_rope: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)  # HF rope_parameters minus rope_theta
+    eps: float = 1e-5  # every RMSNorm but the gated one (GATED_NORM_EPS)
+    tied: bool = True  # unembed shares the embedding matrix
+    n_ctx: int = 4096
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        put("layer_types", tuple(self.layer_types))
+        put("dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
+        if self.d_inner is None:
+            put("d_inner", 2 * self.d_model)
+        if self.d_head is None:
+            put("d_head", self.d_inner // self.n_heads)
+        if self.n_attn_kv_heads is None:
+            put("n_attn_kv_heads", self.n_attn_heads)
+        if self.d_attn_head is None:
+            put("d_attn_head", 2 * self.d_model // self.n_attn_heads)
+        if self.d_mlp is None:
+            put("d_mlp", 4 * self.d_model)
+        self._check()
+
+    def _check(self) -> None:
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad or len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types must hold {self.n_layers} entries from {LAYER_TYPES}; got "
+                             f"{len(self.layer_types)} entries{f', unknown {bad}' if bad else ''}")
+        if self.d_inner != self.n_heads * self.d_head or self.n_heads % self.n_groups:
+            raise ValueError(f"need d_inner == n_heads * d_head and n_groups | n_heads; got d_inner={self.d_inner}, "
+                             f"n_heads={self.n_heads}, d_head={self.d_head}, n_groups={self.n_groups}")
+        if self.n_attn_heads % self.n_attn_kv_heads:
+            raise ValueError(f"n_attn_heads ({self.n_attn_heads}) must be a multiple of n_attn_kv_heads "
+                             f"({self.n_attn_kv_heads})")
+        if self.num_mem_blocks < 1:
+            raise ValueError(f"num_mem_blocks must be >= 1, got {self.num_mem_blocks}")
+        width = 2 * self.d_model
+        if self.use_shared_attention_adapter and not (
+                self.n_attn_kv_heads == self.n_attn_heads and self.n_attn_heads * self.d_attn_head == width):
+            raise ValueError(f"q/k/v adapters write 2 * d_model = {width} features (as HF's Zamba2 does), so they need "
+                             f"n_attn_kv_heads == n_attn_heads and n_attn_heads * d_attn_head == {width}; got "
+                             f"{self.n_attn_heads} heads, {self.n_attn_kv_heads} kv heads of {self.d_attn_head}")
+
+    @property
+    def hybrid_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "hybrid")
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def rotary(self) -> Rotary | None:
+        return Rotary.of(self.d_attn_head, self.rope_theta, self.rope_scaling) if self.use_mem_rope else None
+
+    def shared_block_of(self, layer: int) -> int:
+        """Which shared block hybrid layer `layer` invokes: its invocation index mod num_mem_blocks."""
+        return self.hybrid_layer_ids.index(layer) % self.num_mem_blocks
+
+    @property
+    def shared_sizes(self) -> SharedSizes:
+        return SharedSizes(self.d_model, self.n_attn_heads, self.n_attn_kv_heads, self.d_attn_head, self.d_mlp,
+                           self.act_fn, self.eps, self.adapter_rank, self.use_shared_attention_adapter,
+                           self.proj_bias, self.rotary)
+
+
+class HybridBlock(nn.Module):
+    """resid + mixer(ln1(resid + linear(shared([resid, embedding])))): a hybrid layer.
+
+    Hooks: blocks.{l}.hook_resid_pre, shared.*, hook_shared_out, ln1.hook_normalized, mixer.*,
+    hook_mixer_out, hook_resid_post (all [batch pos d_model] but shared.* and mixer.*).
+    """
+
+    def __init__(self, shared: SharedTransformer, linear: nn.Linear, ln1: nn.Module, mixer: nn.Module) -> None:
+        super().__init__()
+        self.shared, self.linear, self.ln1, self.mixer = shared, linear, ln1, mixer
+        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_shared_out = HookPoint()  # [batch pos d_model]
+        self.hook_mixer_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+
+    def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        resid = self.hook_resid_pre(resid)
+        if ctx.embedding is None:
+            raise ValueError(f"{self.hook_resid_pre.name.rsplit('.', 1)[0]} is a hybrid layer: its shared block reads "
+                             "the token embedding; with start_at_layer, pass tokens=")
+        shared_out = self.linear(self.shared(resid, ctx.embedding, ctx))
+        shared_out = self.hook_shared_out(shared_out)
+        mixer_out = self.mixer(self.ln1(resid + shared_out), ctx)  # the shared output enters the input only
+        mixer_out = self.hook_mixer_out(mixer_out)
+        resid_post = resid + mixer_out
+        resid_post = self.hook_resid_post(resid_post)
+        return resid_post
+
+
+class HookedZamba2(HookedModel):
+    """Zamba2 with a hook on every quantity; every shared-block invocation has its own hooks."""
+
+    def __init__(self, cfg: Zamba2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        firsts: dict[int, SharedTransformer] = {}  # shared block -> its first invocation (owns the weights)
+        blocks = []
+        for layer, kind in enumerate(cfg.layer_types):
+            mixer = Mamba2Mixer(cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_head, cfg.d_state, cfg.n_groups,
+                                cfg.d_conv, cfg.chunk_size, conv_bias=True, proj_bias=cfg.proj_bias,
+                                eps=GATED_NORM_EPS, dt_limit=cfg.dt_limit)  # HF's conv always has a bias
+            ln1 = RMSNorm(cfg.d_model, cfg.eps)
+            if kind == "mamba":
+                blocks.append(SSMBlock(ln1, mixer))
+                continue
+            block_id = cfg.shared_block_of(layer)
+            shared = shared_invocation(cfg.shared_sizes, firsts.get(block_id))
+            firsts.setdefault(block_id, shared)
+            blocks.append(HybridBlock(shared, nn.Linear(cfg.d_model, cfg.d_model, bias=False), ln1, mixer))
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tied else None)
+        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.setup()
+
+    def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
+                     tokens: Tensor | None, device: torch.device) -> Context:
+        """The base Context plus the token embedding the shared blocks read (when tokens are known)."""
+        ctx = super().make_context(shape, attention_mask, tokens, device)
+        if tokens is not None:
+            if tuple(tokens.shape) != (int(shape[0]), int(shape[1])):
+                raise ValueError(f"tokens have shape {tuple(tokens.shape)}, the residual is {tuple(shape[:2])}")
+            ctx.embedding = self.embed(tokens.to(device))
+        return ctx
+
+    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        embed = ctx.embedding if ctx.embedding is not None else self.embed(tokens)
+        embed = self.hook_embed(embed)
+        ctx.embedding = embed.clone()  # as hooked; a copy, so in-place edits of the residual leave it alone
+        return embed
