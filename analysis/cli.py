@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         for flags, kwargs in arguments:
             sub.add_argument(*flags, **kwargs)
         sub.set_defaults(run=run)
+    from analysis.info_flow import add_knockout_parser  # `hooked knockout`, defined beside info_flow
+    add_knockout_parser(subparsers)
     return parser
 
 

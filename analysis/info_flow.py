@@ -150,7 +150,7 @@ def _device(model: Any) -> torch.device:
 def _last_probs(model: Any, resid: Tensor) -> Tensor:
     """Next-token probabilities at the last position from the final residual [batch pos d_model]."""
     logits = model.unembed(model.ln_final(resid[:, -1:]))[:, 0]
-    return torch.softmax(logits.float(), dim=-1)
+    return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
 def _clean_run(model: Any, tokens: Tensor, mask: Tensor, keep_prefix: bool) -> tuple[Tensor, dict[int, Tensor]]:
@@ -163,6 +163,7 @@ def _clean_run(model: Any, tokens: Tensor, mask: Tensor, keep_prefix: bool) -> t
     return _last_probs(model, resid), {l: cache[names[l]] for l in range(n)}
 
 
+@torch.no_grad()
 def screen(model: Any, prompts: Sequence[FactPrompt], n: int | None = None, batch_size: int = 32,
            require_correct: bool = True, progress: bool = True) -> tuple[list[tuple[FactPrompt, float]], int]:
     """((prompt, clean answer probability) of the first `n` facts kept, in order; how many were run).
@@ -171,6 +172,7 @@ def screen(model: Any, prompts: Sequence[FactPrompt], n: int | None = None, batc
     kept: list[tuple[FactPrompt, float]] = []
     pad, device = pad_id(model.tokenizer), _device(model)
     bar = tqdm(total=len(prompts), desc="screening facts", disable=not progress)
+    n_run = 0
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start: start + batch_size]
         tokens, mask = pad_left([fp.ids for fp in chunk], pad, device)
@@ -179,10 +181,11 @@ def screen(model: Any, prompts: Sequence[FactPrompt], n: int | None = None, batc
             if not require_correct or int(p.argmax()) == fp.answer:
                 kept.append((fp, float(p[fp.answer])))
         bar.update(len(chunk))
+        n_run += len(chunk)
         if n is not None and len(kept) >= n:
             break
     bar.close()
-    return (kept[:n] if n is not None else kept), bar.n
+    return (kept[:n] if n is not None else kept), n_run
 
 
 # ----------------------------------------------------------------------------------- sweep
@@ -281,7 +284,7 @@ def add_knockout_parser(subparsers: Any) -> Any:
     p.add_argument("--relation-excludes-last", action="store_true", help="relation set without the last token")
     p.add_argument("--all-facts", action="store_true", help="keep facts the model gets wrong too")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run_knockout)
+    p.set_defaults(run=run_knockout, func=run_knockout)
     return p
 
 

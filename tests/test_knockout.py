@@ -39,7 +39,7 @@ CONFIGS = {
         vocab_size=V, hidden_size=16, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
         mamba_d_state=4, mamba_headdim=8, n_mamba_heads=4, mamba_ngroups=2, mamba_expand=2, chunk_size=4,
         num_attention_heads=2, num_key_value_heads=2, attention_head_dim=8, intermediate_size=32,
-        num_mem_blocks=1, use_mem_rope=True, pad_token_id=0, attn_implementation="eager")),
+        num_mem_blocks=1, use_mem_rope=True, pad_token_id=0, initializer_range=0.2, attn_implementation="eager")),
 }
 ATTN, SSM = ("gpt2", "llama", "zamba2"), ("mamba1", "falcon_mamba", "mamba2", "zamba2")
 _CACHE: dict[str, object] = {}
@@ -263,6 +263,7 @@ ATTN_CASES = [  # model, layers, sources, targets
     ("llama", [1], random_mask(2, L, 0.4, 7, allow_first=False), _tgt_mask(8)),
     ("llama", [2], [0], [-1]),
     ("zamba2", [1, 3], [2, 3], [-1, 6]),
+    ("zamba2", [0, 1, 2], [2, 3], [-1, 6]),  # a window spanning Mamba-2-only and hybrid layers
 ]
 
 
