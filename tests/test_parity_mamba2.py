@@ -103,24 +103,27 @@ def test_left_padded_row_equals_prompt_alone(use_bias):
             assert_rel_close(batched[b:b + 1, 17 - n:], alone, f"row {b}", rel=1e-5)
 
 
-def test_state_spaces_key_layout():
-    """The original checkpoints name the embedding `backbone.embedding.weight`."""
-    hf = make_hf(n_groups=2)
-    state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in hf.state_dict().items()}
-    assert "backbone.embedding.weight" in state and "backbone.embeddings.weight" not in state
-    cfg = config_from_hf(hf.config.to_dict())
-    model = type(from_hf(hf))(cfg)
-    params = dict(model.named_parameters())
-    keys = key_map(cfg)
-    assert set(keys) == set(params), "the key map must cover every parameter exactly"
-    with torch.no_grad():
-        for name, key in keys.items():
-            src = next(k for k in key.names if k in state)
-            t = key.transform(state[src]) if key.transform else state[src]
-            assert t.shape == params[name].shape, name
-            params[name].copy_(t)
-    tokens = torch.randint(0, cfg.d_vocab, (1, 9))
-    check_against_hf(hf, model.eval(), tokens)
+@pytest.mark.parametrize("layout", ["hf", "state_spaces"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_from_pretrained_directory(tmp_path, layout, tied):
+    """A saved checkpoint loads through the full loader; the original state-spaces checkpoints name
+    the embedding `backbone.embedding.weight` (HF renames it on load), and so must we."""
+    from safetensors.torch import load_file, save_file
+
+    from loaders.load import from_pretrained
+
+    hf = make_hf(n_groups=2, tie_word_embeddings=tied)
+    hf.save_pretrained(tmp_path)
+    if layout == "state_spaces":
+        state = load_file(tmp_path / "model.safetensors")
+        state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in state.items()}
+        assert "backbone.embedding.weight" in state
+        save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = from_pretrained(tmp_path)
+    assert set(key_map(model.cfg)) == {n for n, _ in model.named_parameters()}
+    assert model.cfg.tied == tied
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 9), generator=torch.Generator().manual_seed(3))
+    check_against_hf(hf, model, tokens)
 
 
 def test_config_mapping():
