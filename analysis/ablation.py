@@ -1,0 +1,269 @@
+"""Head ablation, layer skipping and block replacement, all through hooks (weights never change).
+
+Glossary
+    head module  a module whose output is a sum of per-head writes: an attention module
+                 ("blocks.3.attn", Zamba2's "blocks.5.shared.attn") or an SSM mixer
+                 ("blocks.3.mixer"). `head_layout(model)` lists them with their head counts.
+    head         (layer, h) on the layer's mixer or attention, or (module, h) for any head module:
+                 ("blocks.3.attn", 2), ("blocks.5.shared.attn", 3). Attention: a query head.
+                 Mamba-2: an SSM head (d_head channels). Mamba-1: one inner channel.
+    write hook   where a head's write is cut: attention `hook_z` [batch pos n_heads d_head] (before
+                 o_proj), SSM `hook_gated` [batch pos d_inner] (after the gate / gated norm, before
+                 out_proj). Zeroing a head there == zeroing its columns of the output projection
+                 (the projection's bias stays).
+    mean ablation  the head's write replaced by its mean over batch and positions of `mean_cache`.
+    keep-only    keep=True: in every listed head module, ablate every head that is not listed.
+    skip         a skipped block passes its input through unchanged: resid_post := resid_pre.
+
+G&A (Bick, Xing, Gu 2025) edits the weights in place; we use hooks, so the model is unchanged on
+exit, also when the body raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+HeadSpec = tuple[Any, int]  # (layer, h) or (module prefix, h)
+
+
+@dataclass(frozen=True)
+class HeadModule:
+    prefix: str  # "blocks.3.attn", "blocks.5.shared.attn", "blocks.3.mixer"
+    layer: int
+    hook: str  # full name of the write hook
+    n_heads: int
+    width: int  # features per head at the write hook (attention: d_head; Mamba-2: d_head; Mamba-1: 1)
+    kind: str  # "attn" or "ssm"
+
+    @property
+    def tag(self) -> str:
+        """Label letter: H (a layer's own attention or mixer), SH (Zamba2 shared attention)."""
+        return "SH" if ".shared." in self.prefix else "H"
+
+
+_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, HeadModule]]" = weakref.WeakKeyDictionary()
+
+
+def head_layout(model: Any) -> dict[str, HeadModule]:
+    """Every head module of the model, in forward order (shapes read once from a 2-token run)."""
+    if model in _LAYOUTS:
+        return _LAYOUTS[model]
+    names = [n for n in model.hook_dict if n.endswith(("attn.hook_z", "mixer.hook_dt", "mixer.hook_gated"))]
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=names)
+    layout = {}
+    for name in names:
+        prefix, hook = name.rsplit(".", 1)
+        layer = int(name.split(".")[1])
+        if hook == "hook_z":
+            n, width = cache[name].shape[2], cache[name].shape[3]
+            layout[prefix] = HeadModule(prefix, layer, name, n, width, "attn")
+        elif hook == "hook_gated":
+            n = cache[f"{prefix}.hook_dt"].shape[-1]  # Mamba-1: d_inner channels; Mamba-2: n_heads
+            d_inner = cache[name].shape[-1]
+            layout[prefix] = HeadModule(prefix, layer, name, n, d_inner // n, "ssm")
+    _LAYOUTS[model] = layout
+    return layout
+
+
+def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]:
+    """{module prefix: sorted head indices}; (layer, h) means the layer's mixer or attention."""
+    layout = head_layout(model)
+    out: dict[str, set[int]] = {}
+    for spec in heads:
+        if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
+            raise ValueError(f"a head is (layer, h) or (module, h), got {spec!r}")
+        where, h = spec
+        if isinstance(where, str):
+            prefix = where
+        else:
+            layer = int(where) + (model.cfg.n_layers if int(where) < 0 else 0)
+            own = [p for p in (f"blocks.{layer}.attn", f"blocks.{layer}.mixer") if p in layout]
+            if not own:
+                raise ValueError(f"layer {where} has no attention or mixer heads")
+            prefix = own[0]
+        if prefix not in layout:
+            raise ValueError(f"{prefix!r} is not a head module; known: {', '.join(list(layout)[:6])}, ...")
+        n = layout[prefix].n_heads
+        if not -n <= int(h) < n:
+            raise ValueError(f"head {h} is outside {prefix!r}'s {n} heads")
+        out.setdefault(prefix, set()).add(int(h) % n)
+    return {p: sorted(hs) for p, hs in out.items()}
+
+
+@contextlib.contextmanager
+def attached(model: Any, hooks: Sequence[tuple[str, Callable, bool]]) -> Iterator[None]:
+    """Attach (name, fn, prepend) hooks; all are removed on exit, whatever happens."""
+    removers = []
+    try:
+        points = model.hook_dict
+        for name, _, _ in hooks:  # check every name first: a bad one attaches nothing
+            if name not in points:
+                model.names_matching(name)  # raises KeyError with close matches
+        for name, fn, pre in hooks:
+            removers.append(points[name].add_hook(fn, prepend=pre))
+        yield
+    finally:
+        for remove in reversed(removers):
+            remove()
+
+
+def _write_mask(module: HeadModule, heads: list[int], device: torch.device) -> Tensor:
+    """Bool mask over the write hook's trailing axes: attention [n_heads 1], SSM [d_inner]."""
+    mask = torch.zeros(module.n_heads, dtype=torch.bool, device=device)
+    mask[heads] = True
+    if module.kind == "attn":
+        return mask[:, None]
+    return mask.repeat_interleave(module.width)
+
+
+def _mean_of(mean_cache: Any, name: str) -> Tensor:
+    if mean_cache is None:
+        raise ValueError("mode='mean' needs mean_cache (a cache or dict holding the write hooks)")
+    try:
+        act = mean_cache[name]
+    except KeyError:
+        raise KeyError(f"mean_cache has no {name!r}: run_with_cache with names_filter including it") from None
+    return act.float().mean(dim=(0, 1)) if act.ndim >= 3 else act.float()
+
+
+@contextlib.contextmanager
+def ablate_heads(model: Any, heads: Iterable[HeadSpec], keep: bool = False, mode: str = "zero",
+                 mean_cache: Any = None) -> Iterator[Any]:
+    """Ablate heads (zero or mean) at their write hook; keep=True ablates the unlisted heads instead.
+
+    Zero ablation equals zeroing the heads' columns of o_proj (attention) or out_proj (Mamba-2
+    heads after the gated norm; Mamba-1 channels). Mean ablation replaces each head's write with
+    its mean over batch and positions in `mean_cache`.
+    """
+    if mode not in ("zero", "mean"):
+        raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
+    layout = head_layout(model)
+    chosen = resolve_heads(model, heads)
+    hooks = []
+    for prefix, hs in chosen.items():
+        module = layout[prefix]
+        if keep:
+            hs = [h for h in range(module.n_heads) if h not in set(hs)]
+        if not hs:
+            continue
+        mean = _mean_of(mean_cache, module.hook) if mode == "mean" else None
+        hooks.append((module.hook, _ablation_hook(module, hs, mean), False))
+    with attached(model, hooks):
+        yield model
+
+
+def _ablation_hook(module: HeadModule, heads: list[int], mean: Tensor | None) -> Callable:
+    def hook(act: Tensor, hook: Any) -> Tensor:
+        mask = _write_mask(module, heads, act.device)
+        fill = torch.zeros((), dtype=act.dtype, device=act.device) if mean is None else mean.to(act)
+        return torch.where(mask, fill, act)
+
+    return hook
+
+
+# ---------------------------------------------------------------------------------- layers
+@contextlib.contextmanager
+def skip_layers(model: Any, layers: Iterable[int]) -> Iterator[Any]:
+    """Run without the listed blocks: each one's resid_post is replaced by its resid_pre (exact).
+
+    The block still runs (its hooks fire) but its output is its input. Hooks the user put on a
+    skipped block's resid_post run after ours and see the passed-through residual.
+    """
+    n = model.cfg.n_layers
+    chosen = sorted({int(l) + (n if int(l) < 0 else 0) for l in layers})
+    bad = [l for l in chosen if not 0 <= l < n]
+    if bad:
+        raise ValueError(f"layers {bad} are outside the model's {n} layers")
+    hooks = []
+    for layer in chosen:
+        seen: dict[str, Tensor] = {}
+        hooks.append((f"blocks.{layer}.hook_resid_pre", _remember(seen), False))
+        hooks.append((f"blocks.{layer}.hook_resid_post", _restore(seen), True))
+    with attached(model, hooks):
+        yield model
+
+
+def _remember(seen: dict[str, Tensor]) -> Callable:
+    def hook(resid: Tensor, hook: Any) -> None:
+        seen["resid"] = resid
+
+    return hook
+
+
+def _restore(seen: dict[str, Tensor]) -> Callable:
+    def hook(resid: Tensor, hook: Any) -> Tensor:
+        return seen.pop("resid")
+
+    return hook
+
+
+def prune_from_end(model: Any, evaluate: Callable[[Any], Any], keep: Iterable[int] | None = None,
+                   progress: bool = True) -> list[dict[str, Any]]:
+    """Keep layers [0, k) for each k in `keep` (default 0..n_layers); rows {"kept_layers", "score"}."""
+    n = model.cfg.n_layers
+    rows = []
+    for k in tqdm(list(range(n + 1) if keep is None else keep), desc="prune", disable=not progress):
+        with skip_layers(model, range(k, n)):
+            rows.append({"kept_layers": k, "score": _plain(evaluate(model))})
+    return rows
+
+
+def remove_and_restore(model: Any, evaluate: Callable[[Any], Any], layers: Iterable[int] | None = None,
+                       progress: bool = True) -> list[dict[str, Any]]:
+    """Remove one layer at a time, evaluate, restore; first row is the full model (layer None)."""
+    rows = [{"removed_layer": None, "score": _plain(evaluate(model))}]
+    for layer in tqdm(list(range(model.cfg.n_layers) if layers is None else layers), desc="remove", disable=not progress):
+        with skip_layers(model, [layer]):
+            rows.append({"removed_layer": int(layer), "score": _plain(evaluate(model))})
+    return rows
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if torch.is_tensor(value) and value.numel() == 1 else value
+
+
+@contextlib.contextmanager
+def replace_block(model: Any, layer: int, donor: Any, donor_layer: int | None = None) -> Iterator[Any]:
+    """Run `model` with block `layer` swapped for a block of `donor` (the G&A hybrid experiment).
+
+    `donor` is a hooked model of the same width (its block `donor_layer`, default `layer`, is used)
+    or a block module. The block list entry is swapped and restored on exit; no weight is touched.
+    While swapped, the donor block's hooks fire under the donor's names and `model`'s hooks of that
+    layer do not fire.
+    """
+    n = model.cfg.n_layers
+    layer = layer + n if layer < 0 else layer
+    if not 0 <= layer < n:
+        raise ValueError(f"layer {layer} is outside the model's {n} layers")
+    if hasattr(donor, "blocks"):
+        if donor.cfg.d_model != model.cfg.d_model:
+            raise ValueError(f"widths differ: model d_model={model.cfg.d_model}, donor d_model={donor.cfg.d_model}")
+        block = donor.blocks[layer if donor_layer is None else donor_layer]
+    else:
+        block = donor
+    original = model.blocks[layer]
+    model.blocks[layer] = block
+    try:
+        yield model
+    finally:
+        model.blocks[layer] = original
+
+
+def parse_head(label: str) -> HeadSpec:
+    """Parse "L3H5" -> (3, 5) and "L5SH3" -> ("blocks.5.shared.attn", 3)."""
+    m = re.fullmatch(r"L(\d+)(S?)H(\d+)", label.strip())
+    if m is None:
+        raise ValueError(f"a head label looks like L3H5 or L5SH3, got {label!r}")
+    layer, shared, h = int(m.group(1)), m.group(2), int(m.group(3))
+    return (f"blocks.{layer}.shared.attn", h) if shared else (layer, h)

@@ -1,0 +1,345 @@
+"""Activation patching: one generic loop plus small setters (the TransformerLens `patching.py` shape).
+
+Glossary
+    base run      the run of `tokens` that is patched. Denoising: tokens = corrupted input, values
+                  from the clean cache (how much does this activation restore?). Noising: tokens =
+                  clean input, values from the corrupted cache (how much does it break?). `patch`
+                  and `act_patch` do both: pass the right (tokens, cache) pair, or use
+                  `run_patching(..., direction=...)`.
+    source cache  where patched values come from (`clean_cache` in the signatures); it must hold
+                  the patched hooks (lazy ones such as hook_h or hook_result too: name them in
+                  run_with_cache's names_filter) with the base run's batch and length.
+    over          the axes swept by `act_patch`: "layer" (the `{layer}` of the template), "pos",
+                  "head" (alias "channel": n_heads, or d_inner for Mamba-1 states and channels).
+                  Axis positions in the activation: hook_pattern / hook_attn_scores / hook_kernel
+                  are [batch head q_pos k_pos] (pos = the query); every other hook is
+                  [batch pos head ...].
+    index         what `patch` replaces: None (everything), a dict {"pos": 3, "head": 1}, or a
+                  tuple of indices applied after the batch axis.
+    metric        `metric(logits) -> scalar`; helpers below: logit difference, answer
+                  probability, and the normalised patching score (clean -> 1, corrupted -> 0).
+    prefix reuse  patching a hook inside block l cannot change the residual entering block l, so
+                  the base run's residual before each layer is computed once (`stop_at_layer`)
+                  and every patched run starts there (`start_at_layer`).
+    attribution patching   the first-order estimate metric(base) + (source - base) . d metric /
+                  d activation, from one forward and one backward on the base run (Nanda 2023).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+Metric = Callable[[Tensor], Any]
+Setter = Callable[[Tensor, Tensor, tuple], Tensor]
+AXES = ("layer", "pos", "head", "channel")
+QUERY_FIRST = ("hook_pattern", "hook_attn_scores", "hook_kernel")  # [batch head q_pos k_pos]
+
+
+# ---------------------------------------------------------------------------------- setters
+def set_slice(act: Tensor, source: Tensor, index: tuple) -> Tensor:
+    """The activation with `[:, *index]` taken from the source (the default setter)."""
+    out = act.clone()
+    full = (slice(None),) + index
+    out[full] = source[full].to(out)
+    return out
+
+
+def axis_dim(hook_name: str, axis: str) -> int:
+    """Where `axis` ("pos", "head"/"channel") lives in the named hook's activation."""
+    query_first = hook_name.rsplit(".", 1)[-1] in QUERY_FIRST
+    if axis == "pos":
+        return 2 if query_first else 1
+    if axis in ("head", "channel"):
+        return 1 if query_first else 2
+    raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+
+
+def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None) -> tuple:
+    """Normalise `index` to a tuple applied after the batch axis."""
+    if index is None:
+        return ()
+    if isinstance(index, dict):
+        if not index:
+            return ()
+        dims = {axis_dim(hook_name, a): i for a, i in index.items()}
+        return tuple(dims.get(d, slice(None)) for d in range(1, max(dims) + 1))
+    return index if isinstance(index, tuple) else (index,)
+
+
+# ------------------------------------------------------------------------------ patched runs
+def _source(clean_cache: Any, name: str, like: Tensor | None = None) -> Tensor:
+    try:
+        return clean_cache[name]
+    except KeyError:
+        raise KeyError(f"the source cache has no {name!r}; include it in run_with_cache's names_filter") from None
+
+
+def _patch_hook(source: Tensor, index: tuple, setter: Setter) -> Callable:
+    def hook(act: Tensor, hook: Any) -> Tensor:
+        if source.shape != act.shape:
+            raise ValueError(f"{hook.name}: the source has shape {tuple(source.shape)}, the run {tuple(act.shape)}")
+        return setter(act, source, index)
+
+    return hook
+
+
+def _run(model: Any, inp: Tensor, start: int | None, tokens: Tensor, attention_mask: Tensor | None,
+         hooks: list[tuple[str, Callable]]) -> Tensor:
+    with model.hooks(fwd_hooks=hooks):
+        if start is None:
+            return model(inp, attention_mask)
+        return model(inp, attention_mask, start_at_layer=start, tokens=tokens)
+
+
+def patch(model: Any, tokens: Tensor, clean_cache: Any, hook_name: str, index: Any = None, *,
+          attention_mask: Tensor | None = None, setter: Setter = set_slice) -> Tensor:
+    """Logits of `tokens` with the activation `hook_name` (or its slice `index`) from `clean_cache`."""
+    source = _source(clean_cache, hook_name)
+    hook = _patch_hook(source, index_tuple(hook_name, index), setter)
+    return _run(model, tokens, None, tokens, attention_mask, [(hook_name, hook)])
+
+
+def layer_inputs(model: Any, tokens: Tensor, attention_mask: Tensor | None,
+                 layers: Sequence[int]) -> Iterator[tuple[int, Tensor]]:
+    """(l, residual entering block l) of the base run for each l in `layers` (ascending), computed once."""
+    resid = model(tokens, attention_mask, stop_at_layer=0)
+    at = 0
+    for layer in sorted(layers):
+        if layer > at:
+            resid = model(resid, attention_mask, start_at_layer=at, stop_at_layer=layer, tokens=tokens)
+            at = layer
+        yield layer, resid
+
+
+def _hook_layer(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blocks" and len(parts) > 2 else None
+
+
+def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook_name_template: str,
+              over: Sequence[str] = ("layer", "pos"), *, attention_mask: Tensor | None = None,
+              setter: Setter = set_slice, reuse_prefix: bool = True, progress: bool = False) -> Tensor:
+    """Patch every index of `over` in turn and record `metric`; a tensor indexed by `over`.
+
+    `hook_name_template` holds `{layer}` when "layer" is in `over` ("blocks.{layer}.attn.hook_z").
+    The layer axis spans all n_layers; layers without that hook hold NaN (Zamba2's shared blocks).
+    """
+    over = tuple(over)
+    bad = [a for a in over if a not in AXES]
+    if bad or len(set(over)) != len(over):
+        raise ValueError(f"over must name distinct axes among {AXES}, got {over}")
+    if "layer" in over:
+        layers = [l for l in range(model.cfg.n_layers) if hook_name_template.format(layer=l) in model.hook_dict]
+        if not layers:
+            model.names_matching(hook_name_template.format(layer=0))  # raises with close matches
+    else:
+        layers = [None]
+    names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
+    first = _source(clean_cache, names[layers[0]])
+    inner = [a for a in over if a != "layer"]
+    ranges = [range(first.shape[axis_dim(names[layers[0]], a)]) for a in inner]
+    shape = [model.cfg.n_layers if a == "layer" else len(ranges[inner.index(a)]) for a in over]
+    out = torch.full(shape, float("nan"), dtype=torch.float64)
+    bar = tqdm(total=len(layers) * _count(ranges), desc="act_patch", disable=not progress)
+    with torch.no_grad():
+        for layer, base in _bases(model, tokens, attention_mask, layers, names, reuse_prefix):
+            name = names[layer]
+            source = _source(clean_cache, name)
+            start = None if base is tokens else layer
+            for combo in itertools.product(*ranges):
+                hook = _patch_hook(source, index_tuple(name, dict(zip(inner, combo))), setter)
+                logits = _run(model, base, start, tokens, attention_mask, [(name, hook)])
+                out[tuple(layer if a == "layer" else combo[inner.index(a)] for a in over)] = float(metric(logits))
+                bar.update()
+    bar.close()
+    return out
+
+
+def _count(ranges: list[range]) -> int:
+    n = 1
+    for r in ranges:
+        n *= len(r)
+    return n
+
+
+def _bases(model: Any, tokens: Tensor, attention_mask: Tensor | None, layers: list, names: dict,
+           reuse_prefix: bool) -> Iterator[tuple[Any, Tensor]]:
+    """(layer, what the patched runs start from): the residual entering the hook's block, or tokens.
+
+    Lazy: only one layer's residual is held at a time.
+    """
+    reusable = [l for l in layers if l is not None and reuse_prefix and _hook_layer(names[l]) == l]
+    inputs = layer_inputs(model, tokens, attention_mask, reusable)
+    for layer in layers:
+        yield (next(inputs) if layer in reusable else (layer, tokens))
+
+
+# -------------------------------------------------------------------------------- helpers
+def resid_patch(model, tokens, clean_cache, metric, which: str = "pre", over=("layer", "pos"), **kw) -> Tensor:
+    """Residual stream before ("pre"), between ("mid") or after ("post") each block, by layer and position."""
+    return act_patch(model, tokens, clean_cache, metric, f"blocks.{{layer}}.hook_resid_{which}", over, **kw)
+
+
+def output_patch(model, tokens, clean_cache, metric, what: str = "attn", over=("layer", "pos"), **kw) -> Tensor:
+    """A block's output by layer and position: what = "attn", "mlp" or "mixer" (hook_{what}_out)."""
+    return act_patch(model, tokens, clean_cache, metric, f"blocks.{{layer}}.hook_{what}_out", over, **kw)
+
+
+def head_patch(model, tokens, clean_cache, metric, by_pos: bool = False, hook: str = "z", module: str = "attn",
+               **kw) -> Tensor:
+    """Attention heads' outputs (hook_z, or hook_result), by (layer, head) or (layer, pos, head).
+
+    module="shared.attn" patches Zamba2's shared-attention invocations.
+    """
+    over = ("layer", "pos", "head") if by_pos else ("layer", "head")
+    return act_patch(model, tokens, clean_cache, metric, f"blocks.{{layer}}.{module}.hook_{hook}", over, **kw)
+
+
+def ssm_state_patch(model, tokens, clean_cache, metric, over=("layer", "pos", "head"), **kw) -> Tensor:
+    """SSM states hook_h by layer, position and head (Mamba-2) or channel (Mamba-1)."""
+    return act_patch(model, tokens, clean_cache, metric, "blocks.{layer}.mixer.hook_h", over, **kw)
+
+
+def run_patching(model: Any, clean_tokens: Tensor, corrupted_tokens: Tensor, metric: Metric, hook_name_template: str,
+                 over: Sequence[str] = ("layer", "pos"), direction: str = "denoising", normalise: bool = True,
+                 attention_mask: Tensor | None = None, **kw) -> Tensor:
+    """Cache the source run, patch the base run, optionally normalise (clean -> 1, corrupted -> 0).
+
+    direction="denoising": base = corrupted, values from clean. "noising": base = clean, values
+    from corrupted. Both runs share `attention_mask` (same lengths and padding).
+    """
+    if direction not in ("denoising", "noising"):
+        raise ValueError(f"direction must be 'denoising' or 'noising', got {direction!r}")
+    base, src = (corrupted_tokens, clean_tokens) if direction == "denoising" else (clean_tokens, corrupted_tokens)
+    keep = _template_filter(hook_name_template)
+    with torch.no_grad():
+        clean_logits = model(clean_tokens, attention_mask)
+        corrupted_logits = model(corrupted_tokens, attention_mask)
+        _, cache = model.run_with_cache(src, attention_mask, names_filter=keep)
+        values = act_patch(model, base, cache, metric, hook_name_template, over, attention_mask=attention_mask, **kw)
+    if not normalise:
+        return values
+    return normalised_score(values, float(metric(clean_logits)), float(metric(corrupted_logits)))
+
+
+def _template_filter(template: str) -> Callable[[str], bool]:
+    head, _, tail = template.partition("{layer}")
+    return (lambda n: n.startswith(head) and n.endswith(tail)) if "{layer}" in template else (lambda n: n == template)
+
+
+# --------------------------------------------------------------------------------- metrics
+def _at(logits: Tensor, pos: int) -> Tensor:
+    x = logits[:, pos]
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def logit_diff(answer: Any, wrong: Any, pos: int = -1) -> Metric:
+    """Metric: mean over the batch of logit[answer] - logit[wrong] at `pos` (ids: int or [batch])."""
+    def metric(logits: Tensor) -> Tensor:
+        x = _at(logits, pos)
+        a = torch.as_tensor(answer, device=x.device).expand(x.shape[0])
+        w = torch.as_tensor(wrong, device=x.device).expand(x.shape[0])
+        return (x.gather(1, a[:, None]) - x.gather(1, w[:, None])).mean()
+
+    return metric
+
+
+def answer_prob(answer: Any, pos: int = -1) -> Metric:
+    """Metric: mean over the batch of the probability of `answer` at `pos`."""
+    def metric(logits: Tensor) -> Tensor:
+        p = _at(logits, pos).softmax(-1)
+        a = torch.as_tensor(answer, device=p.device).expand(p.shape[0])
+        return p.gather(1, a[:, None]).mean()
+
+    return metric
+
+
+def normalised_score(values: Tensor, clean_value: float, corrupted_value: float) -> Tensor:
+    """(value - corrupted) / (clean - corrupted): 1 where a patch gives the clean metric, 0 the corrupted."""
+    if clean_value == corrupted_value:
+        raise ValueError("clean and corrupted metrics are equal: the normalised score is undefined")
+    return (values - corrupted_value) / (clean_value - corrupted_value)
+
+
+# -------------------------------------------------------------------- attribution patching
+def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook_name_template: str,
+                      over: Sequence[str] = ("layer", "pos"), *, attention_mask: Tensor | None = None) -> Tensor:
+    """First-order estimate of `act_patch` (same axes, same NaN layers) from one forward + backward.
+
+    estimate[idx] = metric(base) + sum over the unswept axes of (source - base) * d metric / d act,
+    the gradient taken on the base run. Each hooked activation is replaced by a copy of itself so
+    that lazy quantities (hook_h, hook_kernel, hook_result) sit on the path to the logits. No
+    parameter gradient is accumulated (torch.autograd.grad on the activations only).
+    """
+    over = tuple(over)
+    layers = [l for l in range(model.cfg.n_layers) if hook_name_template.format(layer=l) in model.hook_dict] \
+        if "layer" in over else [None]
+    names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
+    acts: dict[str, Tensor] = {}
+
+    def grab(act: Tensor, hook: Any) -> Tensor:
+        acts[hook.name] = _on_graph(act, hook.name)
+        return acts[hook.name]
+
+    with torch.enable_grad():
+        logits = _run(model, tokens, None, tokens, attention_mask, [(n, grab) for n in names.values()])
+        value = metric(logits)
+        base = float(value.detach())
+        grads = torch.autograd.grad(value, [acts[n] for n in names.values()], allow_unused=True)
+    inner = [a for a in over if a != "layer"]
+    parts = {}
+    for (layer, name), grad in zip(names.items(), grads):
+        if grad is None:
+            raise RuntimeError(f"the metric's gradient does not reach {name!r}: that activation is not on the "
+                               "path to the logits")
+        act = acts[name].detach()
+        prod = (_source(clean_cache, name).to(act) - act) * grad
+        keep = [axis_dim(name, a) for a in inner]
+        rest = [d for d in range(prod.ndim) if d not in keep]
+        parts[layer] = prod.permute(keep + rest).flatten(len(keep)).sum(-1).detach().double().cpu() + base
+    if "layer" not in over:
+        return parts[None]
+    first = next(iter(parts.values()))
+    out = torch.full((model.cfg.n_layers, *first.shape), float("nan"), dtype=torch.float64)
+    for layer, est in parts.items():
+        out[layer] = est
+    return out.permute(*[0 if a == "layer" else 1 + inner.index(a) for a in over])
+
+
+LAZY = ("hook_A_bar", "hook_B_bar", "hook_h", "hook_kernel", "hook_head_out", "hook_result")  # DESIGN.md 4
+
+
+def _on_graph(act: Tensor, name: str) -> Tensor:
+    """A copy of `act` that the model uses downstream, so d metric / d copy is the attribution gradient.
+
+    A lazy quantity (DESIGN.md section 4) that comes back from its hook with unchanged values is
+    treated as unedited and left off the graph; one element is moved by one ulp so that the model
+    takes its exact (and differentiable) edit path instead. The change is below rounding.
+    """
+    x = act.clone() if act.requires_grad else act.detach().clone().requires_grad_(True)
+    if name.rsplit(".", 1)[-1] not in LAZY:
+        return x
+    with torch.no_grad():
+        bump = torch.zeros_like(act)
+        first = act.reshape(-1)[0]
+        bump.view(-1)[0] = torch.nextafter(first, torch.full_like(first, float("inf"))) - first
+    return x + bump
+
+
+def compare_attribution(exact: Tensor, approx: Tensor, baseline: float = 0.0) -> dict[str, float]:
+    """Agreement of attribution and exact patching: Pearson r, max |error|, top-5 overlap of |effect|.
+
+    effect = value - baseline (pass the unpatched metric to rank by the size of each patch's effect).
+    """
+    ok = ~(exact.isnan() | approx.isnan())
+    e, a = exact[ok].double() - baseline, approx[ok].double() - baseline
+    r = torch.corrcoef(torch.stack([e, a]))[0, 1].item() if e.numel() > 1 else float("nan")
+    k = min(5, e.numel())
+    top = len(set(e.abs().topk(k).indices.tolist()) & set(a.abs().topk(k).indices.tolist())) / max(k, 1)
+    return {"pearson": r, "max_abs_error": (e - a).abs().max().item(), "top5_overlap": top}
