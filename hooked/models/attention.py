@@ -52,7 +52,11 @@ from hooked.ops.rotary import Rotary, apply_rotary
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with GQA; q/k/v/o projections are plain attributes a caller may wrap."""
+    """Causal multi-head attention with GQA; q/k/v/o projections are plain attributes a caller may wrap.
+
+    q_proj, k_proj, v_proj may be replaced by any module mapping [.. d_in] to the same width (Zamba2
+    adds a per-invocation LoRA); o_proj must keep `weight` and `bias` (hook_result reads them).
+    """
 
     def __init__(self, d_in: int, n_heads: int, n_kv_heads: int, d_head: int, d_out: int | None = None, *,
                  qkv_bias: bool = False, o_bias: bool = False, rotary: Rotary | None = None,
