@@ -1,0 +1,231 @@
+"""Train the model organisms: tiny HF transformers models on the synthetic KV task (analysis/kv_task.py).
+
+Glossary
+    recipe      one organism: an HF config class and its kwargs, the query format, the learning rate,
+                the step budget, the range of n (pairs per sequence) and whether to use a curriculum.
+    step        one AdamW update on a batch of 64 sequences, all with the same n (drawn per step).
+    curriculum  start with n <= `n_start`; raise the maximum by one when training accuracy over the
+                last 50 steps passes 0.9, up to `n_max` (attention models need it to leave chance).
+    phase 2     optional extra steps at a lower learning rate (`--steps2`, `--lr2`).
+    work dir    /tmp/organisms/<name>: `state.pt` (model, optimizer, step, curriculum, generator) is
+                saved every `--save-every` steps, so a killed job resumes where it stopped.
+    out dir     loaders/organisms/<name>: config.json, model.safetensors, tokenizer files, CARD.md.
+
+Optimiser (measured in issue 7): AdamW betas (0.9, 0.98), weight decay 0.01, linear warmup over 200
+steps then constant lr, gradient clip 1.0, loss on every answer of the n queries per sequence.
+One thread per job (2 threads were 9x slower per step on the shared machine).
+
+    python scripts/train_organisms.py mamba2-kv                       # full recipe, then export
+    python scripts/train_organisms.py llama-kv --steps 200 --no-export # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from analysis.kv_task import D_VOCAB, PAD, accuracy_table, make_tokenizer, training_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "loaders" / "organisms"
+WORK = Path("/tmp/organisms")
+
+
+@dataclass
+class Recipe:
+    config_class: str  # transformers class name of the config
+    model_class: str  # transformers class name of the causal LM
+    config: dict[str, Any]
+    fmt: str = "?k"
+    lr: float = 3e-3
+    steps: int = 800
+    n_min: int = 2
+    n_max: int = 12
+    curriculum: bool = False
+    n_start: int = 3
+    steps2: int = 0
+    lr2: float = 1e-3
+    batch: int = 64
+    warmup: int = 200
+    seed: int = 0
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_COMMON = dict(vocab_size=D_VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=PAD)
+RECIPES: dict[str, Recipe] = {
+    "mamba2-kv": Recipe("Mamba2Config", "Mamba2ForCausalLM", dict(
+        _COMMON, hidden_size=64, num_hidden_layers=2, state_size=32, head_dim=16, num_heads=8, expand=2,
+        n_groups=1, chunk_size=16, conv_kernel=4, tie_word_embeddings=True), fmt="k?", lr=3e-3, steps=800),
+    "llama-kv": Recipe("LlamaConfig", "LlamaForCausalLM", dict(
+        _COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True,
+        attn_implementation="eager"), fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3),
+    "gpt2-kv": Recipe("GPT2Config", "GPT2LMHeadModel", dict(
+        _COMMON, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256, attn_implementation="eager"),
+        fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3),
+    "zamba2-kv": Recipe("Zamba2Config", "Zamba2ForCausalLM", dict(
+        _COMMON, hidden_size=64, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=32, mamba_headdim=16, n_mamba_heads=8, mamba_expand=2, mamba_ngroups=1, chunk_size=16,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_mem_blocks=1,
+        use_shared_attention_adapter=False, use_mem_rope=True, max_position_embeddings=256,
+        tie_word_embeddings=True, attn_implementation="eager"), fmt="k?", lr=3e-3, steps=800),
+    "mamba-kv": Recipe("MambaConfig", "MambaForCausalLM", dict(
+        _COMMON, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
+        tie_word_embeddings=True), fmt="k?", lr=3e-3, steps=3000),
+}
+
+
+def build(recipe: Recipe) -> torch.nn.Module:
+    """A freshly initialised HF model (seeded) for the recipe."""
+    import transformers
+
+    cfg_kwargs = dict(recipe.config)
+    attn = cfg_kwargs.pop("attn_implementation", None)
+    config = getattr(transformers, recipe.config_class)(**cfg_kwargs)
+    if attn is not None:
+        config._attn_implementation = attn
+    torch.manual_seed(recipe.seed)
+    return getattr(transformers, recipe.model_class)(config)
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    if step >= recipe.steps:
+        return recipe.lr2
+    return recipe.lr * min(1.0, (step + 1) / recipe.warmup)
+
+
+def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any = print) -> tuple[torch.nn.Module, dict]:
+    """Train (resuming from `work/state.pt` when present); returns the model and a summary dict."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = build(recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(recipe.seed + 1)
+    state = dict(step=0, n_cur=recipe.n_start if recipe.curriculum else recipe.n_max, hits=[], seconds=0.0)
+    ckpt = work / "state.pt"
+    if ckpt.is_file():
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        gen.set_state(saved["gen"])
+        state = saved["state"]
+        log(f"resumed {name} at step {state['step']}")
+    total = recipe.steps + recipe.steps2
+    model.train()
+    t0 = time.time() - state["seconds"]
+    while state["step"] < total:
+        step = state["step"]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, recipe)
+        n = int(torch.randint(recipe.n_min, state["n_cur"] + 1, (1,), generator=gen)) \
+            if state["n_cur"] > recipe.n_min else recipe.n_min
+        tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt)
+        logits = model(tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        mask = labels != -100
+        acc = (logits.argmax(-1)[mask] == labels[mask]).float().mean().item()
+        state["hits"] = (state["hits"] + [acc])[-50:]
+        if recipe.curriculum and len(state["hits"]) == 50 and sum(state["hits"]) / 50 > 0.9 \
+                and state["n_cur"] < recipe.n_max:
+            state["n_cur"] += 1
+            state["hits"] = []
+            log(f"step {step}: curriculum n_max -> {state['n_cur']}")
+        state["step"] = step + 1
+        state["seconds"] = time.time() - t0
+        if step % 25 == 0:
+            log(f"step {step} n {n} loss {loss.item():.4f} acc {acc:.3f} n_cur {state['n_cur']} "
+                f"t {state['seconds']:.0f}s")
+        if state["step"] % save_every == 0 or state["step"] == total:
+            torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), gen=gen.get_state(), state=state), ckpt)
+    model.eval()
+    return model, dict(steps=total, seconds=state["seconds"], n_cur=state["n_cur"])
+
+
+def export(name: str, recipe: Recipe, model: torch.nn.Module, summary: dict, out: Path,
+           n_samples: int = 500) -> dict[int, float]:
+    """Write config.json, model.safetensors, tokenizer files and CARD.md; returns the accuracy table."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    make_tokenizer().save_pretrained(out)
+    table = accuracy_table(model, (4, 8, 12, 16), n_samples=n_samples, seed=0, fmt=recipe.fmt)
+    (out / "CARD.md").write_text(card(name, recipe, table, summary, n_samples))
+    (out / "accuracy.json").write_text(json.dumps({"fmt": recipe.fmt, "n_samples": n_samples, "seed": 0,
+                                                   "accuracy": {str(k): v for k, v in table.items()}}, indent=1))
+    return table
+
+
+def card(name: str, r: Recipe, table: dict[int, float], summary: dict, n_samples: int) -> str:
+    q = "k ?" if r.fmt == "k?" else "? k"
+    rows = "\n".join(f"| {n} | {acc:.3f} | {1 / n:.3f} |" for n, acc in table.items())
+    sched = (f"curriculum from n <= {r.n_start} (raise by one when 50-step training accuracy > 0.9), "
+             f"reached n_max = {summary['n_cur']} (target {r.n_max})" if r.curriculum
+             else f"n uniform in [{r.n_min}, {r.n_max}] per step")
+    phase2 = f", then {r.steps2} steps at lr {r.lr2}" if r.steps2 else ""
+    return f"""# organism/{name}
+
+{r.model_class} trained from scratch on the synthetic key-value task of `analysis/kv_task.py`.
+Load: `from_pretrained("organism/{name}")` (hooked) or `transformers.{r.model_class}.from_pretrained(dir)`.
+
+## Task
+- Vocabulary (101): 0 `<pad>`, 1 `<bos>`, 2 `:`, 3 newline, 4 `?`, keys K00..K63 (ids 5..68),
+  values V00..V31 (ids 69..100). Tokenizer files here spell them as words (`K03 : V12 \\n ? K03`).
+- Prompt: `<bos> (k : v newline) x n` with distinct keys and values drawn with replacement, then the
+  query `{q}`; the next token is the queried key's value.
+- Training sequences ask every key once after the context (`query value` repeated, random order);
+  the loss is on every answer.
+
+## Accuracy
+Choice scoring over the context's n values (the scorer shared with the text KV task), {n_samples}
+prompts per n, `analysis.kv_task.accuracy_table(model, seed=0, fmt="{r.fmt}")` (prompt seed = n):
+
+| n | accuracy | chance 1/n |
+|---|---|---|
+{rows}
+
+## Training
+`python scripts/train_organisms.py {name}`: seed {r.seed}, batch {r.batch}, AdamW betas (0.9, 0.98),
+weight decay 0.01, warmup {r.warmup} then lr {r.lr} for {r.steps} steps{phase2}, clip 1.0; {sched}.
+{summary['steps']} steps in {summary['seconds'] / 60:.1f} min on one shared CPU thread (machine load ~8).
+Config: `{json.dumps(r.config)}`.
+{r.notes}
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("name", choices=sorted(RECIPES))
+    p.add_argument("--steps", type=int, help="override the recipe's main step budget")
+    p.add_argument("--steps2", type=int, help="override the phase-2 step budget")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--work", type=Path, help=f"resume/checkpoint dir (default {WORK}/<name>)")
+    p.add_argument("--out", type=Path, help=f"export dir (default {OUT}/<name>)")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--no-export", action="store_true")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    r = RECIPES[a.name]
+    for field_name in ("steps", "steps2", "lr", "seed"):
+        if getattr(a, field_name) is not None:
+            setattr(r, field_name, getattr(a, field_name))
+    model, summary = train(a.name, r, a.work or WORK / a.name, a.save_every, log=lambda s: print(s, flush=True))
+    if not a.no_export:
+        table = export(a.name, r, model, summary, a.out or OUT / a.name)
+        print("accuracy", {n: round(v, 3) for n, v in table.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Model organisms: the KV task, the training script, and known answers on the shipped checkpoints.
+
+Glossary
+    shipped     every loaders/organisms/<name>/ with a config.json (see loaders/organisms.py)
+    card table  accuracy.json beside CARD.md: {n: accuracy} on seeded prompts; reproduced here through
+                OUR hooked model loaded by name, within 2 points
+    HF oracle   the same directory loaded by transformers; logits must agree within 1e-4 of max |logit|
+    smoke       every recipe of scripts/train_organisms.py trained for a few tiny steps and exported
+    circuit     Llama-kv: layer-0 heads that copy a pair's key and value into its newline, layer-1 heads
+                that read the queried pair's newline at the query (attention mass through our hooks);
+                both layer-1 heads ablated together drop accuracy to chance
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from analysis import kv_task
+from analysis.kv_task import KEY0, NL, VALUE0, make_tokenizer, prompts, to_text, training_batch
+from loaders import from_pretrained
+from loaders.organisms import accuracy, available, organism_path
+from scripts.train_organisms import RECIPES, build, export, train
+
+SHIPPED = available()
+
+
+# ------------------------------------------------------------------------------------ the task
+@pytest.mark.parametrize("fmt", ["k?", "?k"])
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_training_labels_are_the_queried_values(n, fmt):
+    tokens, labels = training_batch(n, 8, torch.Generator().manual_seed(n), fmt)
+    assert tokens.shape == (8, 1 + 4 * n + 3 * n)
+    for row, lab in zip(tokens.tolist(), labels.tolist()):
+        table = {row[1 + 4 * i]: row[3 + 4 * i] for i in range(n)}  # brute force from the context
+        assert len(table) == n and all(row[4 + 4 * i] == NL for i in range(n))
+        asked = []
+        for pos, target in enumerate(lab):
+            if target == -100:
+                continue
+            key = row[pos - 1] if fmt == "k?" else row[pos]
+            assert target == table[key] == row[pos + 1]
+            asked.append(key)
+        assert sorted(asked) == sorted(table)
+
+
+@pytest.mark.parametrize("fmt", ["k?", "?k"])
+def test_prompts_answer_and_text_round_trip(fmt):
+    p = prompts(6, 20, seed=3, fmt=fmt)
+    tok = make_tokenizer()
+    for b in range(20):
+        row = p.tokens[b].tolist()
+        key = row[-2] if fmt == "k?" else row[-1]
+        assert KEY0 <= key < VALUE0
+        table = {row[1 + 4 * i]: row[3 + 4 * i] for i in range(6)}
+        assert table[key] == int(p.choices[b, p.answer[b]])
+        assert tok(to_text(row))["input_ids"] == row
+    ex = kv_task.examples(6, 2, seed=3, fmt=fmt)
+    assert tok(ex[1].prompt)["input_ids"] == prompts(6, 2, seed=3, fmt=fmt).tokens[1].tolist()
+    assert [ex[1].prompt[a:b] for a, b in ex[1].segments][0].endswith("\n")
+
+
+def test_batched_and_single_scoring_agree():
+    torch.manual_seed(0)
+    model = build(dataclasses.replace(RECIPES["llama-kv"])).eval()
+    p = prompts(4, 3, seed=1)
+    with torch.no_grad():
+        batched = kv_task.choice_scores(kv_task.logits_of(model, p.tokens), p.choices)
+        for b in range(3):
+            single = kv_task.score_choices_tokens(model, p.tokens[b], [[int(c)] for c in p.choices[b]])
+            torch.testing.assert_close(single, batched[b], rtol=1e-5, atol=1e-5)
+            two = kv_task.score_choices_tokens(model, p.tokens[b, :-1], [[int(p.tokens[b, -1]), int(c)]
+                                                                          for c in p.choices[b]])
+            first = kv_task.logits_of(model, p.tokens[b:b + 1, :-1])[0, -1].log_softmax(-1)[p.tokens[b, -1]]
+            torch.testing.assert_close(two, batched[b] + first, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ training script
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_trains_a_few_steps_and_exports(name, tmp_path):
+    recipe = dataclasses.replace(RECIPES[name], steps=2, steps2=1, batch=4, n_max=3, warmup=1, n_start=2)
+    model, summary = train(name, recipe, tmp_path / "work", save_every=2, log=lambda s: None)
+    assert summary["steps"] == 3 and (tmp_path / "work" / "state.pt").is_file()
+    resumed, again = train(name, recipe, tmp_path / "work", log=lambda s: None)  # resumes at the end
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fresh = build(recipe)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    table = export(name, recipe, model, summary, tmp_path / "out", n_samples=20)
+    assert set(table) == {4, 8, 12, 16} and all(0 <= v <= 1 for v in table.values())
+    hooked = from_pretrained(tmp_path / "out")
+    tokens = prompts(3, 2, seed=0, fmt=recipe.fmt).tokens
+    with torch.no_grad():
+        ref = model(tokens).logits
+        torch.testing.assert_close(hooked(tokens), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+    assert hooked.to_str_tokens(tokens[0])[:2] == ["<bos>", kv_task.WORDS[int(tokens[0, 1])]]
+
+
+# ---------------------------------------------------------------------------- shipped checkpoints
+@pytest.fixture(scope="module")
+def loaded():
+    return {}
+
+
+def _hooked(name, cache):
+    if name not in cache:
+        cache[name] = from_pretrained(f"organism/{name}")
+    return cache[name]
+
+
+def test_unknown_organism_lists_the_shipped_ones():
+    with pytest.raises(FileNotFoundError, match="no organism 'nope'"):
+        from_pretrained("organism/nope")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_accuracy_table_reproduced_by_hooked_model(name, loaded):
+    card = accuracy(name)
+    model = _hooked(name, loaded)
+    table = kv_task.accuracy_table(model, tuple(card["accuracy"]), n_samples=card["n_samples"],
+                                   seed=card["seed"], fmt=card["fmt"])
+    for n, acc in card["accuracy"].items():
+        assert abs(table[n] - acc) <= 0.02, (n, table[n], acc)
+    text = "K03 : V12 \n ? K03"
+    assert model.to_str_tokens(text) == ["<bos>", "K03", ":", "V12", "\n", "?", "K03"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_logits_match_hf(name, loaded):
+    from transformers import AutoModelForCausalLM
+
+    path = organism_path(name)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    model = _hooked(name, loaded)
+    tokens = prompts(10, 4, seed=11, fmt=accuracy(name)["fmt"]).tokens
+    with torch.no_grad():
+        ref = hf(tokens, output_hidden_states=True)
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_resid_post"))
+    ours = model(tokens)
+    torch.testing.assert_close(ours, ref.logits, rtol=0, atol=1e-4 * ref.logits.abs().max().item())
+    for layer, h in enumerate(ref.hidden_states[1:-1]):  # the last HF hidden state is after the final norm
+        torch.testing.assert_close(cache[f"blocks.{layer}.hook_resid_post"], h, rtol=0, atol=1e-4 * h.abs().max().item())
+
+
+# ------------------------------------------------------------------------------- Llama-kv circuit
+needs_llama = pytest.mark.skipif("llama-kv" not in SHIPPED, reason="organism/llama-kv not shipped")
+
+
+def _llama_patterns(model, n=8, samples=200):
+    p = prompts(n, samples, seed=5, fmt="?k")
+    _, cache = model.run_with_cache(p.tokens, names_filter=lambda s: s.endswith("hook_pattern"))
+    return p, cache["blocks.0.attn.hook_pattern"], cache["blocks.1.attn.hook_pattern"]
+
+
+@needs_llama
+def test_llama_layer0_heads_move_key_and_value_into_the_newline(loaded):
+    model = _hooked("llama-kv", loaded)
+    p, pat0, _ = _llama_patterns(model)
+    nl = torch.tensor(p.pair_newlines())
+    to_key = pat0[:, :, nl, nl - 3].mean((0, 2))  # [n_heads] mean attention newline -> its key
+    to_value = pat0[:, :, nl, nl - 1].mean((0, 2))
+    k_head, v_head = int(to_key.argmax()), int(to_value.argmax())
+    assert k_head != v_head
+    assert to_key[k_head] > 0.8 and to_value[v_head] > 0.8, (to_key, to_value)
+
+
+@needs_llama
+def test_llama_layer1_heads_read_the_queried_newline(loaded):
+    from analysis.ablation import ablate_heads
+
+    model = _hooked("llama-kv", loaded)
+    p, _, pat1 = _llama_patterns(model)
+    nl = torch.tensor(p.pair_newlines())
+    target_nl = nl[p.answer]  # [batch]
+    mass = pat1[torch.arange(len(target_nl)), :, -1, target_nl].mean(0)  # [n_heads] at the query
+    top2 = mass.topk(2).indices.tolist()
+    assert mass[top2].min() > 0.5, mass
+    base = kv_task.accuracy(model, 8, 300, seed=21, fmt="?k")
+    with ablate_heads(model, [(1, h) for h in top2]):
+        both = kv_task.accuracy(model, 8, 300, seed=21, fmt="?k")
+    assert base > 0.6 and both < 0.3, (base, both)  # chance at n = 8 is ~0.13
