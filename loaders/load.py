@@ -103,6 +103,10 @@ def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = No
     name = str(path_or_repo_id)
     if name.lower() in ALIASES:
         return ALIASES[name.lower()]()
+    if name.lower().startswith("organism/"):  # shipped model organisms: loaders/organisms.py
+        from loaders.organisms import organism_path
+
+        return organism_path(name)
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
