@@ -34,6 +34,7 @@ The shared blocks read the original embedding: `model(resid, start_at_layer=k, t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ class Zamba2Config:
     n_layers: int
     d_model: int
     d_vocab: int
-    layer_types: tuple[str, ...]  # "mamba" or "hybrid", one per layer
+    layer_types: Sequence[str]  # "mamba" or "hybrid", one per layer (stored as a tuple)
     n_heads: int  # H, SSM heads of every Mamba-2 layer
     d_head: int | None = None  # P; None: d_inner // n_heads
     d_inner: int | None = None  # None: 2 * d_model (HF mamba_expand = 2)
@@ -202,10 +203,10 @@ class HookedZamba2(HookedModel):
     def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
                      tokens: Tensor | None, device: torch.device) -> Context:
         """The base Context plus the token embedding the shared blocks read (when tokens are known)."""
+        if tokens is not None and tuple(tokens.shape) != (int(shape[0]), int(shape[1])):
+            raise ValueError(f"tokens have shape {tuple(tokens.shape)}, the residual is {tuple(shape[:2])}")
         ctx = super().make_context(shape, attention_mask, tokens, device)
         if tokens is not None:
-            if tuple(tokens.shape) != (int(shape[0]), int(shape[1])):
-                raise ValueError(f"tokens have shape {tuple(tokens.shape)}, the residual is {tuple(shape[:2])}")
             ctx.embedding = self.embed(tokens.to(device))
         return ctx
 

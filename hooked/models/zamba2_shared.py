@@ -79,9 +79,9 @@ class FusedGatedMLP(nn.Module):
         self.hook_post = HookPoint()  # [batch pos d_mlp]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        pre = self.hook_pre(gate)
-        pre_linear = self.hook_pre_linear(up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views; contiguous, the layout a hook's clone has
+        pre = self.hook_pre(gate.contiguous())
+        pre_linear = self.hook_pre_linear(up.contiguous())
         post = self.act(pre) * pre_linear
         post = self.hook_post(post)
         return self.down_proj(post)
