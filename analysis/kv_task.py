@@ -11,10 +11,13 @@ Glossary
     training sequence  context, then every key asked once in a random order, each query followed by
                 its answer: `ctx q1 a1 q2 a2 ...`; the loss is on every answer (n answers per sequence).
     choices     for evaluation, the n values of the context (as in the text KV task of
-                `analysis.tasks.kv_retrieval`); a prompt is right when the answer scores highest.
-                Chance is 1/n (less when values repeat: a repeated value is one choice).
-    scoring     `score_choices_tokens`: each choice's summed log-probability of its tokens after the
-                prompt. The text KV task scores the same way; this is the shared scorer.
+                `analysis.tasks.kv_retrieval`); evaluation prompts draw distinct values, so chance
+                is 1/n; a prompt is right when the answer scores highest. Training draws values
+                with replacement.
+    scoring     each choice's summed log-probability of its tokens after the prompt, the rule of
+                `analysis.ga.score_choices` for the text KV task. `choice_scores` is its batched
+                single-token form (one forward per batch, no text), `score_choices_tokens` the
+                general form on ids; tests check both equal `ga.score_choices` on `examples`.
 
 The text form (`to_text`, `examples`) spells the tokens with single spaces, e.g.
 `K03 : V12 \\n K41 : V07 \\n ? K03`, which `make_tokenizer()` (a word-level HF tokenizer) maps back to
@@ -49,12 +52,16 @@ def query_tokens(key: int, fmt: str) -> list[int]:
     return [key, QMARK] if fmt == "k?" else [QMARK, key]
 
 
-def _draw(n: int, batch: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Keys (distinct per row) and values, both [batch n] token ids."""
-    if not 1 <= n <= N_KEYS:
-        raise ValueError(f"n must be in [1, {N_KEYS}], got {n}")
+def _draw(n: int, batch: int, gen: torch.Generator, distinct_values: bool = False) -> tuple[Tensor, Tensor]:
+    """Keys (distinct per row) and values (with replacement, or distinct), both [batch n] token ids."""
+    top = N_VALUES if distinct_values else N_KEYS
+    if not 1 <= n <= top:
+        raise ValueError(f"n must be in [1, {top}], got {n}")
     keys = torch.argsort(torch.rand(batch, N_KEYS, generator=gen), dim=1)[:, :n] + KEY0
-    values = torch.randint(0, N_VALUES, (batch, n), generator=gen) + VALUE0
+    if distinct_values:
+        values = torch.argsort(torch.rand(batch, N_VALUES, generator=gen), dim=1)[:, :n] + VALUE0
+    else:
+        values = torch.randint(0, N_VALUES, (batch, n), generator=gen) + VALUE0
     return keys, values
 
 
@@ -102,9 +109,10 @@ class KVPrompts:
 
 
 def prompts(n: int, n_samples: int, seed: int = 0, fmt: str = "?k") -> KVPrompts:
-    """`n_samples` seeded prompts with `n` pairs each; the queried pair is uniform over the n."""
+    """`n_samples` seeded prompts with `n` pairs each (distinct keys, distinct values, so the n
+    choices are distinct and chance is 1/n); the queried pair is uniform over the n."""
     gen = torch.Generator().manual_seed(seed)
-    keys, values = _draw(n, n_samples, gen)
+    keys, values = _draw(n, n_samples, gen, distinct_values=True)
     target = torch.randint(0, n, (n_samples,), generator=gen)
     qk = keys.gather(1, target[:, None])[:, 0]
     q = torch.stack([torch.tensor(query_tokens(int(k), fmt)) for k in qk])

@@ -62,6 +62,20 @@ def test_prompts_answer_and_text_round_trip(fmt):
     assert [ex[1].prompt[a:b] for a, b in ex[1].segments][0].endswith("\n")
 
 
+def test_scoring_agrees_with_the_text_kv_scorer():
+    """Our batched single-token scorer == `analysis.ga.score_choices` on the same prompts as text."""
+    ga = pytest.importorskip("analysis.ga")
+    from loaders import from_hf
+
+    model = from_hf(build(RECIPES["mamba2-kv"]).eval(), tokenizer=make_tokenizer())
+    p = prompts(5, 6, seed=2, fmt="k?")
+    with torch.no_grad():
+        ours = kv_task.choice_scores(model(p.tokens), p.choices)
+    theirs = ga.score_choices(model, kv_task.examples(5, 6, seed=2, fmt="k?"))
+    torch.testing.assert_close(theirs.float(), ours, rtol=1e-5, atol=1e-5)
+    assert len(set(p.choices[0].tolist())) == 5  # evaluation values are distinct: chance is 1/n
+
+
 def test_batched_and_single_scoring_agree():
     torch.manual_seed(0)
     model = build(dataclasses.replace(RECIPES["llama-kv"])).eval()
