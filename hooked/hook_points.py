@@ -236,6 +236,40 @@ class HookedRootModule(nn.Module):
         return [n for n in names if re.search(pattern, n)] if pattern else names
 
 
+def _version(t: Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return None
+
+
+def through_hook(hook: HookPoint, value: Tensor,
+                 rebuild: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    """Pass a lazily built tensor through its hook: (value after the hook, value before it | None).
+
+    The second item is None when the hooks changed nothing (returned None, the same tensor, or an
+    equal copy), so that the model keeps its fast path and stays bit-identical. An in-place edit is
+    seen through the tensor's version counter and the original is rebuilt with `rebuild()`; tensors
+    made under torch.inference_mode() have no counter, so a copy is kept to compare with.
+    """
+    if not hook._hooks:
+        return hook(value), None
+    version = _version(value)
+    saved = value.clone() if version is None else None
+    out = hook(value)
+    if saved is not None:
+        original = saved if not torch.equal(saved, value) else value
+    elif _version(value) != version:
+        original = rebuild() if rebuild is not None else None
+        if original is None:
+            raise RuntimeError(f"{hook.name}: edited in place, and its original cannot be rebuilt")
+    else:
+        original = value
+    if original is value and (out is value or torch.equal(out, value)):
+        return out, None
+    return out, original
+
+
 def _as_backward_hook(fn: HookFn) -> HookFn:
     """Wrap `fn(grad, hook)` so that it runs on the gradient of the hooked activation."""
 

@@ -40,7 +40,6 @@ keeps a zero state until its first real token, so it equals the prompt run alone
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ from einops import einsum
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from hooked.hook_points import HookPoint
+from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context, HookedModel
 from hooked.models.norms import RMSNorm
 from hooked.models.ssm_block import SSMBlock
@@ -94,34 +93,6 @@ class MambaConfig:
     def n_groups(self) -> int:
         """All channels read the same B and C."""
         return 1
-
-
-def _version(t: Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors have no version counter
-        return None
-
-
-def _run_hook(hook: HookPoint, value: Tensor,
-              rebuild: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor, bool]:
-    """(value after the hook, the value before it, whether a hook changed it).
-
-    A hook that edits in place leaves no copy of the original; `rebuild()` recomputes it. Tensors
-    made under torch.inference_mode() have no version counter: a copy is kept to compare with.
-    """
-    if not hook.is_active:
-        return value, value, False
-    version = _version(value)
-    saved = value.clone() if version is None else None
-    out = hook(value)
-    if saved is not None:
-        in_place = not torch.equal(saved, value)
-        original = saved
-    else:
-        in_place = _version(value) != version
-        original = rebuild() if in_place and rebuild is not None else value
-    return out, original, in_place or out is not value
 
 
 class MambaMixer(nn.Module):
@@ -211,17 +182,17 @@ class MambaMixer(nn.Module):
         discrete_edited = False
         if self.hook_A_bar.is_active or self.hook_B_bar.is_active or self.hook_h.is_active:
             A_bar = torch.exp(dt[..., None] * A)  # [b l d n]
-            A_bar, _, edited_A = _run_hook(self.hook_A_bar, A_bar)
+            A_bar, A_bar_was = through_hook(self.hook_A_bar, A_bar)
             B_bar = dt[..., None] * B[:, :, None, :]  # [b l d n], the Euler step Δ·B
-            B_bar, _, edited_B = _run_hook(self.hook_B_bar, B_bar)
-            discrete_edited = edited_A or edited_B
+            B_bar, B_bar_was = through_hook(self.hook_B_bar, B_bar)
+            discrete_edited = A_bar_was is not None or B_bar_was is not None
         if self.hook_h.is_active or discrete_edited:
             h = linear_scan(A_bar, B_bar * u[..., None])
             if discrete_edited:
                 y = einsum(h, C, "b l d n, b l n -> b l d")
             if self.hook_h.is_active:
-                h, h_orig, edited = _run_hook(self.hook_h, h, lambda: linear_scan(A_bar, B_bar * u[..., None]))
-                if edited:  # the recurrence continued from the edited states: scan the difference
+                h, h_orig = through_hook(self.hook_h, h, lambda: linear_scan(A_bar, B_bar * u[..., None]))
+                if h_orig is not None:  # the recurrence continued from the edited states: scan the difference
                     h = h_orig + linear_scan(A_bar, h - h_orig)
                     y = einsum(h, C, "b l d n, b l n -> b l d")
         if y is None:
@@ -231,8 +202,8 @@ class MambaMixer(nn.Module):
                 build = lambda: mamba1_kernel_discrete(A_bar, B_bar, C)  # noqa: E731
             else:
                 build = lambda: mamba1_kernel(dt, A, B, C)  # noqa: E731
-            kernel, kernel_orig, edited = _run_hook(self.hook_kernel, build(), build)
-            if edited:
+            kernel, kernel_orig = through_hook(self.hook_kernel, build(), build)
+            if kernel_orig is not None:
                 y = y + einsum(kernel - kernel_orig, u, "b d j i, b i d -> b j d")
         return y.to(dtype)
 
@@ -250,8 +221,8 @@ class MambaMixer(nn.Module):
                 "names_filter and use hook_gated with out_proj.weight instead"
             )
         head_out = gated[..., None] * self.out_proj.weight.T  # [b l d_inner d_model]
-        head_out, _, edited = _run_hook(self.hook_head_out, head_out)
-        if not edited:
+        head_out, head_out_was = through_hook(self.hook_head_out, head_out)
+        if head_out_was is None:
             return self.out_proj(gated)
         mixer_out = head_out.sum(dim=-2)
         return mixer_out if self.out_proj.bias is None else mixer_out + self.out_proj.bias

@@ -38,7 +38,6 @@ hook changed nothing leaves the fast path's numbers bit-identical.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,7 @@ from einops import einsum, rearrange, repeat
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from hooked.hook_points import HookPoint
+from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context, HookedModel
 from hooked.models.gated_norm import GatedRMSNorm
 from hooked.models.norms import RMSNorm
@@ -86,22 +85,6 @@ class Mamba2Config:
     @property
     def conv_dim(self) -> int:
         return self.d_inner + 2 * self.n_groups * self.d_state
-
-
-def _through_hook(hook: HookPoint, value: Tensor, rebuild: Callable[[], Tensor]) -> tuple[Tensor, Tensor | None]:
-    """Pass a lazily built tensor through its hook.
-
-    Returns (the value after the hook, the value before it), the second None when the hook changed
-    nothing, so that unchanged quantities keep the fast path. An in-place edit is detected by the
-    tensor's version counter and the original rebuilt.
-    """
-    version = value._version
-    out = hook(value)
-    if value._version != version:
-        return out, rebuild()
-    if out is value or torch.equal(out, value):
-        return out, None
-    return out, value
 
 
 def _heads(BC: Float[Tensor, "batch pos n_groups d_state"], n_heads: int) -> Float[Tensor, "batch pos n_heads d_state"]:
@@ -225,8 +208,8 @@ class Mamba2Mixer(nn.Module):
         need_states = self.hook_h.is_active
         discrete_edited = False
         if need_states or self.hook_A_bar.is_active or self.hook_B_bar.is_active:
-            A_bar, A_bar_was = _through_hook(self.hook_A_bar, torch.exp(dt * A), lambda: torch.exp(dt * A))
-            B_bar, B_bar_was = _through_hook(self.hook_B_bar, dt[..., None] * _heads(B, self.n_heads),
+            A_bar, A_bar_was = through_hook(self.hook_A_bar, torch.exp(dt * A), lambda: torch.exp(dt * A))
+            B_bar, B_bar_was = through_hook(self.hook_B_bar, dt[..., None] * _heads(B, self.n_heads),
                                              lambda: dt[..., None] * _heads(B, self.n_heads))
             discrete_edited = A_bar_was is not None or B_bar_was is not None
 
@@ -241,7 +224,7 @@ class Mamba2Mixer(nn.Module):
             states = None
             y, _ = ssd_chunked(u, dt, A, B, C, self.chunk_size)
         if need_states:
-            h, h_was = _through_hook(self.hook_h, states if states is not None else states_fn(), states_fn)
+            h, h_was = through_hook(self.hook_h, states if states is not None else states_fn(), states_fn)
             if h_was is not None:  # the recurrence is linear in h: scan the edit forward
                 y = y + einsum(linear_scan_heads(A_bar, h - h_was), C_heads, "b l h p n, b l h n -> b l h p")
         if self.hook_kernel.is_active:
@@ -249,7 +232,7 @@ class Mamba2Mixer(nn.Module):
                 kernel_fn = lambda: _kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731
             else:
                 kernel_fn = lambda: mamba2_kernel(dt, A, B, C)  # noqa: E731
-            kernel, kernel_was = _through_hook(self.hook_kernel, kernel_fn(), kernel_fn)
+            kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)
             if kernel_was is not None:  # y_j += sum_i (K' - K)[j, i] u_i
                 y = y + einsum(kernel - kernel_was, u, "b h j i, b i h p -> b j h p")
         return y
@@ -264,7 +247,7 @@ class Mamba2Mixer(nn.Module):
             per_head = rearrange(gated, "b l (h p) -> b l h p", p=self.d_head)
             return einsum(per_head, W_out, "b l h p, h p m -> b l h m")
 
-        head_out, head_out_was = _through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
+        head_out, head_out_was = through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
         if head_out_was is None:
             return self.out_proj(gated)
         out = head_out.sum(dim=2)
