@@ -55,6 +55,7 @@ class Recipe:
     batch: int = 64
     warmup: int = 200
     seed: int = 0
+    minutes: float | None = None  # wall-clock budget: phase 2 takes its last 15%, then training stops
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -96,10 +97,24 @@ def build(recipe: Recipe) -> torch.nn.Module:
     return getattr(transformers, recipe.model_class)(config)
 
 
-def lr_at(step: int, recipe: Recipe) -> float:
-    if step >= recipe.steps:
+def lr_at(step: int, recipe: Recipe, phase2: bool = False) -> float:
+    if phase2 or step >= recipe.steps:
         return recipe.lr2
     return recipe.lr * min(1.0, (step + 1) / recipe.warmup)
+
+
+def _phase2(state: dict, recipe: Recipe) -> bool:
+    """True once phase 2 has begun: after `steps`, or in the last 15% of a `minutes` budget."""
+    if recipe.minutes is not None and recipe.steps2 and state["seconds"] > 0.85 * 60 * recipe.minutes:
+        state.setdefault("phase2_from", state["step"])
+    elif state["step"] >= recipe.steps:
+        state.setdefault("phase2_from", state["step"])
+    return "phase2_from" in state
+
+
+def _done(state: dict, recipe: Recipe) -> bool:
+    out_of_time = recipe.minutes is not None and state["seconds"] > 60 * recipe.minutes
+    return out_of_time or state["step"] >= recipe.steps + recipe.steps2
 
 
 def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any = print) -> tuple[torch.nn.Module, dict]:
@@ -117,13 +132,12 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
         gen.set_state(saved["gen"])
         state = saved["state"]
         log(f"resumed {name} at step {state['step']}")
-    total = recipe.steps + recipe.steps2
     model.train()
     t0 = time.time() - state["seconds"]
-    while state["step"] < total:
+    while not _done(state, recipe):
         step = state["step"]
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, recipe)
+            g["lr"] = lr_at(step, recipe, _phase2(state, recipe))
         n = int(torch.randint(recipe.n_min, state["n_cur"] + 1, (1,), generator=gen)) \
             if state["n_cur"] > recipe.n_min else recipe.n_min
         tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt)
@@ -146,10 +160,11 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
         if step % 25 == 0:
             log(f"step {step} n {n} loss {loss.item():.4f} acc {acc:.3f} n_cur {state['n_cur']} "
                 f"t {state['seconds']:.0f}s")
-        if state["step"] % save_every == 0 or state["step"] == total:
+        if state["step"] % save_every == 0 or _done(state, recipe):
             torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), gen=gen.get_state(), state=state), ckpt)
     model.eval()
-    return model, dict(steps=total, seconds=state["seconds"], n_cur=state["n_cur"])
+    return model, dict(steps=state["step"], seconds=state["seconds"], n_cur=state["n_cur"],
+                       phase2_from=state.get("phase2_from"))
 
 
 def export(name: str, recipe: Recipe, model: torch.nn.Module, summary: dict, out: Path,
@@ -172,7 +187,9 @@ def card(name: str, r: Recipe, table: dict[int, float], summary: dict, n_samples
     sched = (f"curriculum from n <= {r.n_start} (raise by one when 50-step training accuracy > 0.9), "
              f"reached n_max = {summary['n_cur']} (target {r.n_max})" if r.curriculum
              else f"n uniform in [{r.n_min}, {r.n_max}] per step")
-    phase2 = f", then {r.steps2} steps at lr {r.lr2}" if r.steps2 else ""
+    p2 = summary.get("phase2_from")
+    phase2 = f", then lr {r.lr2} from step {p2}" if p2 is not None and p2 < summary["steps"] else ""
+    budget = f" (stopped by a {r.minutes}-minute budget)" if r.minutes is not None else ""
     return f"""# organism/{name}
 
 {r.model_class} trained from scratch on the synthetic key-value task of `analysis/kv_task.py`.
@@ -196,8 +213,8 @@ prompts per n, `analysis.kv_task.accuracy_table(model, seed=0, fmt="{r.fmt}")` (
 
 ## Training
 `python scripts/train_organisms.py {name}`: seed {r.seed}, batch {r.batch}, AdamW betas (0.9, 0.98),
-weight decay 0.01, warmup {r.warmup} then lr {r.lr} for {r.steps} steps{phase2}, clip 1.0; {sched}.
-{summary['steps']} steps in {summary['seconds'] / 60:.1f} min on one shared CPU thread (machine load ~8).
+weight decay 0.01, warmup {r.warmup} then lr {r.lr}{phase2}, clip 1.0; {sched}.
+{summary['steps']} steps{budget} in {summary['seconds'] / 60:.1f} min on one shared CPU thread (machine load ~8).
 Config: `{json.dumps(r.config)}`.
 {r.notes}
 """
@@ -210,6 +227,7 @@ def main() -> None:
     p.add_argument("--steps2", type=int, help="override the phase-2 step budget")
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--minutes", type=float, help="wall-clock budget (phase 2 takes the last 15%%)")
     p.add_argument("--work", type=Path, help=f"resume/checkpoint dir (default {WORK}/<name>)")
     p.add_argument("--out", type=Path, help=f"export dir (default {OUT}/<name>)")
     p.add_argument("--save-every", type=int, default=100)
@@ -218,7 +236,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     r = RECIPES[a.name]
-    for field_name in ("steps", "steps2", "lr", "seed"):
+    for field_name in ("steps", "steps2", "lr", "seed", "minutes"):
         if getattr(a, field_name) is not None:
             setattr(r, field_name, getattr(a, field_name))
     model, summary = train(a.name, r, a.work or WORK / a.name, a.save_every, log=lambda s: print(s, flush=True))

@@ -195,3 +195,31 @@ def test_llama_layer1_heads_read_the_queried_newline(loaded):
     with ablate_heads(model, [(1, h) for h in top2]):
         both = kv_task.accuracy(model, 8, 300, seed=21, fmt="?k")
     assert base > 0.6 and both < 0.3, (base, both)  # chance at n = 8 is ~0.13
+
+
+@needs_llama
+def test_llama_ga_tooling_finds_the_circuit(loaded):
+    """rank_heads: the two layer-0 heads on top; ga_scores: they gather, the layer-1 heads aggregate;
+    the pair ablation of the two layer-1 heads (offered by rank_heads) drops accuracy to chance."""
+    ga = pytest.importorskip("analysis.ga")
+    ga_scores = pytest.importorskip("analysis.ga_scores").ga_scores
+    model = _hooked("llama-kv", loaded)
+    examples = kv_task.examples(8, 120, seed=31, fmt="?k")
+    ranking = ga.rank_heads(model, examples, pairs_top_k=4, progress=False)
+    top2 = ranking.top(2)
+    assert {r["layer"] for r in ranking.rows[:2]} == {0}, ranking.rows[:4]
+    scores = ga_scores(model, examples[:40])
+    layer1 = sorted((u for u in scores if u.startswith("L1")), key=lambda u: -scores[u]["aggregate"])[:2]
+    assert all(scores[u]["gather"] > 0.8 for u in top2), {u: scores[u] for u in top2}
+    assert all(scores[u]["aggregate"] > 0.5 for u in layer1), {u: scores[u] for u in layer1}
+    assert all(scores[u]["aggregate"] < 0.3 for u in top2)
+    pair = {p["pair"]: p for p in ranking.pairs}
+    key = f"{layer1[0]}+{layer1[1]}" if f"{layer1[0]}+{layer1[1]}" in pair else f"{layer1[1]}+{layer1[0]}"
+    assert key in pair, (layer1, list(pair))
+    assert pair[key]["accuracy"] < 0.3 < ranking.baseline["accuracy"] - 0.3, (pair[key], ranking.baseline)
+
+
+def test_minutes_budget_stops_training(tmp_path):
+    recipe = dataclasses.replace(RECIPES["llama-kv"], steps=1000, steps2=10, batch=2, n_max=2, minutes=1e-5)
+    _, summary = train("llama-kv", recipe, tmp_path, log=lambda s: None)
+    assert summary["steps"] == 1
