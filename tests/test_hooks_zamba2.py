@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hooked.models.zamba2 import HookedZamba2, Zamba2Config
 
@@ -48,7 +47,8 @@ MLP = lambda c, b, l: (b, l, c.d_mlp)  # noqa: E731
 def shared_hooks(cfg: Zamba2Config) -> dict:
     """blocks.{l}.shared.* in forward order, then hook_shared_out."""
     rot = {"attn.hook_rot_q": Q, "attn.hook_rot_k": KV} if cfg.use_mem_rope else {}
-    hooks = {"hook_in": lambda c, b, l: (b, l, 2 * c.d_model), "ln1.hook_normalized": lambda c, b, l: (b, l, 2 * c.d_model),
+    wide = lambda c, b, l: (b, l, 2 * c.d_model)  # noqa: E731
+    hooks = {"hook_in": wide, "ln1.hook_normalized": wide,
              "attn.hook_q": Q, "attn.hook_k": KV, "attn.hook_v": KV, **rot, "attn.hook_attn_scores": PATTERN,
              "attn.hook_pattern": PATTERN, "attn.hook_z": Q,
              "attn.hook_result": lambda c, b, l: (b, l, c.n_attn_heads, c.d_model), "hook_attn_out": RESID,
@@ -142,6 +142,7 @@ def test_invocation_reads_hidden_and_embedding_and_feeds_the_mixer_input():
     _, cache = model.run_with_cache(tokens_for())
     for layer in CFG.hybrid_layer_ids:
         pre = f"blocks.{layer}."
+        assert cache["pattern", layer] is cache[pre + "shared.attn.hook_pattern"]  # the cache's shorthand
         hook_in = cache[pre + "shared.hook_in"]
         torch.testing.assert_close(hook_in, torch.cat([cache[pre + "hook_resid_pre"], cache["hook_embed"]], -1), **TOL)
         out = cache[pre + "shared.hook_out"]
@@ -150,7 +151,8 @@ def test_invocation_reads_hidden_and_embedding_and_feeds_the_mixer_input():
         torch.testing.assert_close(cache[pre + "hook_shared_out"], shared_out, **TOL)
         x = cache[pre + "hook_resid_pre"] + shared_out  # the mixer's input; the residual skips shared_out
         normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + CFG.eps) * model.blocks[layer].ln1.weight
-        torch.testing.assert_close(cache[pre + "ln1.hook_normalized"], normed, rtol=0, atol=1e-6 * normed.abs().max().item())
+        scale = normed.abs().max().item()
+        torch.testing.assert_close(cache[pre + "ln1.hook_normalized"], normed, rtol=0, atol=1e-6 * scale)
         # (RMSNorm computes its statistic in float32, as HF does, also in a float64 model)
         resid_post = cache[pre + "hook_resid_pre"] + cache[pre + "hook_mixer_out"]
         torch.testing.assert_close(cache[pre + "hook_resid_post"], resid_post, **TOL)
@@ -178,7 +180,8 @@ def test_pattern_edit_at_one_invocation_acts_there_only():
     pattern = edited[edited_name]
     assert torch.equal(pattern, _uniform_causal(clean[edited_name]))
     v = edited["blocks.4.shared.attn.hook_v"].repeat_interleave(CFG.n_attn_heads // CFG.n_attn_kv_heads, dim=2)
-    torch.testing.assert_close(edited["blocks.4.shared.attn.hook_z"], torch.einsum("bhqk,bkhd->bqhd", pattern, v), **TOL)
+    z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+    torch.testing.assert_close(edited["blocks.4.shared.attn.hook_z"], z, **TOL)
     for name in ["shared.attn.hook_z", "shared.attn.hook_result", "shared.hook_attn_out", "shared.hook_out",
                  "hook_shared_out", "mixer.hook_in", "hook_mixer_out", "hook_resid_post"]:
         assert not torch.allclose(edited[f"blocks.4.{name}"], clean[f"blocks.4.{name}"]), name
@@ -189,7 +192,8 @@ def test_pattern_edit_at_first_invocation_is_not_reused_later():
     model, tokens = make_model(), tokens_for()
     with model.hooks([("blocks.1.shared.attn.hook_pattern", lambda p, hook: _uniform_causal(p))]):
         _, cache = model.run_with_cache(tokens)
-    assert torch.equal(cache["blocks.1.shared.attn.hook_pattern"], _uniform_causal(cache["blocks.1.shared.attn.hook_pattern"]))
+    first = cache["blocks.1.shared.attn.hook_pattern"]
+    assert torch.equal(first, _uniform_causal(first))
     scores = cache["blocks.4.shared.attn.hook_attn_scores"]
     torch.testing.assert_close(cache["blocks.4.shared.attn.hook_pattern"], scores.softmax(-1), **TOL)
     assert not torch.allclose(cache["blocks.4.shared.attn.hook_pattern"], _uniform_causal(scores))
@@ -211,15 +215,16 @@ def test_head_ablation_at_one_invocation():
     torch.testing.assert_close(by_result, by_z, **TOL)
     assert not torch.allclose(by_z, clean)
     ablation = pytest.importorskip("analysis.ablation")
+    z_name = "blocks.4.shared.attn.hook_z"
     with ablation.ablate_heads(model, [("blocks.4.shared.attn", head)]):
         with torch.no_grad():
-            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.1.") or n == "blocks.4.shared.attn.hook_z")
+            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.1.") or n == z_name)
             logits = model(tokens)
     torch.testing.assert_close(logits, by_z, **TOL)
     _, clean_cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.1."))
     for name in clean_cache.keys():  # layer 1 runs the same shared block: unaffected
         torch.testing.assert_close(cache[name], clean_cache[name], **TOL)
-    assert torch.equal(cache["blocks.4.shared.attn.hook_z"][:, :, head], torch.zeros_like(cache["blocks.4.shared.attn.hook_z"][:, :, head]))
+    assert torch.equal(cache[z_name][:, :, head], torch.zeros_like(cache[z_name][:, :, head]))
 
 
 def test_embed_edit_reaches_every_shared_block():
