@@ -151,18 +151,23 @@ class ActivationCache:
             stack = self._apply_ln(stack)
         return (stack, labels) if return_labels else stack
 
-    def stack_head_results(self, layer: int = -1, apply_ln: bool = False, return_labels: bool = False):
-        """Each head's write to the residual for layers `< layer` (-1: all): [head, batch, pos, d_model].
+    def stack_head_results(self, layer: int = -1, apply_ln: bool = False, return_labels: bool = False,
+                           incl_shared: bool = False):
+        """Each head's write for layers `< layer` (-1: all): [head, batch, pos, d_model].
 
         Attention heads come from `attn.hook_result`, SSM heads (Mamba-2 heads, Mamba-1 channels) from
         `mixer.hook_head_out`; run the cache with those hooks (names_filter=None includes them).
-        Labels are "L{layer}H{head}" and, for Zamba2's shared blocks, "L{layer}SH{head}".
+        Labels are "L{layer}H{head}". Zamba2's shared-attention heads ("L{layer}SH{head}") write into
+        the shared block's MLP and then the Mamba layer's input, not into the residual stream, so
+        they are left out unless `incl_shared=True`.
         """
         n = self.n_layers if layer == -1 else layer
         parts, labels = [], []
         for l in range(n):
-            for key, tag in ((f"blocks.{l}.attn.hook_result", "H"), (f"blocks.{l}.shared.attn.hook_result", "SH"),
-                             (f"blocks.{l}.mixer.hook_head_out", "H")):
+            sites = [(f"blocks.{l}.attn.hook_result", "H"), (f"blocks.{l}.mixer.hook_head_out", "H")]
+            if incl_shared:
+                sites.insert(1, (f"blocks.{l}.shared.attn.hook_result", "SH"))
+            for key, tag in sites:
                 if key in self.cache_dict:
                     res: Float[Tensor, "batch pos heads d_model"] = self.cache_dict[key]
                     parts.append(res.movedim(2, 0))
