@@ -117,7 +117,10 @@ def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = No
     if path.exists():
         raise ValueError(f"{path}: expected a checkpoint directory (config.json + model.safetensors) or a .gguf file")
     if looks_like_repo_id(name):
-        return resolve_repo(name, revision, allow_pickle)
+        try:
+            return resolve_repo(name, revision, allow_pickle)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{name!r} is no local path; as a hub repo id: {e}") from e
     raise FileNotFoundError(f"{name!r} is not an alias ({', '.join(ALIASES)}), a .gguf file, a directory or a hub repo id")
 
 
@@ -137,7 +140,7 @@ def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device:
     d = Path(directory)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d}: no config.json (is this a Hugging Face checkpoint directory?)")
-    hf_config = json.loads((d / "config.json").read_text())
+    hf_config = read_config(d)
     if (d / INDEX_FILE).is_file() or (d / SINGLE_FILE).is_file():
         source = SafetensorsCheckpoint.from_dir(d)
     else:
@@ -156,9 +159,36 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str
         raise FileNotFoundError(f"GGUF file not found: {path}")
     ckpt = read_gguf(path)
     source = MappingSource(ckpt.tensors, origin=str(path), shapes=ckpt.tensors.shapes)
-    model = build_from_source(ckpt.config, source, dtype=dtype or torch.float32, device=device)
+    model = build_from_source(normalise_config(ckpt.config), source, dtype=dtype or torch.float32, device=device)
     model.tokenizer = load_gguf_tokenizer(path)
     return model
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """config.json as the HF config class reads it (`AutoConfig(...).to_dict()`, the dict `from_hf`
+    sees: legacy fields renamed, JSON-encoded infinities decoded); raw JSON for a model type
+    transformers does not know (the registry then names it)."""
+    raw = json.loads((directory / "config.json").read_text())
+    if not _known_to_transformers(raw):
+        return raw
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(directory)).to_dict()
+
+
+def normalise_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """An HF-style config dict (e.g. GGUF metadata) passed through its HF config class, like `read_config`."""
+    if not _known_to_transformers(raw):
+        return raw
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[raw["model_type"]].from_dict(dict(raw)).to_dict()
+
+
+def _known_to_transformers(raw: dict[str, Any]) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return isinstance(raw.get("model_type"), str) and raw["model_type"] in CONFIG_MAPPING
 
 
 def _pickle_source(d: Path, allow_pickle: bool) -> MappingSource:

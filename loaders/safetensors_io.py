@@ -85,6 +85,9 @@ class SafetensorsFile:
                 f"({last - size} missing)")
 
     def _info(self, name: str, entry: Any, start: int) -> TensorInfo:
+        if isinstance(entry, dict) and entry.get("dtype") not in SAFETENSORS_DTYPES:
+            raise CheckpointFileError(f"{self.path}: {name!r} has dtype {entry.get('dtype')!r}, which the loader "
+                                      f"does not read (it reads {', '.join(SAFETENSORS_DTYPES)})")
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             shape = tuple(int(s) for s in entry["shape"])
