@@ -107,12 +107,17 @@ def patch(model: Any, tokens: Tensor, clean_cache: Any, hook_name: str, index: A
 
 def layer_inputs(model: Any, tokens: Tensor, attention_mask: Tensor | None,
                  layers: Sequence[int]) -> Iterator[tuple[int, Tensor]]:
-    """(l, residual entering block l) of the base run for each l in `layers` (ascending), computed once."""
-    resid = model(tokens, attention_mask, stop_at_layer=0)
+    """(l, residual entering block l) of the base run for each l in `layers` (ascending), computed once.
+
+    Runs without gradients (a model may take another, equally exact path when autograd records).
+    """
+    with torch.no_grad():
+        resid = model(tokens, attention_mask, stop_at_layer=0)
     at = 0
     for layer in sorted(layers):
         if layer > at:
-            resid = model(resid, attention_mask, start_at_layer=at, stop_at_layer=layer, tokens=tokens)
+            with torch.no_grad():
+                resid = model(resid, attention_mask, start_at_layer=at, stop_at_layer=layer, tokens=tokens)
             at = layer
         yield layer, resid
 

@@ -165,6 +165,10 @@ class PromptBatch:
     def query(self) -> int:
         return self.tokens.shape[1] - 1
 
+    @property
+    def queries(self) -> list[int]:
+        return [self.query] * self.tokens.shape[0]
+
     def summary_mask(self) -> Bool[Tensor, "batch pos"]:
         """True at every segment-final token."""
         mask = torch.zeros(self.tokens.shape, dtype=torch.bool)

@@ -1,0 +1,146 @@
+"""`hooked ga MODEL`: the Gather-and-Aggregate experiment on KV-retrieval, written to a directory.
+
+Glossary
+    sizes        dictionary sizes n (`--pairs 10,20,30`): accuracy of the model at each, on `--n`
+                 seeded KV-retrieval prompts (chance = 1/n).
+    ranking      `rank_heads` on the first size: accuracy and answer log-prob drop per unit, with
+                 its gather and aggregate scores (`ga_scores`) and their percentile among all units.
+    control      the top two units ablated together vs two random units of the same head modules
+                 (seeded), each compared with the unablated accuracy.
+    files        accuracy.csv, ranking.csv/.json, pairs.csv, summary.json, drop_heatmap.png,
+                 logprob_drop_heatmap.png, top1_<unit>.png, top2_<unit>.png (pattern or min-max
+                 normalised kernel on the first prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from analysis.ablation import ablate_heads, head_layout
+from analysis.ga import ChoiceScorer, HeadRanking, Unit, head_units, rank_heads
+from analysis.ga_scores import ga_scores
+from analysis.plots import heatmap, plot_pattern, save_table
+from analysis.tasks import Example, kv_retrieval
+
+
+def accuracy_by_size(model: Any, sizes: list[int], n: int, seed: int = 0, batch_size: int = 16) -> list[dict]:
+    rows = []
+    for size in sizes:
+        scorer = ChoiceScorer(model, kv_retrieval(size, n, seed), batch_size)
+        rows.append({"pairs": size, "n": n, **scorer.metrics(scorer.scores()), "chance": 1 / size})
+    return rows
+
+
+def percentile(value: float, values: list[float]) -> float:
+    """Share of `values` strictly below `value` (0 = lowest, 1 = above all others)."""
+    return sum(v < value for v in values) / max(len(values) - 1, 1)
+
+
+def control(model: Any, examples: list[Example], ranking: HeadRanking, units: list[Unit], seed: int = 0,
+            batch_size: int = 16) -> dict[str, Any]:
+    """Accuracy with the top two units ablated vs two random other units of the same modules."""
+    by_label = {u.label: u for u in units}
+    top = [by_label[label] for label in ranking.top(2)]
+    rng = random.Random(seed)
+    randoms = [rng.choice([u for u in units if u.module == t.module and u.label not in ranking.top(2)] or [t])
+               for t in top]
+    scorer = ChoiceScorer(model, examples, batch_size)
+    result = {"baseline": ranking.baseline["accuracy"]}
+    for name, chosen in (("top2", top), ("random2", randoms)):
+        with ablate_heads(model, [s for u in chosen for s in u.specs()]):
+            result[name] = {"units": [u.label for u in chosen], **scorer.metrics(scorer.scores())}
+    return result
+
+
+def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor, list[str], bool]:
+    """[q k] pattern (attention) or kernel magnitude averaged over the unit's heads, the tokens, is_kernel."""
+    kind = head_layout(model)[unit.module].kind
+    name = f"{unit.module}.{'hook_pattern' if kind == 'attn' else 'hook_kernel'}"
+    tokens, mask = model.tokenize(example.prompt)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, mask, names_filter=[name])
+    w = cache[name][0, list(unit.heads)].float()
+    w = w.mean(0) if kind == "attn" else w.abs().mean(0)
+    return w, model.to_str_tokens(tokens[0]), kind != "attn"
+
+
+def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
+              batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    acc = accuracy_by_size(model, sizes, n, seed, batch_size)
+    save_table(acc, out / "accuracy.csv")
+    examples = kv_retrieval(sizes[0], rank_n or n, seed)
+    units = head_units(model, channel_group)
+    ranking = rank_heads(model, examples, units, batch_size=batch_size, pairs_top_k=pairs_top_k,
+                         progress=progress)
+    scores = ga_scores(model, examples, units)
+    gathers = [s["gather"] for s in scores.values()]
+    aggregates = [s["aggregate"] for s in scores.values()]
+    for row in ranking.rows:
+        s = scores[row["unit"]]
+        row.update(gather=s["gather"], aggregate=s["aggregate"], gather_pct=percentile(s["gather"], gathers),
+                   aggregate_pct=percentile(s["aggregate"], aggregates))
+    ranking.to_csv(out / "ranking.csv")
+    ranking.to_json(out / "ranking.json")
+    save_table(ranking.pairs or [{"pair": None}], out / "pairs.csv")
+    n_layers = model.cfg.n_layers
+    heatmap(ranking.matrix("drop", n_layers), out / "drop_heatmap.png", f"accuracy drop, n={sizes[0]}",
+            "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
+    heatmap(ranking.matrix("logprob_drop", n_layers), out / "logprob_drop_heatmap.png",
+            f"answer log-prob drop, n={sizes[0]}", "head (Mamba-1: channel group)", "layer", centered=True)
+    by_label = {u.label: u for u in units}
+    for rank, label in enumerate(ranking.top(2), 1):
+        w, toks, is_kernel = unit_weights(model, by_label[label], examples[0])
+        plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
+                     normalise=is_kernel)
+    summary = {"sizes": acc, "baseline": ranking.baseline, "top": ranking.rows[:10], "pairs": ranking.pairs,
+               "control": control(model, examples, ranking, units, seed, batch_size), "n_units": len(units),
+               "rank_examples": len(examples)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def add_ga_parser(subparsers: Any) -> Any:
+    """`hooked ga MODEL [--pairs 10,20,30] [--n N] [--out DIR]`."""
+    p = subparsers.add_parser("ga", help="Gather-and-Aggregate: KV-retrieval accuracy and head ranking",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="hub id, local directory, .gguf file or alias (smollm2-135m)")
+    p.add_argument("--pairs", default="10,20,30", help="dictionary sizes, comma-separated; the first is ranked")
+    p.add_argument("--n", type=int, default=50, help="prompts per size (default 50)")
+    p.add_argument("--rank-n", type=int, default=None, help="prompts for the head ranking (default --n)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=4, help="top units ablated in pairs (default 4)")
+    p.add_argument("--channel-group", type=int, default=None, help="Mamba-1 channels per unit (default d_inner/16)")
+    p.add_argument("--out", default="out/ga", help="output directory")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run_ga, func=run_ga)
+    return p
+
+
+def run_ga(args: Any) -> int:
+    from loaders import from_pretrained
+
+    torch.set_grad_enabled(False)
+    sizes = [int(s) for s in str(args.pairs).split(",") if s.strip()]
+    if not sizes:
+        raise ValueError("--pairs needs at least one size")
+    model = from_pretrained(args.model)
+    summary = ga_report(model, args.out, sizes, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
+                        args.channel_group, progress=not args.no_progress)
+    for row in summary["sizes"]:
+        print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
+    for row in summary["top"][:5]:
+        print(f"{row['unit']:>10}  drop {row['drop']:+.3f}  logprob drop {row['logprob_drop']:+.3f}  "
+              f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
+    c = summary["control"]
+    print(f"top-2 ablated {c['top2']['accuracy']:.3f} vs random-2 {c['random2']['accuracy']:.3f} "
+          f"(baseline {c['baseline']:.3f}); files in {args.out}")
+    return 0

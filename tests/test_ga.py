@@ -1,0 +1,328 @@
+"""Gather-and-Aggregate tooling: task format, choice scoring against per-choice forwards, head ranking
+with and without prefix reuse, G&A scores against hand computation, masking contexts, the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+import torch
+import transformers
+from conftest import build_tiny_hf
+
+from analysis.ablation import ablate_heads
+from analysis.ga import (ChoiceScorer, accuracy, answer_logprob, common_prefix, head_units, rank_heads,
+                         score_choices)
+from analysis.ga_scores import aggregate_only, ga_scores, gather_only, masked_accuracy, restrict_heads
+from analysis.tasks import (Example, char_tokenizer, encode, encode_prompts, kv_retrieval, load_words,
+                            multiple_choice, segment_token_spans)
+from loaders.load import from_hf
+
+TOK = char_tokenizer()
+V = 128  # >= both test tokenizers' vocabularies
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256),
+    "llama": lambda: transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                              num_attention_heads=4, num_key_value_heads=2),
+    "mamba": lambda: transformers.MambaConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, state_size=4,
+                                              expand=2),
+    "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=16, num_hidden_layers=2, state_size=8,
+                                                expand=2, head_dim=8, num_heads=4, n_groups=1, chunk_size=16),
+}
+
+
+def _model(arch: str, tokenizer=TOK, seed: int = 0):
+    model = from_hf(build_tiny_hf(CONFIGS[arch](), seed=seed, perturb=0.1))
+    model.tokenizer = tokenizer
+    return model
+
+
+# ------------------------------------------------------------------------------------ tasks
+def test_kv_retrieval_exact_format():
+    [ex] = kv_retrieval(3, 1, seed=0, words=("lantern", "orchid", "ballot"))
+    keys, values = ex.meta["keys"], ex.meta["values"]
+    expected = ("Memorize the following dictionary:\n" + "".join(f"{k}:{v}\n" for k, v in zip(keys, values))
+                + f"The value of the key '{keys[ex.answer]}' is")
+    assert ex.prompt == expected
+    assert ex.choices == [str(v) for v in values] and ex.meta["query"] == keys[ex.answer]
+    assert sorted(keys) == ["ballot", "lantern", "orchid"]
+    assert (ex.prompt + ex.choices[ex.answer]).endswith(f"' is{values[ex.answer]}")  # no leading space
+    assert [ex.prompt[a:b] for a, b in ex.segments] == [f"{k}:{v}\n" for k, v in zip(keys, values)]
+
+
+@pytest.mark.parametrize("n_pairs", [1, 10, 50])
+def test_kv_retrieval_invariants_and_seeding(n_pairs):
+    a, b, c = kv_retrieval(n_pairs, 20, seed=3), kv_retrieval(n_pairs, 20, seed=3), kv_retrieval(n_pairs, 20, seed=4)
+    assert [e.prompt for e in a] == [e.prompt for e in b] and [e.answer for e in a] == [e.answer for e in b]
+    assert n_pairs == 1 or [e.prompt for e in a] != [e.prompt for e in c]
+    words = set(load_words())
+    line = re.compile(r"([a-z]+):(\d{1,2})\n")
+    for e in a:
+        body = e.prompt[len("Memorize the following dictionary:\n"):]
+        pairs = line.findall(body)
+        assert len(pairs) == n_pairs and re.fullmatch(r"(?:[a-z]+:\d{1,2}\n)+The value of the key '[a-z]+' is", body)
+        keys, values = [k for k, _ in pairs], [int(v) for _, v in pairs]
+        assert len(set(keys)) == n_pairs and set(keys) <= words
+        assert len(set(values)) == n_pairs and all(0 <= v < 100 for v in values)
+        assert e.choices[e.answer] == str(values[keys.index(e.meta["query"])])
+
+
+def test_word_list_is_clean():
+    words = load_words()
+    assert len(words) >= 100 and len(set(words)) == len(words)
+    assert all(re.fullmatch(r"[a-z]+", w) for w in words)
+
+
+def test_multiple_choice_format():
+    ex = multiple_choice("What is 2 + 2?", ["3", "4", "5", "22"], answer=1)
+    assert ex.prompt == "What is 2 + 2?\nA. 3\nB. 4\nC. 5\nD. 22\nAnswer:"
+    assert ex.choices == [" A", " B", " C", " D"] and ex.answer == 1
+    assert [ex.prompt[a:b] for a, b in ex.segments] == ["A. 3\n", "B. 4\n", "C. 5\n", "D. 22\n"]
+
+
+class _NoOffsets:
+    """A tokenizer without offsets (a slow tokenizer): the prefix re-tokenisation path."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+        if return_offsets_mapping:
+            raise NotImplementedError
+        return self.tok(text, add_special_tokens=add_special_tokens)
+
+
+def test_segment_token_spans_point_at_the_newlines():
+    [ex] = kv_retrieval(4, 1, seed=1)
+    ids = encode(TOK, ex.prompt)
+    spans = segment_token_spans(TOK, ex)
+    assert spans == segment_token_spans(_NoOffsets(TOK), ex)
+    for (first, last), (a, b) in zip(spans, ex.segments):
+        assert TOK.decode(ids[last]) == "\n" and TOK.decode(ids[first: last + 1]) == ex.prompt[a:b]
+
+
+# ---------------------------------------------------------------------------------- scoring
+def _bpe_with_boundary_merges():
+    """Characters plus merges "i"+"s" -> "is", "is"+digit -> "is4": the prompt's last token "is"
+    merges with a choice's first digit ("...is" + "42" -> "is4", "2")."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    for piece in list(dict.fromkeys(string.printable)) + ["is"] + [f"is{d}" for d in string.digits]:
+        vocab[piece] = len(vocab)
+    merges = [("i", "s")] + [("is", d) for d in string.digits]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def _hand_scores(model, examples):
+    """One forward per (prompt, choice); the choice tokens follow the common prefix with the prompt."""
+    out = torch.full((len(examples), max(len(e.choices) for e in examples)), float("-inf"), dtype=torch.float64)
+    with torch.no_grad():
+        for i, e in enumerate(examples):
+            prompt = encode(model.tokenizer, e.prompt)
+            for c, choice in enumerate(e.choices):
+                joint = encode(model.tokenizer, e.prompt + choice)
+                k = common_prefix(prompt, joint)
+                logp = model(torch.tensor([joint]))[0].double().log_softmax(-1)
+                out[i, c] = sum(logp[p, joint[p + 1]] for p in range(k - 1, len(joint) - 1))
+    return out
+
+
+@pytest.mark.parametrize("arch, tokenizer", [("gpt2", "char"), ("llama", "char"), ("llama", "bpe"),
+                                             ("mamba", "char"), ("mamba2", "bpe")])
+def test_score_choices_equals_per_choice_forwards(arch, tokenizer):
+    tok = TOK if tokenizer == "char" else _bpe_with_boundary_merges()
+    model = _model(arch, tok)
+    examples = kv_retrieval(3, 3, seed=2) + kv_retrieval(5, 2, seed=5)
+    examples.append(multiple_choice("Pick one", ["red", "green", "blue"], 2))
+    if tokenizer == "bpe":  # the boundary case must occur for this test to mean anything
+        merged = [e for e in examples for ch in e.choices
+                  if common_prefix(encode(tok, e.prompt), encode(tok, e.prompt + ch)) < len(encode(tok, e.prompt))]
+        assert merged, "no merge across the prompt/choice boundary"
+    got = score_choices(model, examples, batch_size=3)  # several batches, left padding
+    expected = _hand_scores(model, examples)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got[-1, 3:].eq(float("-inf")).all() and got.shape == (len(examples), 5)
+    assert accuracy(got, examples) == (got.argmax(-1) == torch.tensor([e.answer for e in examples])).double().mean()
+    ref = expected.log_softmax(-1)[torch.arange(len(examples)), [e.answer for e in examples]].mean()
+    assert answer_logprob(got, examples) == pytest.approx(ref.item(), abs=1e-5)
+
+
+def test_choices_that_share_a_context_cost_one_row():
+    model = _model("gpt2")
+    single = [Example("Memorize:\na:1\nThe value is", ["1", "2", "3", "4"], 0)]
+    assert sum(b.tokens.shape[0] for b in ChoiceScorer(model, single).batches) == 1
+    two_digit = [Example("x is", ["12", "13", "24"], 0)]  # contexts "x is1" (serves 12 and 13) and "x is2"
+    assert sum(b.tokens.shape[0] for b in ChoiceScorer(model, two_digit).batches) == 2
+
+
+def test_choice_without_tokens_is_refused():
+    with pytest.raises(ValueError, match="adds no token"):
+        ChoiceScorer(_model("gpt2"), [Example("abc", ["", "d"], 1)])
+
+
+# ---------------------------------------------------------------------------------- ranking
+@pytest.mark.parametrize("arch", ["llama", "mamba", "mamba2"])
+def test_rank_heads_prefix_reuse_gives_the_same_numbers(arch):
+    model = _model(arch)
+    examples = kv_retrieval(3, 4, seed=1)
+    units = head_units(model, channel_group=8)
+    fast = rank_heads(model, examples, units, batch_size=8, pairs_top_k=3, progress=False)
+    slow = rank_heads(model, examples, units, batch_size=8, pairs_top_k=3, reuse_prefix=False, progress=False)
+    assert fast.rows == slow.rows and fast.pairs == slow.pairs
+    assert len(fast.rows) == len(units) and len(fast.pairs) == 3
+    # one row by hand: ablate that unit and score from scratch
+    row = fast.rows[-1]
+    unit = next(u for u in units if u.label == row["unit"])
+    with ablate_heads(model, unit.specs()):
+        scores = score_choices(model, examples, batch_size=8)
+    assert row["accuracy"] == accuracy(scores, examples)
+    assert row["logprob"] == pytest.approx(answer_logprob(scores, examples), abs=1e-9)
+    assert row["drop"] == fast.baseline["accuracy"] - row["accuracy"]
+    drops = [(r["drop"], r["logprob_drop"]) for r in fast.rows]
+    assert drops == sorted(drops, reverse=True)
+    assert len({r["logprob_drop"] for r in fast.rows}) > 1
+
+
+def test_head_units_cover_every_head():
+    assert [u.label for u in head_units(_model("llama"))][:5] == ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"]
+    mamba = head_units(_model("mamba"), channel_group=8)  # d_inner 32: 4 groups per layer
+    assert [u.label for u in mamba][:4] == ["L0C0-7", "L0C8-15", "L0C16-23", "L0C24-31"]
+    assert sorted(h for u in mamba if u.layer == 1 for h in u.heads) == list(range(32))
+    assert len(head_units(_model("mamba2"))) == 2 * 4
+
+
+# ------------------------------------------------------------------------------- G&A scores
+def _by_hand(weights, batch, b, head, kernel):
+    w = weights[b, head].double()
+    if kernel:
+        w = w.abs() / w.abs().sum(-1, keepdim=True)
+    spans = batch.segments[b]
+    gather = sum(w[last, first:last].sum() for first, last in spans) / len(spans)
+    aggregate = sum(w[-1, last] for _, last in spans)
+    return gather.item(), aggregate.item()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mamba2", "mamba"])
+def test_ga_scores_equal_hand_computation(arch):
+    model = _model(arch)
+    examples = kv_retrieval(3, 3, seed=4)
+    units = head_units(model, channel_group=1)
+    scores = ga_scores(model, examples, units, batch_size=2)
+    batch = encode_prompts(model, examples)
+    kernel = arch != "gpt2"
+    hook = "hook_kernel" if kernel else "hook_pattern"
+    with torch.no_grad():
+        _, cache = model.run_with_cache(batch.tokens, batch.attention_mask, names_filter=lambda n: n.endswith(hook))
+    for unit in units[:: max(1, len(units) // 6)]:
+        w = cache[f"{unit.module}.{hook}"]
+        hand = [_by_hand(w, batch, b, unit.heads[0], kernel) for b in range(len(examples))]
+        assert scores[unit.label]["gather"] == pytest.approx(sum(g for g, _ in hand) / len(hand), abs=1e-6)
+        assert scores[unit.label]["aggregate"] == pytest.approx(sum(a for _, a in hand) / len(hand), abs=1e-6)
+        assert 0 <= scores[unit.label]["gather"] <= 1 and 0 <= scores[unit.label]["aggregate"] <= 1
+
+
+@pytest.mark.parametrize("arch, head", [("llama", (1, 2)), ("mamba2", (1, 3))])
+def test_aggregate_only_makes_a_pure_aggregate_head(arch, head):
+    model = _model(arch)
+    examples = kv_retrieval(3, 2, seed=4)
+    batch = encode_prompts(model, examples)
+    label = f"L{head[0]}H{head[1]}"
+    with aggregate_only(model, [head], batch):
+        scores = ga_scores(model, examples, batch_size=2)
+    assert scores[label]["aggregate"] == pytest.approx(1.0, abs=1e-6)
+    plain = ga_scores(model, examples, batch_size=2)
+    assert plain[label]["aggregate"] < 0.99
+
+
+def test_masking_equals_hand_written_edits():
+    """scores mode == dtype-min on the cut scores by hand; pattern mode == zeroing the pattern by hand."""
+    model = _model("llama")
+    examples = kv_retrieval(3, 2, seed=6)
+    batch = encode_prompts(model, examples)
+    layer, h = 1, 3
+    pos = batch.tokens.shape[1]
+    cut = torch.zeros(len(examples), pos, pos, dtype=torch.bool)
+    for b, spans in enumerate(batch.segments):
+        for first, last in spans:
+            cut[b, last] = True
+            cut[b, last, first: last + 1] = False
+
+    def by_hand(x, hook, value):
+        x = x.clone()
+        x[:, h][cut] = value
+        return x
+
+    name = f"blocks.{layer}.attn."
+    with torch.no_grad():
+        for mode, hook, value in (("scores", "hook_attn_scores", torch.finfo(torch.float32).min),
+                                  ("pattern", "hook_pattern", 0.0)):
+            with gather_only(model, [(layer, h)], batch, mode=mode):
+                got = model(batch.tokens, batch.attention_mask)
+            expected = model.run_with_hooks(batch.tokens, batch.attention_mask,
+                                            fwd_hooks=[(name + hook, lambda x, hook: by_hand(x, hook, value))])
+            assert torch.equal(got, expected), mode
+            assert not torch.equal(got, model(batch.tokens, batch.attention_mask))
+
+
+def test_ssm_masking_zeroes_kernel_entries():
+    model = _model("mamba")
+    examples = kv_retrieval(3, 2, seed=6)
+    batch = encode_prompts(model, examples)
+    rows = torch.zeros(batch.tokens.shape, dtype=torch.bool)
+    rows[:, -1] = True
+    allowed = torch.zeros(*batch.tokens.shape, batch.tokens.shape[1], dtype=torch.bool)
+    allowed[:, -1, :3] = True
+
+    def by_hand(k, hook):
+        k = k.clone()
+        k[:, 5, -1, 3:] = 0
+        return k
+
+    with torch.no_grad():
+        with restrict_heads(model, [(0, 5)], rows, allowed):
+            got = model(batch.tokens, batch.attention_mask)
+        expected = model.run_with_hooks(batch.tokens, batch.attention_mask,
+                                        fwd_hooks=[("blocks.0.mixer.hook_kernel", by_hand)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(got, model(batch.tokens, batch.attention_mask), atol=1e-6)
+
+
+def test_masked_accuracy_runs_and_restores():
+    model = _model("gpt2")
+    examples = kv_retrieval(3, 3, seed=2)
+    with torch.no_grad():
+        before = score_choices(model, examples)
+        for pattern in ("gather", "aggregate"):
+            m = masked_accuracy(model, examples, [(1, 0), (1, 1)], pattern)
+            assert 0 <= m["accuracy"] <= 1 and m["logprob"] <= 0
+        assert torch.equal(score_choices(model, examples), before)
+
+
+# --------------------------------------------------------------------------------------- CLI
+def test_cli_ga_writes_its_files(tmp_path):
+    from analysis.cli import main
+
+    hf = build_tiny_hf(CONFIGS["llama"](), perturb=0.1)
+    hf.save_pretrained(tmp_path / "model")
+    TOK.save_pretrained(tmp_path / "model")
+    out = tmp_path / "ga"
+    assert main(["ga", str(tmp_path / "model"), "--pairs", "3,4", "--n", "3", "--top-k", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"accuracy.csv", "ranking.csv", "ranking.json", "pairs.csv", "summary.json", "drop_heatmap.png",
+            "logprob_drop_heatmap.png"} <= names
+    assert sum(n.startswith(("top1_", "top2_")) for n in names) == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["pairs"] for r in summary["sizes"]] == [3, 4] and summary["n_units"] == 12
+    assert {"gather", "aggregate", "gather_pct", "aggregate_pct"} <= set(summary["top"][0])
+    assert set(summary["control"]) == {"baseline", "top2", "random2"}
