@@ -357,6 +357,10 @@ def _tiny_configs():
                                             expand=2),
         "mamba2": t.Mamba2Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
                                  head_dim=8, num_heads=8, n_groups=1, chunk_size=8),
+        "zamba2": t.Zamba2Config(vocab_size=64, hidden_size=16, num_hidden_layers=3, mamba_d_state=8,
+                                 layers_block_type=["mamba", "hybrid", "mamba"], n_mamba_heads=4, mamba_ngroups=2,
+                                 num_attention_heads=4, intermediate_size=24, chunk_size=8, adapter_rank=3,
+                                 max_position_embeddings=64, use_shared_attention_adapter=True),
     }
 
 
@@ -370,7 +374,7 @@ def _registered_or_skip(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("name, shard", [("llama", "8KB"), ("llama-tied", None), ("gpt2", "8KB"), ("mamba", None),
-                                         ("falcon_mamba", None), ("mamba2", "8KB")])
+                                         ("falcon_mamba", None), ("mamba2", "8KB"), ("zamba2", "16KB")])
 def test_saved_hf_model_loads_like_from_hf(tmp_path, tiny_hf, assert_rel_close, name, shard):
     config = _tiny_configs()[name]
     _registered_or_skip(config.model_type)
