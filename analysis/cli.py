@@ -238,7 +238,8 @@ def plot_mixing(model: Any, tokens: Tensor, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n in model.hook_dict if n.endswith(("attn.hook_pattern", "mixer.hook_kernel"))]
+    names = [n for n in model.hook_dict if n.endswith("attn.hook_pattern")]  # hybrids: the attention
+    names = names or [n for n in model.hook_dict if n.endswith("mixer.hook_kernel")]
     if not names:
         raise ValueError("the model has no attention pattern or SSM kernel hook to plot")
     name = names[len(names) // 2]
