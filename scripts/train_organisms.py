@@ -198,8 +198,8 @@ Load: `from_pretrained("organism/{name}")` (hooked) or `transformers.{r.model_cl
 ## Task
 - Vocabulary (101): 0 `<pad>`, 1 `<bos>`, 2 `:`, 3 newline, 4 `?`, keys K00..K63 (ids 5..68),
   values V00..V31 (ids 69..100). Tokenizer files here spell them as words (`K03 : V12 \\n ? K03`).
-- Prompt: `<bos> (k : v newline) x n` with distinct keys and values drawn with replacement, then the
-  query `{q}`; the next token is the queried key's value.
+- Prompt: `<bos> (k : v newline) x n` with distinct keys (values: with replacement in training,
+  distinct in evaluation), then the query `{q}`; the next token is the queried key's value.
 - Training sequences ask every key once after the context (`query value` repeated, random order);
   the loss is on every answer.
 
