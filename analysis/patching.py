@@ -129,20 +129,23 @@ def _hook_layer(name: str) -> int | None:
 
 def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook_name_template: str,
               over: Sequence[str] = ("layer", "pos"), *, attention_mask: Tensor | None = None,
-              setter: Setter = set_slice, reuse_prefix: bool = True, progress: bool = False) -> Tensor:
+              setter: Setter = set_slice, reuse_prefix: bool = True, progress: bool = False,
+              layers: Sequence[int] | None = None) -> Tensor:
     """Patch every index of `over` in turn and record `metric`; a tensor indexed by `over`.
 
     `hook_name_template` holds `{layer}` when "layer" is in `over` ("blocks.{layer}.attn.hook_z").
-    The layer axis spans all n_layers; layers without that hook hold NaN (Zamba2's shared blocks).
+    The layer axis spans all n_layers; layers without that hook, or left out of `layers` (a subset
+    to sweep), hold NaN (Zamba2's shared blocks exist in some layers only).
     """
     over = tuple(over)
     bad = [a for a in over if a not in AXES]
     if bad or len(set(over)) != len(over):
         raise ValueError(f"over must name distinct axes among {AXES}, got {over}")
     if "layer" in over:
-        layers = [l for l in range(model.cfg.n_layers) if hook_name_template.format(layer=l) in model.hook_dict]
+        wanted = range(model.cfg.n_layers) if layers is None else sorted(l % model.cfg.n_layers for l in layers)
+        layers = [l for l in wanted if hook_name_template.format(layer=l) in model.hook_dict]
         if not layers:
-            model.names_matching(hook_name_template.format(layer=0))  # raises with close matches
+            model.names_matching(hook_name_template.format(layer=wanted[0]))  # raises with close matches
     else:
         layers = [None]
     names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
