@@ -151,11 +151,15 @@ def test_shipped_logits_match_hf(name, loaded):
     tokens = prompts(10, 4, seed=11, fmt=accuracy(name)["fmt"]).tokens
     with torch.no_grad():
         ref = hf(tokens, output_hidden_states=True)
-        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_resid_post"))
-    ours = model(tokens)
+        ours, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith(("resid_post", "normalized", "hook_embed")))
     torch.testing.assert_close(ours, ref.logits, rtol=0, atol=1e-4 * ref.logits.abs().max().item())
-    for layer, h in enumerate(ref.hidden_states[1:-1]):  # the last HF hidden state is after the final norm
-        torch.testing.assert_close(cache[f"blocks.{layer}.hook_resid_post"], h, rtol=0, atol=1e-4 * h.abs().max().item())
+    # HF's hidden states end with the final norm's output; before it, attention models list the
+    # embedding and blocks 0..n-2, Mamba models blocks 0..n-1 (no embedding)
+    n = model.cfg.n_layers
+    blocks = range(n) if hf.config.model_type in ("mamba", "mamba2", "falcon_mamba") else range(-1, n - 1)
+    names = [f"blocks.{i}.hook_resid_post" if i >= 0 else "hook_embed" for i in blocks] + ["ln_final.hook_normalized"]
+    for name_, h in zip(names, ref.hidden_states, strict=True):
+        torch.testing.assert_close(cache[name_], h, rtol=0, atol=1e-4 * h.abs().max().item())
 
 
 # ------------------------------------------------------------------------------- Llama-kv circuit
