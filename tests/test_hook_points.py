@@ -151,7 +151,7 @@ def test_run_with_cache_filters_and_shorthand(toy):
 
 def test_backward_hooks(toy):
     grads = {}
-    with toy.hooks(bwd_hooks=[("blocks.1.hook_resid_pre", lambda g, h: grads.__setitem__(h.name, g))]):
+    with torch.enable_grad(), toy.hooks(bwd_hooks=[("blocks.1.hook_resid_pre", lambda g, h: grads.__setitem__(h.name, g))]):
         toy(TOKENS).sum().backward()
     assert grads["blocks.1.hook_resid_pre"].shape == (2, 3, 4)
 

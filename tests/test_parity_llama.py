@@ -140,10 +140,12 @@ def test_padded_rows_equal_prompt_alone(name: str, inputs: str, dtype: torch.dty
             assert_rel_close(batched[b, real], alone[0], rel, f"row {b}")
 
 
-@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("name", ["gqa_2", "llama3_rope", "tied"])
 def test_parity_cpu_other_dtypes(name: str, dtype: torch.dtype, rel: float, make_hf, check_parity) -> None:
-    """float64 end to end (HF's eager softmax is float32 even then, hence 1e-6); bf16 on the CPU.
+    """float64 end to end; bf16 on the CPU. HF's float64 Llama computes its RMSNorm statistic and its
+    eager softmax in float32, ours stays in float64, so the two agree to HF's float32 accuracy (1e-4,
+    the float32 target; measured ~1e-5). Our own float64 consistency is tested in the float64 tests.
 
     Right padding only: in float64 HF's float32 softmax turns its finfo(float64).min mask into -inf,
     so a left-padded row is NaN throughout in HF (ours is checked against the prompt alone above).

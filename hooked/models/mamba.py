@@ -230,7 +230,7 @@ class MambaMixer(nn.Module):
 
 def _weightless_rms_norm(t: Float[Tensor, "batch pos d"], eps: float) -> Float[Tensor, "batch pos d"]:
     """FalconMamba's norm on Δ input, B, C: t / rms(t), float32 inside, no weight."""
-    t32 = t.float()
+    t32 = t.to(torch.promote_types(t.dtype, torch.float32))
     return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
 
 

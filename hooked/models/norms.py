@@ -26,7 +26,8 @@ class RMSNorm(nn.Module):
         return self.hook_normalized(rms_norm(x, self.weight, self.eps))
 
     def apply_frozen(self, stack: Float[Tensor, "comp batch pos d"], reference: Float[Tensor, "batch pos d"]):
-        scale = torch.rsqrt(reference.float().pow(2).mean(-1, keepdim=True) + self.eps).to(stack.dtype)
+        ref = reference.to(torch.promote_types(reference.dtype, torch.float32))
+        scale = torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + self.eps).to(stack.dtype)
         return self.weight * stack * scale
 
 

@@ -8,8 +8,9 @@ from torch import Tensor
 
 
 def rms_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float) -> Float[Tensor, "... d"]:
-    """weight * x / sqrt(mean(x^2) + eps); the statistic in float32, the product in x's dtype."""
-    x32 = x.float()
+    """weight * x / sqrt(mean(x^2) + eps); the statistic in at least float32 (float64 stays float64,
+    where HF would drop to float32), the product in x's dtype."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 
