@@ -73,7 +73,7 @@ RECIPES: dict[str, Recipe] = {
         _COMMON, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256, attn_implementation="eager"),
         fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3),
     "zamba2-kv": Recipe("Zamba2Config", "Zamba2ForCausalLM", dict(
-        _COMMON, hidden_size=64, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        _COMMON, hidden_size=64, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
         mamba_d_state=32, mamba_headdim=16, n_mamba_heads=8, mamba_expand=2, mamba_ngroups=1, chunk_size=16,
         num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_mem_blocks=1,
         use_shared_attention_adapter=False, use_mem_rope=True, max_position_embeddings=256,
