@@ -246,3 +246,84 @@ def test_parse_head_labels():
     assert parse_head("L5SH3") == ("blocks.5.shared.attn", 3)
     with pytest.raises(ValueError):
         parse_head("layer3")
+
+
+# ------------------------------------------------------------------------------------- Zamba2
+M, H = "mamba", "hybrid"
+
+
+def _zamba2(seed: int = 0):
+    config = transformers.Zamba2Config(hidden_size=16, num_hidden_layers=4, layers_block_type=[M, H, M, H],
+                                       mamba_d_state=8, n_mamba_heads=4, mamba_ngroups=2, mamba_expand=2,
+                                       num_attention_heads=4, intermediate_size=24, vocab_size=V, chunk_size=8,
+                                       adapter_rank=3, max_position_embeddings=64, use_shared_attention_adapter=True)
+    hf = build_tiny_hf(config, transformers.Zamba2ForCausalLM, seed=seed, perturb=0.1)
+    return hf, from_hf(hf)
+
+
+def _zero_cols(linear, heads, width=8):
+    with torch.no_grad():
+        for h in heads:
+            linear.weight[:, h * width:(h + 1) * width] = 0
+
+
+def test_zamba2_ablation_equals_zeroed_columns():
+    """Mamba-2 heads of a Mamba layer and of a hybrid layer, and a shared head in every invocation."""
+    hf, model = _zamba2()
+    tokens = _tokens()
+    heads = [(0, 1), (1, 2), ("blocks.1.shared.attn", 3), ("blocks.3.shared.attn", 3)]
+    edited = copy.deepcopy(hf)
+    _zero_cols(edited.model.layers[0].mamba.out_proj, [1])
+    _zero_cols(edited.model.layers[1].mamba_decoder.mamba.out_proj, [2])
+    shared = [edited.model.layers[l].shared_transformer.self_attn.o_proj.weight for l in (1, 3)]
+    assert shared[0] is shared[1], "HF shares the block's parameters between invocations"
+    _zero_cols(edited.model.layers[1].shared_transformer.self_attn.o_proj, [3])  # shared: both invocations
+    with torch.no_grad():
+        expected = edited(tokens, use_cache=False).logits
+        before = _snapshot(model)
+        with ablate_heads(model, heads):
+            got = model(tokens)
+    rel_close(got, expected, 1e-5, "zamba2 ablated logits")
+    _assert_weights_unchanged(model, before)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["ablate", "keep_only"])
+def test_zamba2_shared_heads_are_per_invocation(keep):
+    """("blocks.1.shared.attn", h) touches that invocation only: HF with the block unshared, one copy edited."""
+    hf, model = _zamba2()
+    tokens = _tokens()
+    edited = copy.deepcopy(hf)
+    edited.model.layers[3].shared_transformer = copy.deepcopy(edited.model.layers[3].shared_transformer)  # unshare
+    _zero_cols(edited.model.layers[1].shared_transformer.self_attn.o_proj, [0, 2, 3] if keep else [1])
+    with torch.no_grad():
+        expected = edited(tokens, use_cache=False).logits
+        with ablate_heads(model, [("blocks.1.shared.attn", 1)], keep=keep):
+            got = model(tokens)
+    rel_close(got, expected, 1e-5, "zamba2 per-invocation")
+    assert (got - model(tokens)).abs().max() > 1e-5
+
+
+def test_zamba2_skip_layers():
+    hf, model = _zamba2()
+    tokens = _tokens()
+    pruned = copy.deepcopy(hf)  # HF keys shared-block adapters by layer id: drop layers from the end only
+    pruned.model.layers = torch.nn.ModuleList(list(pruned.model.layers)[:2])
+    pruned.config.num_hidden_layers, pruned.config.layers_block_type = 2, [M, H]
+    with torch.no_grad():
+        expected = pruned(tokens, use_cache=False).logits
+        with skip_layers(model, [2, 3]):
+            got = model(tokens)
+    rel_close(got, expected, 1e-5, "zamba2 without its last two layers")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba", "zamba2"])
+def test_skipping_a_middle_layer_equals_jumping_over_it(arch):
+    """Independent of HF: skip layer l == stop before l, then start at l + 1 (bit for bit)."""
+    model = _zamba2()[1] if arch == "zamba2" else _pair(arch)[1]
+    tokens = _tokens()
+    with torch.no_grad():
+        for layer in (0, 1):
+            resid = model(tokens, stop_at_layer=layer)
+            expected = model(resid, start_at_layer=layer + 1, tokens=tokens)
+            with skip_layers(model, [layer]):
+                assert torch.equal(model(tokens), expected), layer

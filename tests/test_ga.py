@@ -30,6 +30,10 @@ CONFIGS = {
                                               expand=2),
     "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=16, num_hidden_layers=2, state_size=8,
                                                 expand=2, head_dim=8, num_heads=4, n_groups=1, chunk_size=16),
+    "zamba2": lambda: transformers.Zamba2Config(hidden_size=16, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
+                                                mamba_d_state=8, n_mamba_heads=4, mamba_ngroups=1, mamba_expand=2,
+                                                num_attention_heads=4, intermediate_size=24, vocab_size=V,
+                                                chunk_size=16, max_position_embeddings=256),
 }
 
 
@@ -171,7 +175,7 @@ def test_choice_without_tokens_is_refused():
 
 
 # ---------------------------------------------------------------------------------- ranking
-@pytest.mark.parametrize("arch", ["llama", "mamba", "mamba2"])
+@pytest.mark.parametrize("arch", ["llama", "mamba", "mamba2", "zamba2"])
 def test_rank_heads_prefix_reuse_gives_the_same_numbers(arch):
     model = _model(arch)
     examples = kv_retrieval(3, 4, seed=1)
@@ -199,6 +203,8 @@ def test_head_units_cover_every_head():
     assert [u.label for u in mamba][:4] == ["L0C0-7", "L0C8-15", "L0C16-23", "L0C24-31"]
     assert sorted(h for u in mamba if u.layer == 1 for h in u.heads) == list(range(32))
     assert len(head_units(_model("mamba2"))) == 2 * 4
+    zamba = [u.label for u in head_units(_model("zamba2"))]  # mixer heads, then each invocation's shared heads
+    assert zamba[:5] == ["L0H0", "L0H1", "L0H2", "L0H3", "L1SH0"] and "L2SH3" in zamba and len(zamba) == 3 * 4 + 2 * 4
 
 
 # ------------------------------------------------------------------------------- G&A scores
@@ -212,19 +218,19 @@ def _by_hand(weights, batch, b, head, kernel):
     return gather.item(), aggregate.item()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "mamba2", "mamba"])
+@pytest.mark.parametrize("arch", ["gpt2", "mamba2", "mamba", "zamba2"])
 def test_ga_scores_equal_hand_computation(arch):
     model = _model(arch)
     examples = kv_retrieval(3, 3, seed=4)
     units = head_units(model, channel_group=1)
     scores = ga_scores(model, examples, units, batch_size=2)
     batch = encode_prompts(model, examples)
-    kernel = arch != "gpt2"
-    hook = "hook_kernel" if kernel else "hook_pattern"
     with torch.no_grad():
-        _, cache = model.run_with_cache(batch.tokens, batch.attention_mask, names_filter=lambda n: n.endswith(hook))
-    for unit in units[:: max(1, len(units) // 6)]:
-        w = cache[f"{unit.module}.{hook}"]
+        _, cache = model.run_with_cache(batch.tokens, batch.attention_mask,
+                                        names_filter=lambda n: n.endswith(("hook_kernel", "hook_pattern")))
+    for unit in units[:: max(1, len(units) // 6)] + units[-1:]:
+        kernel = unit.module.endswith("mixer")
+        w = cache[f"{unit.module}.{'hook_kernel' if kernel else 'hook_pattern'}"]
         hand = [_by_hand(w, batch, b, unit.heads[0], kernel) for b in range(len(examples))]
         assert scores[unit.label]["gather"] == pytest.approx(sum(g for g, _ in hand) / len(hand), abs=1e-6)
         assert scores[unit.label]["aggregate"] == pytest.approx(sum(a for _, a in hand) / len(hand), abs=1e-6)
