@@ -189,7 +189,8 @@ def card(name: str, r: Recipe, table: dict[int, float], summary: dict, n_samples
              else f"n uniform in [{r.n_min}, {r.n_max}] per step")
     p2 = summary.get("phase2_from")
     phase2 = f", then lr {r.lr2} from step {p2}" if p2 is not None and p2 < summary["steps"] else ""
-    budget = f" (stopped by a {r.minutes}-minute budget)" if r.minutes is not None else ""
+    budget = f" (stopped by a {r.minutes}-minute budget)" \
+        if r.minutes is not None and summary["seconds"] > 60 * r.minutes else ""
     return f"""# organism/{name}
 
 {r.model_class} trained from scratch on the synthetic key-value task of `analysis/kv_task.py`.

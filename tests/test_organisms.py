@@ -163,7 +163,12 @@ def test_shipped_logits_match_hf(name, loaded):
 
 
 # ------------------------------------------------------------------------------- Llama-kv circuit
-needs_llama = pytest.mark.skipif("llama-kv" not in SHIPPED, reason="organism/llama-kv not shipped")
+def _trained(name: str, n: int = 8, threshold: float = 0.8) -> bool:
+    return name in SHIPPED and accuracy(name)["accuracy"].get(n, 0.0) >= threshold
+
+
+needs_llama = pytest.mark.skipif(not _trained("llama-kv"),
+                                 reason="organism/llama-kv not shipped or not trained (card accuracy at n=8 < 0.8)")
 
 
 def _llama_patterns(model, n=8, samples=200):
