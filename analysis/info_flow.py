@@ -194,7 +194,8 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
               sources: Sequence[str] = SOURCE_SETS, relation_includes_last: bool = True, batch_size: int = 16,
               n: int | None = None, require_correct: bool = True, attention: str = "scores",
               channels: Any = None, cut_conv: bool = False, reuse_prefix: bool = True,
-              confidence: float = 0.95, progress: bool = True) -> InfoFlowResult:
+              confidence: float = 0.95, starts: Iterable[int] | None = None,
+              progress: bool = True) -> InfoFlowResult:
     """Knock out each source set -> last token in every window of `window` layers; see the module doc.
 
     Args:
@@ -203,6 +204,7 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
         batch_size: facts per forward (each contributes one row per source set).
         attention, channels, cut_conv: passed to knockout.
         reuse_prefix: start each window's forward from the cached clean residual at its first layer.
+        starts: window start layers to run (default: every layer).
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -215,7 +217,7 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
     prompts, skipped = prepare_facts(model.tokenizer, facts)
     kept, n_screened = screen(model, prompts, n, max(batch_size * len(sources), 1), require_correct, progress)
     n_layers = model.cfg.n_layers
-    starts = list(range(n_layers))
+    starts = list(range(n_layers)) if starts is None else sorted({int(l) % n_layers for l in starts})
     ends = [min(l + window, n_layers) for l in starts]
     order = sorted(range(len(kept)), key=lambda i: len(kept[i][0]))  # similar lengths pad less
     changes = torch.zeros(len(kept), len(sources), len(starts), dtype=torch.float64)

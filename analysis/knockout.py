@@ -80,35 +80,30 @@ def position_mask(spec: Positions, batch: int, pos: int, device: torch.device | 
 
 
 def _edge_pairs(target: Tensor, source: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(batch row, target j, source i) of every causal cut edge (i <= j), built row by row."""
+    """(batch row, target j, source i) of every causal cut edge (i <= j)."""
+    batch, pos = target.shape
+    if batch * pos * pos <= 2**22:  # small: one dense [batch pos pos] bool mask
+        causal = torch.ones(pos, pos, dtype=torch.bool, device=target.device).tril()
+        row, j, i = (target[:, :, None] & source[:, None, :] & causal).nonzero(as_tuple=True)
+        return row, j, i
     rows, js, iss = [], [], []
-    for b in range(target.shape[0]):
+    for b in range(batch):  # long sequences: row by row, |targets| x |sources| each
         j, i = target[b].nonzero()[:, 0], source[b].nonzero()[:, 0]
-        if len(j) == 0 or len(i) == 0:
-            continue
         jj, ii = torch.meshgrid(j, i, indexing="ij")
         keep = ii <= jj
         rows.append(torch.full((int(keep.sum()),), b, dtype=torch.long, device=target.device))
         js.append(jj[keep])
         iss.append(ii[keep])
-    if not rows:
-        empty = torch.zeros(0, dtype=torch.long, device=target.device)
-        return empty, empty, empty
     return torch.cat(rows), torch.cat(js), torch.cat(iss)
 
 
 # ------------------------------------------------------------------------------------- sites
-def knockout_sites(model: Any, layer: int) -> tuple[list[str], list[str]]:
+def knockout_sites(model: Any, layer: int, names: Iterable[str] | None = None) -> tuple[list[str], list[str]]:
     """(attention module names, SSM mixer names) of block `layer`, found through the hook names."""
     prefix = f"blocks.{layer}."
-    attn, ssm = [], []
-    for name in model.hook_dict:
-        if not name.startswith(prefix):
-            continue
-        if name.endswith(".hook_pattern"):
-            attn.append(name[: -len(".hook_pattern")])
-        elif name.endswith(".hook_y") and f"{name[: -len('.hook_y')]}.hook_ssm_in" in model.hook_dict:
-            ssm.append(name[: -len(".hook_y")])
+    names = [n for n in (model.hook_dict if names is None else names) if n.startswith(prefix)]
+    attn = [n[: -len(".hook_pattern")] for n in names if n.endswith(".hook_pattern")]
+    ssm = [n[: -len(".hook_y")] for n in names if n.endswith(".hook_y") and n[: -len("y")] + "ssm_in" in names]
     return attn, ssm
 
 
@@ -168,17 +163,20 @@ def ssm_cut(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, target: Tens
     """
     pairs_fn = mamba1_kernel_pairs if u.ndim == 3 else mamba2_kernel_pairs
     row, j, i = _edge_pairs(target, source)
+    out_dtype = u.dtype
+    work = torch.promote_types(u.dtype, torch.float32)  # at least float32, as the scan computes
+    u, dt, B, C, A = (x.to(work) for x in (u, dt, B, C, A))
     delta = torch.zeros_like(u)
     per_pair = math.prod(u.shape[2:]) * (A.shape[-1] if A.ndim == 2 else 1)
     chunk = max(1, _PAIR_ELEMENTS // per_pair)
     for s in range(0, len(row), chunk):
         r, jj, ii = row[s : s + chunk], j[s : s + chunk], i[s : s + chunk]
-        entry = pairs_fn(dt, A.to(dt.dtype), B, C, r, jj, ii)  # [pair c]
+        entry = pairs_fn(dt, A, B, C, r, jj, ii)  # [pair c]
         term = entry.reshape(entry.shape + (1,) * (u.ndim - 3)) * u[r, ii]  # [pair c (d_head)]
         delta = delta.index_put((r, jj), term, accumulate=True)
     if channels is not None:
         delta = delta * channels.to(delta.device).reshape((-1,) + (1,) * (u.ndim - 3)).to(delta.dtype)
-    return delta
+    return delta.to(out_dtype)
 
 
 def conv_cut(conv_in: Tensor, weight: Tensor, target: Tensor, source: Tensor,
@@ -233,12 +231,13 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
         raise ValueError(f"layers {bad} outside the model's {n_layers} layers")
     layer_list = sorted({int(l) % n_layers for l in layer_list})
     hooks: list[tuple[str, Any]] = []
+    names = set(model.hook_dict)
     for layer in layer_list:
-        attn_sites, ssm_sites = knockout_sites(model, layer)
+        attn_sites, ssm_sites = knockout_sites(model, layer, names)
         if not attn_sites and not ssm_sites:
             raise ValueError(f"block {layer} has no attention or SSM mixer to knock out")
         for site in attn_sites:
-            hooks += _attention_hooks(model, site, sources, targets, attention)
+            hooks += _attention_hooks(names, site, sources, targets, attention)
         for site in ssm_sites:
             if isinstance(channels, dict) and layer not in channels:
                 raise ValueError(f"channels has no entry for layer {layer} (its keys: {sorted(channels)})")
@@ -248,7 +247,7 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
         yield model
 
 
-def _attention_hooks(model: Any, site: str, sources: Positions, targets: Positions, mode: str) -> list:
+def _attention_hooks(names: set[str], site: str, sources: Positions, targets: Positions, mode: str) -> list:
     state: dict[str, Tensor] = {}
 
     def edges(x: Tensor) -> Tensor:
@@ -257,19 +256,23 @@ def _attention_hooks(model: Any, site: str, sources: Positions, targets: Positio
         s = position_mask(sources, batch, pos, x.device, "sources")
         return t[:, :, None] & s[:, None, :]
 
-    def on_scores(scores: Tensor, hook: Any) -> Tensor:
-        new, state["dead"] = attention_cut(scores, edges(scores), "scores")
+    def on_scores(scores: Tensor, hook: Any) -> Tensor | None:
+        cut = edges(scores)
+        if not cut.any():  # nothing to cut: leave the tensor itself (bit-identical downstream)
+            return None
+        new, state["dead"] = attention_cut(scores, cut, "scores")
         return new
 
-    def on_pattern(pattern: Tensor, hook: Any) -> Tensor:
+    def on_pattern(pattern: Tensor, hook: Any) -> Tensor | None:
         if mode == "pattern":
-            return attention_cut(pattern, edges(pattern), "pattern")[0]
+            cut = edges(pattern)
+            return attention_cut(pattern, cut, "pattern")[0] if cut.any() else None
         dead = state.pop("dead", None)
         return pattern if dead is None or not dead.any() else pattern.masked_fill(dead[..., None], 0.0)
 
     hooks = [(f"{site}.hook_pattern", on_pattern)]
     if mode == "scores":
-        if f"{site}.hook_attn_scores" not in model.hook_dict:
+        if f"{site}.hook_attn_scores" not in names:
             raise ValueError(f"{site} has no hook_attn_scores; use attention='pattern'")
         hooks.insert(0, (f"{site}.hook_attn_scores", on_scores))
     return hooks
@@ -278,8 +281,7 @@ def _attention_hooks(model: Any, site: str, sources: Positions, targets: Positio
 def _ssm_hooks(model: Any, site: str, sources: Positions, targets: Positions, channels: Any,
                cut_conv: bool) -> list:
     mixer = model.get_submodule(site)
-    A = _ssm_A(mixer)
-    chan = _channel_mask(channels, A.shape[0], site)
+    chan = _channel_mask(channels, _ssm_A(mixer).shape[0], site)
     seen: dict[str, Tensor] = {}
 
     def masks(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -292,10 +294,12 @@ def _ssm_hooks(model: Any, site: str, sources: Positions, targets: Positions, ch
             seen[key] = x
         return fn
 
-    def on_y(y: Tensor, hook: Any) -> Tensor:
+    def on_y(y: Tensor, hook: Any) -> Tensor | None:
         u, dt, B, C = (seen.pop(k) for k in ("u", "dt", "B", "C"))
         t, s = masks(y)
-        return y - ssm_cut(u, dt, B, C, A, t, s, chan)
+        if not (t.any() and s.any()) or (chan is not None and not chan.any()):
+            return None  # nothing to cut: the tensor itself goes on
+        return y - ssm_cut(u, dt, B, C, _ssm_A(mixer), t, s, chan)  # A read now: one graph per forward
 
     hooks = [(f"{site}.hook_ssm_in", keep("u")), (f"{site}.hook_dt", keep("dt")), (f"{site}.hook_B", keep("B")),
              (f"{site}.hook_C", keep("C")), (f"{site}.hook_y", on_y)]
@@ -303,9 +307,12 @@ def _ssm_hooks(model: Any, site: str, sources: Positions, targets: Positions, ch
         weight = _conv_weight(mixer)
         conv_chan = _conv_channels(chan, weight.shape[0], _d_inner(mixer))
 
-        def on_conv(conv: Tensor, hook: Any) -> Tensor:
+        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
             t, s = masks(conv)
-            return conv - conv_cut(seen.pop("in"), weight, t, s, conv_chan)
+            conv_in = seen.pop("in")
+            if not (t.any() and s.any()) or (conv_chan is not None and not conv_chan.any()):
+                return None
+            return conv - conv_cut(conv_in, weight, t, s, conv_chan)
 
         hooks = [(f"{site}.hook_in", keep("in")), (f"{site}.hook_conv", on_conv)] + hooks
     return hooks
