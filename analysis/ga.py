@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from analysis.ablation import ablate_heads, head_layout
 from analysis.patching import layer_inputs
 from analysis.plots import save_table
-from analysis.tasks import Example, encode, kv_retrieval, multiple_choice, segment_token_spans  # noqa: F401
+from analysis.tasks import Example, encode, kv_retrieval, multiple_choice, segment_token_spans, tokenizer_of  # noqa: F401
 
 
 # ------------------------------------------------------------------------------- scoring
@@ -69,7 +69,7 @@ class ChoiceScorer:
     """Tokenise once, then score choices as often as needed (under ablations, from a layer's residual)."""
 
     def __init__(self, model: Any, examples: Sequence[Example], batch_size: int = 16) -> None:
-        tok = model._need_tokenizer()
+        tok = tokenizer_of(model)
         self.model, self.examples = model, list(examples)
         self.n_choices = max(len(e.choices) for e in self.examples)
         contexts: list[tuple[int, tuple[int, ...], int, list[tuple[int, int]]]] = []  # (example, ids, query, spans)
@@ -100,7 +100,7 @@ class ChoiceScorer:
         self.batches = self._batch(contexts, resolved, batch_size, model)
 
     def _batch(self, contexts, picks, batch_size: int, model: Any) -> list[ChoiceBatch]:
-        tok = model.tokenizer
+        tok = tokenizer_of(model)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         device = next(model.parameters()).device
         order = sorted(range(len(contexts)), key=lambda n: len(contexts[n][1]))
@@ -281,3 +281,12 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
 def _index(unit: Unit) -> int:
     """Column of the unit in `HeadRanking.matrix`: the head, or the channel group's number."""
     return unit.heads[0] // len(unit.heads) if len(unit.heads) > 1 else unit.heads[0]
+
+
+def __getattr__(name: str) -> Any:
+    """`from analysis.ga import ga_scores` (DESIGN.md section 5): the scores live in analysis.ga_scores."""
+    if name in ("ga_scores", "gather_only", "aggregate_only", "restrict_heads", "masked_accuracy"):
+        from analysis import ga_scores as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'analysis.ga' has no attribute {name!r}")

@@ -73,7 +73,7 @@ def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None) -> t
 
 
 # ------------------------------------------------------------------------------ patched runs
-def _source(clean_cache: Any, name: str, like: Tensor | None = None) -> Tensor:
+def _source(clean_cache: Any, name: str) -> Tensor:
     try:
         return clean_cache[name]
     except KeyError:

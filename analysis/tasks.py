@@ -178,9 +178,16 @@ class PromptBatch:
         return mask.to(self.tokens.device)
 
 
+def tokenizer_of(model: Any) -> Any:
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError("this model has no tokenizer; load it from a checkpoint that has one or set model.tokenizer")
+    return tok
+
+
 def encode_prompts(model: Any, examples: list[Example]) -> PromptBatch:
     """Tokenise the prompts (no choices) of `examples` with the model's tokenizer, left-padded."""
-    tok = model._need_tokenizer() if hasattr(model, "_need_tokenizer") else model.tokenizer
+    tok = tokenizer_of(model)
     tokens, mask = model.tokenize([e.prompt for e in examples], padding_side="left")
     width = tokens.shape[1]
     segments = []

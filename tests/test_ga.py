@@ -43,6 +43,12 @@ def _model(arch: str, tokenizer=TOK, seed: int = 0):
     return model
 
 
+def test_design_names_import():
+    from analysis.ga import ga_scores as scores, kv_retrieval as kv, rank_heads as rank, score_choices as score
+
+    assert (scores, kv, rank, score) == (ga_scores, kv_retrieval, rank_heads, score_choices)
+
+
 # ------------------------------------------------------------------------------------ tasks
 def test_kv_retrieval_exact_format():
     [ex] = kv_retrieval(3, 1, seed=0, words=("lantern", "orchid", "ballot"))
