@@ -232,3 +232,29 @@ def test_minutes_budget_stops_training(tmp_path):
     recipe = dataclasses.replace(RECIPES["llama-kv"], steps=1000, steps2=10, batch=2, n_max=2, minutes=1e-5)
     _, summary = train("llama-kv", recipe, tmp_path, log=lambda s: None)
     assert summary["steps"] == 1
+
+
+# ----------------------------------------------------------------------------- Mamba-2-kv circuit
+@pytest.mark.skipif(not _trained("mamba2-kv"), reason="organism/mamba2-kv not shipped or not trained")
+def test_mamba2_layer0_mixer_does_the_retrieval(loaded):
+    """Measured on the shipped checkpoint: layer 0's SSM does the lookup (its whole-mixer ablation
+    drops accuracy to chance, layer 1's costs little), and every layer-0 head's kernel row at the
+    query puts ~3x more |kernel| on the queried pair's value token than on any other value token."""
+    from analysis.ablation import ablate_heads
+
+    model = _hooked("mamba2-kv", loaded)
+    heads = range(model.cfg.n_heads)
+    base = kv_task.accuracy(model, 8, 300, seed=21, fmt="k?")
+    with ablate_heads(model, [(0, h) for h in heads]):
+        no_l0 = kv_task.accuracy(model, 8, 300, seed=21, fmt="k?")
+    with ablate_heads(model, [(1, h) for h in heads]):
+        no_l1 = kv_task.accuracy(model, 8, 300, seed=21, fmt="k?")
+    assert base > 0.9 and no_l0 < 0.2 and no_l1 > base - 0.15, (base, no_l0, no_l1)
+    p = prompts(8, 100, seed=5, fmt="k?")
+    _, cache = model.run_with_cache(p.tokens, names_filter="blocks.0.mixer.hook_kernel")
+    row = cache["blocks.0.mixer.hook_kernel"][:, :, -1].abs()  # [batch head k_pos] at the query
+    share = row / row.sum(-1, keepdim=True)
+    values = share[:, :, [4 * i + 3 for i in range(8)]]  # value token of each pair
+    queried = values[torch.arange(100), :, p.answer]  # [batch head]
+    others = (values.sum(-1) - queried) / 7
+    assert (queried.mean(0) > 2 * others.mean(0)).all(), (queried.mean(0), others.mean(0))
