@@ -211,13 +211,12 @@ def test_llama_ga_tooling_finds_the_circuit(loaded):
     """rank_heads: the two layer-0 heads on top; ga_scores: they gather, the layer-1 heads aggregate;
     the pair ablation of the two layer-1 heads (offered by rank_heads) drops accuracy to chance."""
     ga = pytest.importorskip("analysis.ga")
-    ga_scores = pytest.importorskip("analysis.ga_scores").ga_scores
     model = _hooked("llama-kv", loaded)
     examples = kv_task.examples(8, 120, seed=31, fmt="?k")
     ranking = ga.rank_heads(model, examples, pairs_top_k=4, progress=False)
     top2 = ranking.top(2)
     assert {r["layer"] for r in ranking.rows[:2]} == {0}, ranking.rows[:4]
-    scores = ga_scores(model, examples[:40])
+    scores = ga.ga_scores(model, examples[:40])
     layer1 = sorted((u for u in scores if u.startswith("L1")), key=lambda u: -scores[u]["aggregate"])[:2]
     assert all(scores[u]["gather"] > 0.8 for u in top2), {u: scores[u] for u in top2}
     assert all(scores[u]["aggregate"] > 0.5 for u in layer1), {u: scores[u] for u in layer1}
