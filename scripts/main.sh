@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export MPLBACKEND=Agg
-exec .venv/bin/hooked knockout smollm2-135m --n 400 --out out/knockout "$@"
+exec .venv/bin/hooked knockout smollm2-135m --n 100 --out out/knockout "$@"
