@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        with torch.no_grad():  # no command needs gradients; scoped, so in-process callers keep theirs
+            return int(args.run(args) or 0)
     except (FileNotFoundError, ValueError) as e:
         print(f"hooked {args.command}: error: {e}", file=sys.stderr)
         return 2

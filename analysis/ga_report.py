@@ -128,7 +128,6 @@ def add_ga_parser(subparsers: Any) -> Any:
 def run_ga(args: Any) -> int:
     from loaders import from_pretrained
 
-    torch.set_grad_enabled(False)
     sizes = [int(s) for s in str(args.pairs).split(",") if s.strip()]
     if not sizes:
         raise ValueError("--pairs needs at least one size")

@@ -293,7 +293,6 @@ def add_knockout_parser(subparsers: Any) -> Any:
 def run_knockout(args: Any) -> int:
     from loaders import from_pretrained
 
-    torch.set_grad_enabled(False)
     model = from_pretrained(args.model)
     result = info_flow(model, load_facts(args.facts, args.screen), window=args.window, batch_size=args.batch_size,
                        n=args.n, require_correct=not args.all_facts, attention=args.attention,
