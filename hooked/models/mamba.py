@@ -45,13 +45,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from einops import einsum
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
-from hooked.models.base import Context, HookedModel
-from hooked.models.norms import RMSNorm
-from hooked.models.ssm_block import SSMBlock
+from hooked.models.base import Context
+from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.selective_scan import linear_scan, mamba1_kernel, mamba1_kernel_discrete, selective_scan
 
@@ -234,23 +233,8 @@ def _weightless_rms_norm(t: Float[Tensor, "batch pos d"], eps: float) -> Float[T
     return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
 
 
-class HookedMamba(HookedModel):
+class HookedMamba(SSMLanguageModel):
     """Mamba-1 / FalconMamba language model: embed -> n_layers SSMBlocks -> RMSNorm -> unembed."""
 
     def __init__(self, cfg: MambaConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        self.blocks = nn.ModuleList(
-            SSMBlock(RMSNorm(cfg.d_model, cfg.eps), MambaMixer(cfg)) for _ in range(cfg.n_layers)
-        )
-        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
-        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
-        if cfg.tied:
-            self.unembed.weight = self.embed.weight
-        self.hook_embed = HookPoint()  # [batch pos d_model]
-        self.setup()
-
-    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        embed = self.embed(tokens)
-        return self.hook_embed(embed)
+        super().__init__(cfg, MambaMixer)

@@ -43,14 +43,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from einops import einsum, rearrange, repeat
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
-from hooked.models.base import Context, HookedModel
+from hooked.models.base import Context
 from hooked.models.gated_norm import GatedRMSNorm
-from hooked.models.norms import RMSNorm
-from hooked.models.ssm_block import SSMBlock
+from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.ssd import linear_scan_heads, mamba2_kernel, ssd_chunked
 
@@ -254,22 +253,8 @@ class Mamba2Mixer(nn.Module):
         return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
-class HookedMamba2(HookedModel):
+class HookedMamba2(SSMLanguageModel):
     """Mamba-2 language model: embed, n_layers x SSMBlock(RMSNorm, Mamba2Mixer), RMSNorm, unembed."""
 
     def __init__(self, cfg: Mamba2Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        self.blocks = nn.ModuleList(
-            SSMBlock(RMSNorm(cfg.d_model, cfg.eps), Mamba2Mixer.from_config(cfg)) for _ in range(cfg.n_layers)
-        )
-        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
-        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
-        if cfg.tied:
-            self.unembed.weight = self.embed.weight
-        self.hook_embed = HookPoint()  # [batch pos d_model]
-        self.setup()
-
-    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        return self.hook_embed(self.embed(tokens))
+        super().__init__(cfg, Mamba2Mixer.from_config)
