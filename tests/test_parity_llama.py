@@ -18,6 +18,9 @@ from hooked.ops.rotary import Rotary, rope_inv_freq
 from loaders.llama import config_from_hf, key_map, rope_from_hf
 from loaders.load import from_hf
 
+import attention_parity
+from attention_parity import compare
+
 VOCAB = 101
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, rms_norm_eps=1e-5, pad_token_id=0)
@@ -60,59 +63,16 @@ def make_hf(tiny_hf):
     return make
 
 
-def make_batch(lengths: list[int], side: str, seed: int = 1, device: str = "cpu") -> tuple[Tensor, Tensor]:
-    """Random tokens [batch max(lengths)] and a 0/1 mask, padded on `side` with token 0."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    tokens = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        cols = slice(width - n, width) if side == "left" else slice(0, n)
-        tokens[b, cols] = torch.randint(1, VOCAB, (n,), generator=g)
-        mask[b, cols] = 1
-    return tokens.to(device), mask.to(device)
-
-
-def run_hf(hf, tokens: Tensor, mask: Tensor) -> tuple[Tensor, list[Tensor]]:
-    """Logits and [embedding, block outputs..., final norm output] from HF, with our position ids."""
-    outs: list[Tensor] = []
-    handles = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-               for layer in hf.model.layers]
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    try:
-        with torch.no_grad():
-            out = hf(tokens, attention_mask=mask, position_ids=position_ids, output_hidden_states=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return out.logits, [out.hidden_states[0], *outs, out.hidden_states[-1]]
-
-
-def run_ours(model: Llama, tokens: Tensor, mask: Tensor) -> tuple[Tensor, list[Tensor]]:
-    n = model.cfg.n_layers
-    names = ["blocks.0.hook_resid_pre"] + [f"blocks.{l}.hook_resid_post" for l in range(n)] + ["ln_final.hook_normalized"]
-    with torch.no_grad():
-        logits, cache = model.run_with_cache(tokens, attention_mask=mask, names_filter=names)
-    return logits, [cache[name] for name in names]
+def make_batch(lengths: list[int], side: str, seed: int = 1, device: str | torch.device = "cpu") -> tuple[Tensor, Tensor]:
+    return attention_parity.make_batch(lengths, side, VOCAB, seed, device)
 
 
 @pytest.fixture
 def check_parity(assert_rel_close):
-    def check(hf, model: Llama, tokens: Tensor, mask: Tensor, rel: float) -> None:
-        compare(hf, model, tokens, mask, rel, assert_rel_close)
+    def check(hf, model, tokens: Tensor, mask: Tensor, rel: float) -> None:
+        compare(hf, hf.model.layers, model, tokens, mask, rel, assert_rel_close)
 
     return check
-
-
-def compare(hf, model: Llama, tokens: Tensor, mask: Tensor, rel: float, rel_close) -> None:
-    hf_logits, hf_resids = run_hf(hf, tokens, mask)
-    logits, resids = run_ours(model, tokens, mask)
-    real = mask.bool()
-    assert logits.dtype == hf_logits.dtype
-    rel_close(logits[real], hf_logits[real], rel, "logits")
-    labels = ["embed"] + [f"resid_post {l}" for l in range(len(resids) - 2)] + ["ln_final"]
-    for label, ours, theirs in zip(labels, resids, hf_resids, strict=True):
-        rel_close(ours[real], theirs[real], rel, label)
 
 
 @pytest.mark.parametrize("inputs", list(INPUTS))
