@@ -50,6 +50,7 @@ class Recipe:
     n_max: int = 12
     curriculum: bool = False
     n_start: int = 3
+    queries: str = "permutation"  # or "replacement" (see kv_task.training_batch)
     steps2: int = 0
     lr2: float = 1e-3
     batch: int = 64
@@ -68,10 +69,11 @@ RECIPES: dict[str, Recipe] = {
     "llama-kv": Recipe("LlamaConfig", "LlamaForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True,
-        attn_implementation="eager"), fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3),
+        attn_implementation="eager"), fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3,
+        queries="replacement"),
     "gpt2-kv": Recipe("GPT2Config", "GPT2LMHeadModel", dict(
         _COMMON, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256, attn_implementation="eager"),
-        fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3),
+        fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3, queries="replacement"),
     "zamba2-kv": Recipe("Zamba2Config", "Zamba2ForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
         mamba_d_state=32, mamba_headdim=16, n_mamba_heads=8, mamba_expand=2, mamba_ngroups=1, chunk_size=16,
@@ -140,7 +142,7 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
             g["lr"] = lr_at(step, recipe, _phase2(state, recipe))
         n = int(torch.randint(recipe.n_min, state["n_cur"] + 1, (1,), generator=gen)) \
             if state["n_cur"] > recipe.n_min else recipe.n_min
-        tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt)
+        tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt, recipe.queries)
         logits = model(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)
