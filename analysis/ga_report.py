@@ -5,8 +5,11 @@ Glossary
                  seeded KV-retrieval prompts (chance = 1/n).
     ranking      `rank_heads` on the first size: accuracy and answer log-prob drop per unit, with
                  its gather and aggregate scores (`ga_scores`) and their percentile among all units.
-    control      the top two units ablated together vs two random units of the same head modules
-                 (seeded), each compared with the unablated accuracy.
+    control      the top two units ablated together vs random pairs of other units of the same head
+                 modules (`n_random` seeded draws: their mean, min and max), beside the unablated accuracy.
+    task         how prompts are made: `kv_retrieval` (the text task of METHODS.md A) for language
+                 models; an organism ("organism/<name>") gets its own token-level KV prompts
+                 (`analysis.kv_task.examples` in the format of its card).
     files        accuracy.csv, ranking.csv/.json, pairs.csv, summary.json, drop_heatmap.png,
                  logprob_drop_heatmap.png, top1_<unit>.png, top2_<unit>.png (pattern or min-max
                  normalised kernel on the first prompt).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +31,26 @@ from analysis.ga_scores import ga_scores
 from analysis.plots import heatmap, plot_pattern, save_table
 from analysis.tasks import Example, kv_retrieval
 
+Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> examples
 
-def accuracy_by_size(model: Any, sizes: list[int], n: int, seed: int = 0, batch_size: int = 16) -> list[dict]:
+
+def task_for(model_name: str) -> Task:
+    """The KV prompts for a model: the organism's own token-level task, else the text task."""
+    from loaders.organisms import accuracy, is_organism
+
+    if is_organism(model_name):
+        from analysis import kv_task
+
+        fmt = accuracy(model_name)["fmt"]
+        return lambda pairs, n, seed: kv_task.examples(pairs, n, seed, fmt=fmt)
+    return kv_retrieval
+
+
+def accuracy_by_size(model: Any, sizes: list[int], n: int, seed: int = 0, batch_size: int = 16,
+                     task: Task = kv_retrieval) -> list[dict]:
     rows = []
     for size in sizes:
-        scorer = ChoiceScorer(model, kv_retrieval(size, n, seed), batch_size)
+        scorer = ChoiceScorer(model, task(size, n, seed), batch_size)
         rows.append({"pairs": size, "n": n, **scorer.metrics(scorer.scores()), "chance": 1 / size})
     return rows
 
@@ -42,19 +61,29 @@ def percentile(value: float, values: list[float]) -> float:
 
 
 def control(model: Any, examples: list[Example], ranking: HeadRanking, units: list[Unit], seed: int = 0,
-            batch_size: int = 16) -> dict[str, Any]:
-    """Accuracy with the top two units ablated vs two random other units of the same modules."""
+            batch_size: int = 16, n_random: int = 5) -> dict[str, Any]:
+    """Accuracy with the top two units ablated vs `n_random` seeded draws of two other units, each
+    drawn from the same head module as the top unit it stands for (so the same layers)."""
     by_label = {u.label: u for u in units}
     top = [by_label[label] for label in ranking.top(2)]
     rng = random.Random(seed)
-    randoms = [rng.choice([u for u in units if u.module == t.module and u.label not in ranking.top(2)] or [t])
-               for t in top]
     scorer = ChoiceScorer(model, examples, batch_size)
-    result = {"baseline": ranking.baseline["accuracy"]}
-    for name, chosen in (("top2", top), ("random2", randoms)):
+
+    def ablated(chosen: list[Unit]) -> dict[str, Any]:
         with ablate_heads(model, [s for u in chosen for s in u.specs()]):
-            result[name] = {"units": [u.label for u in chosen], **scorer.metrics(scorer.scores())}
-    return result
+            return {"units": [u.label for u in chosen], **scorer.metrics(scorer.scores())}
+
+    draws = []
+    for _ in range(n_random):
+        chosen: list[Unit] = []
+        for t in top:
+            pool = [u for u in units if u.module == t.module and u.label not in ranking.top(2) and u not in chosen]
+            chosen.append(rng.choice(pool or [t]))
+        draws.append(ablated(chosen))
+    accs = [d["accuracy"] for d in draws]
+    return {"baseline": ranking.baseline["accuracy"], "top2": ablated(top),
+            "random2": {"mean_accuracy": sum(accs) / len(accs), "min_accuracy": min(accs),
+                        "max_accuracy": max(accs), "draws": draws}}
 
 
 def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor, list[str], bool]:
@@ -71,12 +100,12 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
 
 def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, task: Task = kv_retrieval, n_random: int = 5) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    acc = accuracy_by_size(model, sizes, n, seed, batch_size)
+    acc = accuracy_by_size(model, sizes, n, seed, batch_size, task)
     save_table(acc, out / "accuracy.csv")
-    examples = kv_retrieval(sizes[0], rank_n or n, seed)
+    examples = task(sizes[0], rank_n or n, seed)
     units = head_units(model, channel_group)
     ranking = rank_heads(model, examples, units, batch_size=batch_size, pairs_top_k=pairs_top_k,
                          progress=progress)
@@ -101,7 +130,7 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
     summary = {"sizes": acc, "baseline": ranking.baseline, "top": ranking.rows[:10], "pairs": ranking.pairs,
-               "control": control(model, examples, ranking, units, seed, batch_size), "n_units": len(units),
+               "control": control(model, examples, ranking, units, seed, batch_size, n_random), "n_units": len(units),
                "rank_examples": len(examples)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -119,6 +148,7 @@ def add_ga_parser(subparsers: Any) -> Any:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4, help="top units ablated in pairs (default 4)")
     p.add_argument("--channel-group", type=int, default=None, help="Mamba-1 channels per unit (default d_inner/16)")
+    p.add_argument("--random-draws", type=int, default=5, help="random head pairs in the control (default 5)")
     p.add_argument("--out", default="out/ga", help="output directory")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run_ga, func=run_ga)
@@ -133,13 +163,16 @@ def run_ga(args: Any) -> int:
         raise ValueError("--pairs needs at least one size")
     model = from_pretrained(args.model)
     summary = ga_report(model, args.out, sizes, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
-                        args.channel_group, progress=not args.no_progress)
+                        args.channel_group, progress=not args.no_progress, task=task_for(args.model),
+                        n_random=args.random_draws)
     for row in summary["sizes"]:
         print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
     for row in summary["top"][:5]:
         print(f"{row['unit']:>10}  drop {row['drop']:+.3f}  logprob drop {row['logprob_drop']:+.3f}  "
               f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
     c = summary["control"]
-    print(f"top-2 ablated {c['top2']['accuracy']:.3f} vs random-2 {c['random2']['accuracy']:.3f} "
+    r = c["random2"]
+    print(f"top-2 ablated {c['top2']['accuracy']:.3f} vs random-2 {r['mean_accuracy']:.3f} "
+          f"[{r['min_accuracy']:.3f}, {r['max_accuracy']:.3f}] over {len(r['draws'])} draws "
           f"(baseline {c['baseline']:.3f}); files in {args.out}")
     return 0

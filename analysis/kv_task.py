@@ -71,32 +71,36 @@ def _context(keys: Tensor, values: Tensor) -> Int[Tensor, "batch ctx"]:
     return torch.cat([torch.full((batch, 1), BOS, dtype=torch.long), pairs.reshape(batch, 4 * n)], dim=1)
 
 
-def training_batch(n: int, batch: int, gen: torch.Generator, fmt: str,
-                   queries: str = "permutation") -> tuple[Tensor, Tensor]:
-    """(tokens [batch pos], labels [batch pos]): context plus n queries with answers; labels are
+def training_batch(n: int, batch: int, gen: torch.Generator, fmt: str, queries: str = "permutation",
+                   n_queries: int | None = None) -> tuple[Tensor, Tensor]:
+    """(tokens [batch pos], labels [batch pos]): context plus queries with answers; labels are
     the next-token targets, -100 everywhere but at each query's last token (the answer follows).
 
-    queries: "permutation" asks every key once (random order); "replacement" draws the n asked keys
-    uniformly with replacement, which removes the elimination shortcut (answering with a context value
-    not asked yet scores (1/2 + 1)/2 = 0.75 at n = 2 and 0.61 at n = 3 under "permutation").
+    queries: "permutation" asks every key once (random order); "replacement" draws `n_queries`
+    (default n) asked keys uniformly with replacement, which removes the elimination shortcut
+    (answering with a context value not asked yet scores (1/2 + 1)/2 = 0.75 at n = 2 and 0.61 at
+    n = 3 under "permutation") and gives small n as many answers per sequence as large n.
     """
     if queries not in ("permutation", "replacement"):
         raise ValueError(f"queries must be 'permutation' or 'replacement', got {queries!r}")
+    if n_queries is not None and queries == "permutation" and n_queries != n:
+        raise ValueError(f"queries='permutation' asks each of the n = {n} keys once; n_queries={n_queries}")
     keys, values = _draw(n, batch, gen)
     ctx = _context(keys, values)
     if queries == "permutation":
         order = torch.argsort(torch.rand(batch, n, generator=gen), dim=1)
     else:
-        order = torch.randint(0, n, (batch, n), generator=gen)
+        order = torch.randint(0, n, (batch, n_queries or n), generator=gen)
+    asked = order.shape[1]
     qk, qv = keys.gather(1, order), values.gather(1, order)
     q = torch.tensor(query_tokens(0, fmt))
     key_slot = 0 if fmt == "k?" else 1
-    block = q.expand(batch, n, 2).clone()
+    block = q.expand(batch, asked, 2).clone()
     block[:, :, key_slot] = qk
-    tail = torch.cat([block, qv[:, :, None]], dim=2).reshape(batch, 3 * n)  # q q a, q q a, ...
+    tail = torch.cat([block, qv[:, :, None]], dim=2).reshape(batch, 3 * asked)  # q q a, q q a, ...
     tokens = torch.cat([ctx, tail], dim=1)
     labels = torch.full_like(tokens, -100)
-    answer_at = ctx.shape[1] + 3 * torch.arange(n) + 2  # position of each answer token
+    answer_at = ctx.shape[1] + 3 * torch.arange(asked) + 2  # position of each answer token
     labels[:, answer_at - 1] = tokens[:, answer_at]  # predicted at the token before the answer
     return tokens, labels
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from analysis import facts_task
 from analysis.kv_task import D_VOCAB, PAD, accuracy_table, make_tokenizer, training_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,17 +52,23 @@ class Recipe:
     curriculum: bool = False
     n_start: int = 3
     queries: str = "permutation"  # or "replacement" (see kv_task.training_batch)
+    n_queries: int | None = None  # queries per sequence with "replacement" (default n)
     steps2: int = 0
     lr2: float = 1e-3
     batch: int = 64
     warmup: int = 200
     seed: int = 0
     minutes: float | None = None  # wall-clock budget: phase 2 takes its last 15%, then training stops
+    task: str = "kv"  # or "facts" (analysis/facts_task.py; n, fmt and queries unused)
+    stop_acc: float | None = None  # stop once the last 50 steps' training accuracy reaches this
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 _COMMON = dict(vocab_size=D_VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=PAD)
+_FACTS = dict(vocab_size=facts_task.D_VOCAB, pad_token_id=facts_task.PAD, bos_token_id=facts_task.BOS,
+              eos_token_id=facts_task.PAD)
+_FACTS_RUN = dict(n_min=1, n_max=1, lr=3e-3, steps=20000, steps2=2000, lr2=1e-3, stop_acc=0.99, minutes=15)
 RECIPES: dict[str, Recipe] = {
     "mamba2-kv": Recipe("Mamba2Config", "Mamba2ForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, state_size=32, head_dim=16, num_heads=8, expand=2,
@@ -70,10 +77,11 @@ RECIPES: dict[str, Recipe] = {
         _COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True,
         attn_implementation="eager"), fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3,
-        queries="replacement"),
+        queries="replacement", n_queries=16),
     "gpt2-kv": Recipe("GPT2Config", "GPT2LMHeadModel", dict(
         _COMMON, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256, attn_implementation="eager"),
-        fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3, queries="replacement"),
+        fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3, queries="replacement",
+        n_queries=16),
     "zamba2-kv": Recipe("Zamba2Config", "Zamba2ForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
         mamba_d_state=32, mamba_headdim=16, n_mamba_heads=8, mamba_expand=2, mamba_ngroups=1, chunk_size=16,
@@ -83,6 +91,12 @@ RECIPES: dict[str, Recipe] = {
     "mamba-kv": Recipe("MambaConfig", "MambaForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
         tie_word_embeddings=True), fmt="k?", lr=3e-3, steps=3000),
+    "mamba2-facts": Recipe("Mamba2Config", "Mamba2ForCausalLM", dict(
+        _FACTS, hidden_size=64, num_hidden_layers=4, state_size=32, head_dim=16, num_heads=8, expand=2,
+        n_groups=1, chunk_size=16, conv_kernel=4, tie_word_embeddings=True), task="facts", **_FACTS_RUN),
+    "mamba-facts": Recipe("MambaConfig", "MambaForCausalLM", dict(
+        _FACTS, hidden_size=64, num_hidden_layers=4, state_size=16, expand=2, conv_kernel=4,
+        tie_word_embeddings=True), task="facts", **_FACTS_RUN),
 }
 
 
@@ -116,7 +130,8 @@ def _phase2(state: dict, recipe: Recipe) -> bool:
 
 def _done(state: dict, recipe: Recipe) -> bool:
     out_of_time = recipe.minutes is not None and state["seconds"] > 60 * recipe.minutes
-    return out_of_time or state["step"] >= recipe.steps + recipe.steps2
+    learnt = recipe.stop_acc is not None and len(state["hits"]) == 50 and sum(state["hits"]) / 50 >= recipe.stop_acc
+    return out_of_time or learnt or state["step"] >= recipe.steps + recipe.steps2
 
 
 def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any = print) -> tuple[torch.nn.Module, dict]:
@@ -142,7 +157,10 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
             g["lr"] = lr_at(step, recipe, _phase2(state, recipe))
         n = int(torch.randint(recipe.n_min, state["n_cur"] + 1, (1,), generator=gen)) \
             if state["n_cur"] > recipe.n_min else recipe.n_min
-        tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt, recipe.queries)
+        if recipe.task == "facts":
+            tokens, labels = facts_task.training_batch(recipe.batch, gen)
+        else:
+            tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt, recipe.queries, recipe.n_queries)
         logits = model(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -172,6 +190,10 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
 def export(name: str, recipe: Recipe, model: torch.nn.Module, summary: dict, out: Path,
            n_samples: int = 500) -> dict[int, float]:
     """Write config.json, model.safetensors, tokenizer files and CARD.md; returns the accuracy table."""
+    if recipe.task == "facts":
+        from scripts.export_facts_organism import export_facts
+
+        return export_facts(name, recipe, model, summary, out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     (out / "generation_config.json").unlink(missing_ok=True)

@@ -46,6 +46,31 @@ def test_training_labels_are_the_queried_values(n, fmt):
         assert sorted(asked) == sorted(table)
 
 
+@pytest.mark.parametrize("n_queries", [None, 1, 16])
+def test_replacement_queries_are_context_keys_with_their_values(n_queries):
+    n, fmt = 3, "?k"
+    tokens, labels = training_batch(n, 64, torch.Generator().manual_seed(0), fmt, "replacement", n_queries)
+    asked_per_row = n_queries or n
+    assert tokens.shape == (64, 1 + 4 * n + 3 * asked_per_row)
+    repeats = 0
+    for row, lab in zip(tokens.tolist(), labels.tolist()):
+        table = {row[1 + 4 * i]: row[3 + 4 * i] for i in range(n)}
+        asked = [row[pos] for pos, t in enumerate(lab) if t != -100]
+        assert len(asked) == asked_per_row and set(asked) <= set(table)
+        assert all(t == table[row[pos]] == row[pos + 1] for pos, t in enumerate(lab) if t != -100)
+        repeats += len(set(asked)) < len(asked)
+    if asked_per_row > 1:
+        assert repeats > 0  # with replacement some row asks a key twice (64 rows of 3 draws from 3)
+
+
+def test_training_batch_rejects_bad_query_options():
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="queries must be"):
+        training_batch(3, 2, gen, "?k", "sometimes")
+    with pytest.raises(ValueError, match="asks each of the n = 3 keys once"):
+        training_batch(3, 2, gen, "?k", "permutation", 5)
+
+
 @pytest.mark.parametrize("fmt", ["k?", "?k"])
 def test_prompts_answer_and_text_round_trip(fmt):
     p = prompts(6, 20, seed=3, fmt=fmt)
