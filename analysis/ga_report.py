@@ -10,14 +10,18 @@ Glossary
     task         how prompts are made: `kv_retrieval` (the text task of METHODS.md A) for language
                  models; an organism ("organism/<name>") gets its own token-level KV prompts
                  (`analysis.kv_task.examples` in the format of its card).
+    agreement    Spearman rank correlation, over all units, between each score (gather, aggregate,
+                 their maximum) and the ablation drops (accuracy, answer log-prob): does a unit that
+                 looks like a G&A head by its pattern/kernel matter when removed?
     files        accuracy.csv, ranking.csv/.json, pairs.csv, summary.json, drop_heatmap.png,
                  logprob_drop_heatmap.png, top1_<unit>.png, top2_<unit>.png (pattern or min-max
-                 normalised kernel on the first prompt).
+                 normalised kernel on the first prompt), scores_vs_drop.png.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +32,7 @@ import torch
 from analysis.ablation import ablate_heads, head_layout
 from analysis.ga import ChoiceScorer, HeadRanking, Unit, head_units, rank_heads
 from analysis.ga_scores import ga_scores
-from analysis.plots import heatmap, plot_pattern, save_table
+from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks import Example, kv_retrieval
 
 Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> examples
@@ -86,6 +90,45 @@ def control(model: Any, examples: list[Example], ranking: HeadRanking, units: li
                         "max_accuracy": max(accs), "draws": draws}}
 
 
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties); NaN when either side is constant."""
+    def ranks(v: list[float]) -> torch.Tensor:
+        t = torch.tensor(v, dtype=torch.float64)
+        order = t.argsort()
+        r = torch.empty_like(t)
+        r[order] = torch.arange(len(v), dtype=torch.float64)
+        for value in t.unique():  # ties share their mean rank
+            tie = t == value
+            r[tie] = r[tie].mean()
+        return r
+
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"spearman needs two equal-length lists of at least 2 values, got {len(x)} and {len(y)}")
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = float((rx.square().sum() * ry.square().sum()).sqrt())
+    return float((rx * ry).sum()) / denom if denom > 0 else float("nan")
+
+
+def agreement(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Spearman correlation of each G&A score with each ablation drop over the ranking's rows."""
+    out = {}
+    for score in ("gather", "aggregate", "ga_max"):
+        xs = [max(r["gather"], r["aggregate"]) if score == "ga_max" else r[score] for r in rows]
+        for drop in ("drop", "logprob_drop"):
+            rho = spearman(xs, [r[drop] for r in rows])
+            out[f"{score}~{drop}"] = None if math.isnan(rho) else rho
+    return out
+
+
+def plot_agreement(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Answer log-prob drop against max(gather, aggregate) score, one point per unit (top 5 labelled)."""
+    corr = agreement(rows)["ga_max~logprob_drop"]
+    return scatter_plot([max(r["gather"], r["aggregate"]) for r in rows], [r["logprob_drop"] for r in rows], path,
+                        f"{title} (Spearman {'n/a' if corr is None else f'{corr:+.2f}'})", "max(gather, aggregate) score",
+                        "answer log-prob drop when ablated", [r["unit"] for r in rows], n_labels=5)
+
+
 def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor, list[str], bool]:
     """[q k] pattern (attention) or kernel magnitude averaged over the unit's heads, the tokens, is_kernel."""
     kind = head_layout(model)[unit.module].kind
@@ -124,13 +167,15 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
             "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
     heatmap(ranking.matrix("logprob_drop", n_layers), out / "logprob_drop_heatmap.png",
             f"answer log-prob drop, n={sizes[0]}", "head (Mamba-1: channel group)", "layer", centered=True)
+    plot_agreement(ranking.rows, out / "scores_vs_drop.png", f"G&A scores vs ablation, n={sizes[0]}")
     by_label = {u.label: u for u in units}
     for rank, label in enumerate(ranking.top(2), 1):
         w, toks, is_kernel = unit_weights(model, by_label[label], examples[0])
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
     summary = {"sizes": acc, "baseline": ranking.baseline, "top": ranking.rows[:10], "pairs": ranking.pairs,
-               "control": control(model, examples, ranking, units, seed, batch_size, n_random), "n_units": len(units),
+               "control": control(model, examples, ranking, units, seed, batch_size, n_random),
+               "agreement": agreement(ranking.rows), "n_units": len(units),
                "rank_examples": len(examples)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -170,6 +215,8 @@ def run_ga(args: Any) -> int:
     for row in summary["top"][:5]:
         print(f"{row['unit']:>10}  drop {row['drop']:+.3f}  logprob drop {row['logprob_drop']:+.3f}  "
               f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
+    rho = summary["agreement"]
+    print("Spearman(score, drop): " + ", ".join(f"{k} {'n/a' if v is None else f'{v:+.2f}'}" for k, v in rho.items()))
     c = summary["control"]
     r = c["random2"]
     print(f"top-2 ablated {c['top2']['accuracy']:.3f} vs random-2 {r['mean_accuracy']:.3f} "

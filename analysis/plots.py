@@ -111,6 +111,22 @@ def bar_plot(labels: Sequence[str], values: Any, path: str | Path, title: str = 
     return _save(fig, path)
 
 
+def scatter_plot(x: Any, y: Any, path: str | Path, title: str = "", xlabel: str = "", ylabel: str = "",
+                 labels: Sequence[str] | None = None, n_labels: int = 0) -> Path:
+    """Scatter of y against x; the `n_labels` points with the largest y are annotated with `labels`."""
+    xs, ys = _array(x), _array(y)
+    fig = _figure(5, 4)
+    ax = fig.add_subplot()
+    ax.scatter(xs, ys, s=14, alpha=0.7)
+    if labels is not None and n_labels:
+        for i in np.argsort(-ys)[:n_labels]:
+            ax.annotate(labels[i], (xs[i], ys[i]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return _save(fig, path)
+
+
 def save_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """Rows (dicts) to .csv (columns in first-seen order) or .json."""
     path = Path(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 
 import pytest
@@ -338,3 +339,38 @@ def test_cli_ga_writes_its_files(tmp_path):
     assert [r["pairs"] for r in summary["sizes"]] == [3, 4] and summary["n_units"] == 12
     assert {"gather", "aggregate", "gather_pct", "aggregate_pct"} <= set(summary["top"][0])
     assert set(summary["control"]) == {"baseline", "top2", "random2"}
+    assert "scores_vs_drop.png" in names and set(summary["agreement"]) >= {"gather~drop", "aggregate~logprob_drop"}
+    top2 = summary["control"]["top2"]["units"]
+    draws = summary["control"]["random2"]["draws"]
+    assert len(draws) == 5 and all(len(d["units"]) == 2 and not set(d["units"]) & set(top2) for d in draws)
+    layer = {r["unit"]: r["layer"] for r in json.loads((out / "ranking.json").read_text())["rows"]}
+    assert all(sorted(layer[u] for u in d["units"]) == sorted(layer[u] for u in top2) for d in draws)
+    accs = [d["accuracy"] for d in draws]
+    assert summary["control"]["random2"]["mean_accuracy"] == pytest.approx(sum(accs) / len(accs))
+
+
+def test_spearman_matches_scipy_with_ties():
+    stats = pytest.importorskip("scipy.stats")
+    from analysis.ga_report import spearman
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (40,), generator=gen).double().tolist()  # many ties
+    y = (torch.tensor(x) + torch.randn(40, generator=gen, dtype=torch.float64)).tolist()
+    assert spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    with pytest.raises(ValueError, match="equal-length"):
+        spearman([1, 2], [1])
+
+
+def test_organisms_get_their_own_kv_prompts():
+    from analysis import kv_task
+    from analysis.ga_report import task_for
+    from loaders.organisms import accuracy, available
+
+    assert task_for("smollm2-135m") is kv_retrieval
+    for name in available():
+        fmt = accuracy(name)["fmt"]
+        got = task_for(f"organism/{name}")(4, 3, 7)
+        want = kv_task.examples(4, 3, 7, fmt=fmt)
+        assert [(e.prompt, e.choices, e.answer) for e in got] == [(e.prompt, e.choices, e.answer) for e in want]
