@@ -191,8 +191,10 @@ def export(name: str, recipe: Recipe, model: torch.nn.Module, summary: dict, out
            n_samples: int = 500) -> dict[int, float]:
     """Write config.json, model.safetensors, tokenizer files and CARD.md; returns the accuracy table."""
     if recipe.task == "facts":
-        from scripts.export_facts_organism import export_facts
-
+        try:
+            from scripts.export_facts_organism import export_facts
+        except ModuleNotFoundError:  # run as `python scripts/train_organisms.py`
+            from export_facts_organism import export_facts
         return export_facts(name, recipe, model, summary, out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
