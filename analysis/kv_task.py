@@ -10,6 +10,7 @@ Glossary
     answer      the queried key's value; the model's next token at the query's last position.
     training sequence  context, then every key asked once in a random order, each query followed by
                 its answer: `ctx q1 a1 q2 a2 ...`; the loss is on every answer (n answers per sequence).
+                Options: keys asked with replacement (`n_queries` of them), answers left out.
     choices     for evaluation, the n values of the context (as in the text KV task of
                 `analysis.tasks.kv_retrieval`); evaluation prompts draw distinct values, so chance
                 is 1/n; a prompt is right when the answer scores highest. Training draws values
@@ -72,7 +73,7 @@ def _context(keys: Tensor, values: Tensor) -> Int[Tensor, "batch ctx"]:
 
 
 def training_batch(n: int, batch: int, gen: torch.Generator, fmt: str, queries: str = "permutation",
-                   n_queries: int | None = None) -> tuple[Tensor, Tensor]:
+                   n_queries: int | None = None, answers: bool = True) -> tuple[Tensor, Tensor]:
     """(tokens [batch pos], labels [batch pos]): context plus queries with answers; labels are
     the next-token targets, -100 everywhere but at each query's last token (the answer follows).
 
@@ -80,6 +81,9 @@ def training_batch(n: int, batch: int, gen: torch.Generator, fmt: str, queries: 
     (default n) asked keys uniformly with replacement, which removes the elimination shortcut
     (answering with a context value not asked yet scores (1/2 + 1)/2 = 0.75 at n = 2 and 0.61 at
     n = 3 under "permutation") and gives small n as many answers per sequence as large n.
+    answers: False leaves the answers out of the sequence (`ctx q1 q2 ...`, each query still labelled
+    with its value), so a repeated query cannot be answered by copying an earlier answer (an
+    induction shortcut that never needs the context).
     """
     if queries not in ("permutation", "replacement"):
         raise ValueError(f"queries must be 'permutation' or 'replacement', got {queries!r}")
@@ -97,11 +101,13 @@ def training_batch(n: int, batch: int, gen: torch.Generator, fmt: str, queries: 
     key_slot = 0 if fmt == "k?" else 1
     block = q.expand(batch, asked, 2).clone()
     block[:, :, key_slot] = qk
-    tail = torch.cat([block, qv[:, :, None]], dim=2).reshape(batch, 3 * asked)  # q q a, q q a, ...
-    tokens = torch.cat([ctx, tail], dim=1)
+    if answers:
+        block = torch.cat([block, qv[:, :, None]], dim=2)  # q q a, q q a, ...
+    width = block.shape[2]
+    tokens = torch.cat([ctx, block.reshape(batch, width * asked)], dim=1)
     labels = torch.full_like(tokens, -100)
-    answer_at = ctx.shape[1] + 3 * torch.arange(asked) + 2  # position of each answer token
-    labels[:, answer_at - 1] = tokens[:, answer_at]  # predicted at the token before the answer
+    query_end = ctx.shape[1] + width * torch.arange(asked) + 1  # each query's last token predicts the answer
+    labels[:, query_end] = qv
     return tokens, labels
 
 

@@ -53,6 +53,7 @@ class Recipe:
     n_start: int = 3
     queries: str = "permutation"  # or "replacement" (see kv_task.training_batch)
     n_queries: int | None = None  # queries per sequence with "replacement" (default n)
+    answers: bool = True  # False: answers left out of the training sequence (see kv_task.training_batch)
     steps2: int = 0
     lr2: float = 1e-3
     batch: int = 64
@@ -77,11 +78,11 @@ RECIPES: dict[str, Recipe] = {
         _COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True,
         attn_implementation="eager"), fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3,
-        queries="replacement", n_queries=16),
+        queries="replacement", n_queries=16, answers=False),
     "gpt2-kv": Recipe("GPT2Config", "GPT2LMHeadModel", dict(
         _COMMON, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256, attn_implementation="eager"),
         fmt="?k", lr=3e-3, steps=9000, curriculum=True, steps2=1500, lr2=1e-3, queries="replacement",
-        n_queries=16),
+        n_queries=16, answers=False),
     "zamba2-kv": Recipe("Zamba2Config", "Zamba2ForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
         mamba_d_state=32, mamba_headdim=16, n_mamba_heads=8, mamba_expand=2, mamba_ngroups=1, chunk_size=16,
@@ -160,7 +161,8 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
         if recipe.task == "facts":
             tokens, labels = facts_task.training_batch(recipe.batch, gen)
         else:
-            tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt, recipe.queries, recipe.n_queries)
+            tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt, recipe.queries, recipe.n_queries,
+                                        recipe.answers)
         logits = model(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)

@@ -1,11 +1,12 @@
 """Model organisms: the KV task, the training script, and known answers on the shipped checkpoints.
 
 Glossary
-    shipped     every loaders/organisms/<name>/ with a config.json (see loaders/organisms.py)
+    shipped     every loaders/organisms/<name>/ with a config.json (see loaders/organisms.py) trained on
+                the KV task (facts organisms: tests/test_facts_organisms.py)
     card table  accuracy.json beside CARD.md: {n: accuracy} on seeded prompts; reproduced here through
                 OUR hooked model loaded by name, within 2 points
     HF oracle   the same directory loaded by transformers; logits must agree within 1e-4 of max |logit|
-    smoke       every recipe of scripts/train_organisms.py trained for a few tiny steps and exported
+    smoke       every KV recipe of scripts/train_organisms.py trained for a few tiny steps and exported
     circuit     Llama-kv: layer-0 heads that copy a pair's key and value into its newline, layer-1 heads
                 that read the queried pair's newline at the query (attention mass through our hooks);
                 both layer-1 heads ablated together drop accuracy to chance
@@ -24,7 +25,8 @@ from loaders import from_pretrained
 from loaders.organisms import accuracy, available, organism_path
 from scripts.train_organisms import RECIPES, build, export, train
 
-SHIPPED = available()
+SHIPPED = [n for n in available() if accuracy(n).get("task", "kv") == "kv"]  # facts: test_facts_organisms.py
+KV_RECIPES = sorted(n for n, r in RECIPES.items() if r.task == "kv")
 
 
 # ------------------------------------------------------------------------------------ the task
@@ -46,18 +48,26 @@ def test_training_labels_are_the_queried_values(n, fmt):
         assert sorted(asked) == sorted(table)
 
 
+@pytest.mark.parametrize("answers", [True, False])
+@pytest.mark.parametrize("fmt", ["k?", "?k"])
 @pytest.mark.parametrize("n_queries", [None, 1, 16])
-def test_replacement_queries_are_context_keys_with_their_values(n_queries):
-    n, fmt = 3, "?k"
-    tokens, labels = training_batch(n, 64, torch.Generator().manual_seed(0), fmt, "replacement", n_queries)
+def test_replacement_queries_are_context_keys_with_their_values(n_queries, fmt, answers):
+    n = 3
+    tokens, labels = training_batch(n, 64, torch.Generator().manual_seed(0), fmt, "replacement", n_queries, answers)
     asked_per_row = n_queries or n
-    assert tokens.shape == (64, 1 + 4 * n + 3 * asked_per_row)
+    width = 3 if answers else 2
+    assert tokens.shape == (64, 1 + 4 * n + width * asked_per_row)
     repeats = 0
     for row, lab in zip(tokens.tolist(), labels.tolist()):
         table = {row[1 + 4 * i]: row[3 + 4 * i] for i in range(n)}
-        asked = [row[pos] for pos, t in enumerate(lab) if t != -100]
+        tail = row[1 + 4 * n:]
+        queries = [tail[i:i + 2] for i in range(0, len(tail), width)]
+        assert all(q[1 if fmt == "?k" else 0] in table and q[0 if fmt == "?k" else 1] == kv_task.QMARK for q in queries)
+        if answers:  # each query is followed by its value
+            assert [tail[i + 2] for i in range(0, len(tail), 3)] == [table[q[1 if fmt == "?k" else 0]] for q in queries]
+        asked = [row[pos] if fmt == "?k" else row[pos - 1] for pos, t in enumerate(lab) if t != -100]
         assert len(asked) == asked_per_row and set(asked) <= set(table)
-        assert all(t == table[row[pos]] == row[pos + 1] for pos, t in enumerate(lab) if t != -100)
+        assert [t for t in lab if t != -100] == [table[k] for k in asked]
         repeats += len(set(asked)) < len(asked)
     if asked_per_row > 1:
         assert repeats > 0  # with replacement some row asks a key twice (64 rows of 3 draws from 3)
@@ -117,7 +127,7 @@ def test_batched_and_single_scoring_agree():
 
 
 # ------------------------------------------------------------------------------ training script
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", KV_RECIPES)
 def test_recipe_trains_a_few_steps_and_exports(name, tmp_path):
     recipe = dataclasses.replace(RECIPES[name], steps=2, steps2=1, batch=4, n_max=3, warmup=1, n_start=2)
     model, summary = train(name, recipe, tmp_path / "work", save_every=2, log=lambda s: None)
