@@ -1,0 +1,78 @@
+"""Where each head reads from on the organisms' KV task: attention or |kernel| mass by role in the pair.
+
+Glossary
+    weights     per head, the [q_pos k_pos] mixing matrix: `hook_pattern` for attention heads,
+                |`hook_kernel`| row-normalised for SSM heads (Mamba-2 heads, Mamba-1 channels), as in
+                `analysis.ga_scores`.
+    role        a token's place in its pair `k : v \\n`: "key", "colon", "value", "newline".
+    reader      a query position: the prompt's last token ("query", where the answer is predicted),
+                or each pair's newline ("newline", the Gather step's destination).
+    share       mean weight a reader puts on one role of the *queried* pair (reader "query") or of
+                its own pair (reader "newline"); `other` is the mean over the remaining pairs, per pair.
+    hit         fraction of prompts whose largest weight among the n tokens of that role lands on
+                the queried pair (reader "query"; chance 1/n).
+
+`reads(model, p)` returns one row per (layer, head) with these numbers, so "layer-1 head 2 reads the
+queried pair's newline at the query" or "every layer-0 Mamba-2 head reads the queried value" is a
+number in a table, not a picture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from analysis.ablation import head_layout
+from analysis.kv_task import KVPrompts
+
+ROLES = {"key": 0, "colon": 1, "value": 2, "newline": 3}  # offset inside the pair, after <bos>
+
+
+def head_weights(model: Any, tokens: Tensor) -> dict[str, Tensor]:
+    """{module: [batch head q_pos k_pos]} mixing weights of every attention / SSM head module."""
+    names = {m: f"{m}.hook_pattern" if lay.kind == "attn" else f"{m}.hook_kernel"
+             for m, lay in head_layout(model).items()}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=list(names.values()))
+    out = {}
+    for module, name in names.items():
+        w = cache[name].float()
+        if name.endswith("hook_kernel"):
+            w = w.abs()
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+        out[module] = w
+    return out
+
+
+def role_positions(p: KVPrompts, role: str) -> Tensor:
+    """[n] position of `role` in each pair (the same in every row)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {tuple(ROLES)}, got {role!r}")
+    return torch.tensor([1 + 4 * i + ROLES[role] for i in range(p.n)])
+
+
+def reads(model: Any, p: KVPrompts) -> list[dict[str, Any]]:
+    """One row per (module, head): share / other / hit per role at the query, and at the newlines."""
+    weights = head_weights(model, p.tokens)
+    rows_b = torch.arange(p.tokens.shape[0])
+    newlines = role_positions(p, "newline")
+    table = []
+    for module, w in weights.items():
+        layer = int(module.split(".")[1])
+        at_query = w[:, :, -1]  # [batch head k_pos]
+        at_newline = w[:, :, newlines]  # [batch head pair k_pos]
+        for h in range(w.shape[1]):
+            row: dict[str, Any] = {"module": module, "layer": layer, "head": h}
+            for role in ROLES:
+                pos = role_positions(p, role)
+                q = at_query[:, h][:, pos]  # [batch pair]
+                mine = q[rows_b, p.answer]
+                row[f"query->{role}"] = mine.mean().item()
+                row[f"query->{role} other"] = ((q.sum(1) - mine) / max(p.n - 1, 1)).mean().item()
+                row[f"query->{role} hit"] = (q.argmax(1) == p.answer).float().mean().item()
+                own = at_newline[:, h][:, torch.arange(p.n), pos]  # [batch pair]: newline i -> role of pair i
+                row[f"newline->{role}"] = own.mean().item()
+            table.append(row)
+    return table
