@@ -40,11 +40,10 @@ def facts_card(name: str, r: Any, table: dict[int, float], overall: float, summa
     rows = "\n".join(f"| {rel} | `{ft.TEMPLATES[rel]}` | {acc:.3f} |" for rel, acc in table.items())
     p2 = summary.get("phase2_from")
     phase2 = f", then lr {r.lr2} from step {p2}" if p2 is not None and p2 < summary["steps"] else ""
-    why = ("the training accuracy of the last 50 steps reached " f"{r.stop_acc}"
-           if r.stop_acc is not None and summary["steps"] < r.steps + r.steps2
-           and not (r.minutes is not None and summary["seconds"] > 60 * r.minutes)
-           else f"a {r.minutes}-minute budget" if r.minutes is not None and summary["seconds"] > 60 * r.minutes
-           else "the step budget")
+    out_of_time = r.minutes is not None and summary["seconds"] > 60 * r.minutes
+    why = (f"by a {r.minutes}-minute budget" if out_of_time
+           else f"when the training accuracy of the last 50 steps reached {r.stop_acc}"
+           if r.stop_acc is not None and summary["steps"] < r.steps + r.steps2 else "at the step budget")
     return f"""# organism/{name}
 
 {r.model_class} trained from scratch to memorise the synthetic facts of `analysis/facts_task.py`.
@@ -73,7 +72,7 @@ Top-1 next token over the whole vocabulary, every fact of the knowledge base
 ## Training
 `python scripts/train_organisms.py {name}`: seed {r.seed}, batch {r.batch} facts drawn with replacement,
 loss on the answer only, AdamW betas (0.9, 0.98), weight decay 0.01, warmup {r.warmup} then lr {r.lr}{phase2},
-clip 1.0. Stopped by {why}: {summary['steps']} steps in {summary['seconds'] / 60:.1f} min on one shared CPU
+clip 1.0. Stopped {why}: {summary['steps']} steps in {summary['seconds'] / 60:.1f} min on one shared CPU
 thread. Config: `{json.dumps(r.config)}`.
 {r.notes}
 """
