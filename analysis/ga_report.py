@@ -40,11 +40,14 @@ Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> e
 
 def task_for(model_name: str) -> Task:
     """The KV prompts for a model: the organism's own token-level task, else the text task."""
-    from loaders.organisms import accuracy, is_organism
+    from loaders.organisms import accuracy, available_for, is_organism, task
 
     if is_organism(model_name):
         from analysis import kv_task
 
+        if task(model_name) != "kv":
+            raise ValueError(f"{model_name} is a {task(model_name)!r} organism; KV retrieval needs one of "
+                             f"{', '.join('organism/' + n for n in available_for('kv'))}")
         fmt = accuracy(model_name)["fmt"]
         return lambda pairs, n, seed: kv_task.examples(pairs, n, seed, fmt=fmt)
     return kv_retrieval

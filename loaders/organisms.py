@@ -47,6 +47,16 @@ def card(name: str) -> str:
     return (organism_path(name) / "CARD.md").read_text()
 
 
+def task(name: str) -> str:
+    """The organism's task: "kv" (analysis.kv_task) or "facts" (analysis.facts_task)."""
+    return accuracy(name).get("task", "kv")
+
+
+def available_for(task_name: str) -> list[str]:
+    """The shipped organisms trained on `task_name`."""
+    return [n for n in available() if task(n) == task_name]
+
+
 def accuracy(name: str) -> dict[str, Any]:
     """The card's accuracy table as data: {"fmt", "n_samples", "seed", "accuracy": {n: acc}} with int n."""
     data = json.loads((organism_path(name) / "accuracy.json").read_text())

@@ -22,11 +22,11 @@ import torch
 from analysis import facts_task as ft
 from analysis.facts import SOURCE_SETS, prepare_facts
 from loaders import from_pretrained
-from loaders.organisms import accuracy, available, organism_path
+from loaders.organisms import accuracy, available_for, organism_path
 from scripts.train_organisms import RECIPES, build, export, train
 
 FACTS_RECIPES = sorted(n for n, r in RECIPES.items() if r.task == "facts")
-SHIPPED = [n for n in available() if accuracy(n).get("task") == "facts"]
+SHIPPED = available_for("facts")
 
 
 # ------------------------------------------------------------------------------------ the task

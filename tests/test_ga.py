@@ -366,11 +366,14 @@ def test_spearman_matches_scipy_with_ties():
 def test_organisms_get_their_own_kv_prompts():
     from analysis import kv_task
     from analysis.ga_report import task_for
-    from loaders.organisms import accuracy, available
+    from loaders.organisms import accuracy, available_for
 
     assert task_for("smollm2-135m") is kv_retrieval
-    for name in available():
+    for name in available_for("kv"):
         fmt = accuracy(name)["fmt"]
         got = task_for(f"organism/{name}")(4, 3, 7)
         want = kv_task.examples(4, 3, 7, fmt=fmt)
         assert [(e.prompt, e.choices, e.answer) for e in got] == [(e.prompt, e.choices, e.answer) for e in want]
+    for name in available_for("facts"):
+        with pytest.raises(ValueError, match="KV retrieval needs one of organism/"):
+            task_for(f"organism/{name}")

@@ -22,10 +22,10 @@ import torch
 from analysis import kv_task
 from analysis.kv_task import KEY0, NL, VALUE0, make_tokenizer, prompts, to_text, training_batch
 from loaders import from_pretrained
-from loaders.organisms import accuracy, available, organism_path
+from loaders.organisms import accuracy, available_for, organism_path
 from scripts.train_organisms import RECIPES, build, export, train
 
-SHIPPED = [n for n in available() if accuracy(n).get("task", "kv") == "kv"]  # facts: test_facts_organisms.py
+SHIPPED = available_for("kv")  # facts: test_facts_organisms.py
 KV_RECIPES = sorted(n for n, r in RECIPES.items() if r.task == "kv")
 
 

@@ -24,7 +24,7 @@ from analysis.ga_scores import ga_scores
 from analysis.kv_reads import reads
 from analysis.plots import heatmap, plot_pattern
 from loaders import from_pretrained
-from loaders.organisms import accuracy, available, card
+from loaders.organisms import accuracy, available, available_for, card
 
 torch.set_grad_enabled(False)
 OUT = Path(os.environ.get("HOOKED_TUTORIAL_OUT", "out/tutorials"))
@@ -40,7 +40,7 @@ print("shipped organisms:", available())
 # %%
 p = kv_task.prompts(n=4, n_samples=1, seed=0, fmt="?k")
 print(kv_task.to_text(p.tokens[0]), "->", kv_task.WORDS[int(p.choices[0, p.answer[0]])])
-for name in available():
+for name in available_for("kv"):
     print(name, accuracy(name)["fmt"], {n: round(a, 3) for n, a in accuracy(name)["accuracy"].items()})
 
 # %% [markdown]
@@ -50,7 +50,7 @@ for name in available():
 # pair's newline is the Aggregate step.
 
 # %%
-llama_trained = "llama-kv" in available() and accuracy("llama-kv")["accuracy"][8] > 0.8
+llama_trained = "llama-kv" in available_for("kv") and accuracy("llama-kv")["accuracy"][8] > 0.8
 if llama_trained:
     llama = from_pretrained("organism/llama-kv")
     p = kv_task.prompts(8, 200, seed=5, fmt="?k")
