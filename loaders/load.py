@@ -124,14 +124,36 @@ def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = No
     raise FileNotFoundError(f"{name!r} is not an alias ({', '.join(ALIASES)}), a .gguf file, a directory or a hub repo id")
 
 
-def from_hf(hf_model: Any, tokenizer: Any = None) -> Any:
-    """A hooked model with the same weights, dtype and device as an in-memory HF model."""
+def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False) -> Any:
+    """A hooked model with the same weights, dtype and device as an in-memory HF model.
+
+    share_weights=True: every parameter of ours is a view of the HF model's tensor (no copy), so
+    training ours updates the HF model in place (`save_pretrained` then writes what we trained);
+    raises ValueError naming the parameter when a key map's transform has to copy (fused layouts).
+    """
     hf_config = hf_model.config.to_dict()
     p = next(hf_model.parameters())
     source = MappingSource(hf_model.state_dict(), origin=type(hf_model).__name__)
     model = build_from_source(hf_config, source, dtype=p.dtype, device=p.device)
     model.tokenizer = prepare_tokenizer(tokenizer)
+    if share_weights:
+        _share(model, hf_config, source, type(hf_model).__name__)
     return model
+
+
+def _share(model: nn.Module, hf_config: dict[str, Any], source: Any, origin: str) -> None:
+    """Point each of our parameters at (a view of) its HF tensor."""
+    arch = find_architecture(hf_config)
+    plan = plan_load(arch, arch.config_from_hf(hf_config), model, source)
+    params = dict(model.named_parameters())
+    for name, (src, key) in plan.items():
+        if name not in params:
+            continue
+        hf_tensor = source.tensors[src]
+        t = key.transform(hf_tensor) if key.transform is not None else hf_tensor
+        if t.untyped_storage().data_ptr() != hf_tensor.untyped_storage().data_ptr():
+            raise ValueError(f"cannot share {name} with {origin}'s {src}: its key map copies the tensor")
+        params[name].data = t
 
 
 def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",

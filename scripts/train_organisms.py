@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from analysis import facts_task
-from analysis.kv_task import D_VOCAB, PAD, accuracy_table, make_tokenizer, training_batch
+from analysis.kv_task import D_VOCAB, PAD, accuracy_table, logits_of, make_tokenizer, training_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "loaders" / "organisms"
@@ -52,6 +52,7 @@ class Recipe:
     curriculum: bool = False
     n_start: int = 3
     queries: str = "permutation"  # or "replacement" (see kv_task.training_batch)
+    engine: str = "hf"  # "hooked": train through our model, which shares the HF model's tensors
     n_queries: int | None = None  # queries per sequence with "replacement" (default n)
     answers: bool = True  # False: answers left out of the training sequence (see kv_task.training_batch)
     steps2: int = 0
@@ -91,7 +92,7 @@ RECIPES: dict[str, Recipe] = {
         tie_word_embeddings=True, attn_implementation="eager"), fmt="k?", lr=3e-3, steps=800),
     "mamba-kv": Recipe("MambaConfig", "MambaForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
-        tie_word_embeddings=True), fmt="k?", lr=3e-3, steps=3000),
+        tie_word_embeddings=True), fmt="k?", lr=3e-3, steps=3000, engine="hooked"),
     "mamba2-facts": Recipe("Mamba2Config", "Mamba2ForCausalLM", dict(
         _FACTS, hidden_size=64, num_hidden_layers=4, state_size=32, head_dim=16, num_heads=8, expand=2,
         n_groups=1, chunk_size=16, conv_kernel=4, tie_word_embeddings=True), task="facts", **_FACTS_RUN),
@@ -112,6 +113,19 @@ def build(recipe: Recipe) -> torch.nn.Module:
         config._attn_implementation = attn
     torch.manual_seed(recipe.seed)
     return getattr(transformers, recipe.model_class)(config)
+
+
+def forward_model(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
+    """What the training step runs: the HF model, or (engine "hooked") our model whose parameters
+    are views of the HF model's tensors, so the optimizer trains the HF checkpoint through our
+    faster scans (Mamba-1: HF's slow path loops over positions in Python)."""
+    if recipe.engine == "hf":
+        return model
+    if recipe.engine != "hooked":
+        raise ValueError(f"engine must be 'hf' or 'hooked', got {recipe.engine!r}")
+    from loaders import from_hf
+
+    return from_hf(model, share_weights=True).train()
 
 
 def lr_at(step: int, recipe: Recipe, phase2: bool = False) -> float:
@@ -139,7 +153,8 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
     """Train (resuming from `work/state.pt` when present); returns the model and a summary dict."""
     work.mkdir(parents=True, exist_ok=True)
     model = build(recipe)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    trainee = forward_model(model, recipe)
+    opt = torch.optim.AdamW(trainee.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.01)
     gen = torch.Generator().manual_seed(recipe.seed + 1)
     state = dict(step=0, n_cur=recipe.n_start if recipe.curriculum else recipe.n_max, hits=[], seconds=0.0)
     ckpt = work / "state.pt"
@@ -162,12 +177,12 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
             tokens, labels = facts_task.training_batch(recipe.batch, gen)
         else:
             tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt, recipe.queries, recipe.n_queries,
-                                        recipe.answers)
-        logits = model(tokens).logits
+                                            recipe.answers)
+        logits = logits_of(trainee, tokens)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainee.parameters(), 1.0)
         opt.step()
         mask = labels != -100
         acc = (logits.argmax(-1)[mask] == labels[mask]).float().mean().item()

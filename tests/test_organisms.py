@@ -292,3 +292,45 @@ def test_mamba2_layer0_mixer_does_the_retrieval(loaded):
     queried = values[torch.arange(100), :, p.answer]  # [batch head]
     others = (values.sum(-1) - queried) / 7
     assert (queried.mean(0) > 2 * others.mean(0)).all(), (queried.mean(0), others.mean(0))
+
+
+# ----------------------------------------------------------------- training through our model
+@pytest.mark.parametrize("name", ["mamba-kv", "llama-kv"])
+def test_hooked_engine_trains_the_hf_tensors_with_hf_gradients(name):
+    """engine="hooked": our model's parameters are views of HF's, and a step through ours equals a
+    step through HF (same loss, same gradients within float32 noise), landing in the HF model."""
+    from scripts.train_organisms import forward_model
+
+    recipe = dataclasses.replace(RECIPES[name], engine="hooked")
+    hf_a, hf_b = build(recipe), build(recipe)  # same seed: equal weights
+    ours = forward_model(hf_a, recipe)
+    tokens, labels = training_batch(4, 8, torch.Generator().manual_seed(0), recipe.fmt)
+
+    def loss_of(logits):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    loss_ours, loss_hf = loss_of(ours(tokens)), loss_of(hf_b(tokens).logits)
+    torch.testing.assert_close(loss_ours, loss_hf, rtol=1e-5, atol=1e-6)
+    loss_ours.backward()
+    loss_hf.backward()
+    views = dict(ours.named_parameters())
+    hf_grads = {n: t.grad for n, t in hf_b.named_parameters()}
+    by_ptr = {t.untyped_storage().data_ptr(): n for n, t in hf_a.named_parameters()}
+    for our_name, p in views.items():
+        hf_name = by_ptr[p.untyped_storage().data_ptr()]
+        g = hf_grads[hf_name].reshape(p.shape)
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5 * g.abs().max().item() + 1e-9), our_name
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    before = {n: t.detach().clone() for n, t in hf_a.state_dict().items()}
+    opt.step()
+    changed = [n for n, t in hf_a.state_dict().items() if not torch.equal(t, before[n])]
+    assert len(changed) >= len(views) - 1  # every trained tensor moved in the HF model itself
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf_a(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_share_weights_refuses_a_copying_key_map():
+    from loaders import from_hf
+
+    with pytest.raises(ValueError, match="cannot share blocks.0.attn.q_proj.weight"):
+        from_hf(build(RECIPES["gpt2-kv"]), share_weights=True)
