@@ -238,8 +238,14 @@ class HeadRanking:
 
 def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None, *,
                batch_size: int = 16, reuse_prefix: bool = True, pairs_top_k: int = 4, mode: str = "zero",
-               mean_cache: Any = None, channel_group: int | None = None, progress: bool = True) -> HeadRanking:
-    """Accuracy (and answer log-prob) drop when each unit is ablated; then the top-k in pairs."""
+               mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
+               pair_with: Sequence[Unit | str] = ()) -> HeadRanking:
+    """Accuracy (and answer log-prob) drop when each unit is ablated; then pairs.
+
+    Pairs: every pair among the top `pairs_top_k` units by single-unit drop plus the units in
+    `pair_with` (Units or labels; e.g. the best aggregate scorers): redundant heads each cost little
+    alone, so single-unit ranking alone would never pair them.
+    """
     scorer = ChoiceScorer(model, examples, batch_size)
     units = list(units) if units is not None else head_units(model, channel_group)
     base = scorer.metrics(scorer.scores())
@@ -268,6 +274,12 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     ranking = HeadRanking(base, rows, n_examples=len(scorer.examples))
     by_label = {u.label: u for u in units}
     top = [by_label[r["unit"]] for r in rows[:pairs_top_k]]
+    for extra in pair_with:
+        unit = by_label.get(extra if isinstance(extra, str) else extra.label)
+        if unit is None:
+            raise KeyError(f"pair_with: {extra!r} is not one of the ranked units")
+        if unit not in top:
+            top.append(unit)
     for a, b in tqdm(list(itertools.combinations(top, 2)), desc="pairs", disable=not progress):
         with ablate_heads(model, a.specs() + b.specs(), mode=mode, mean_cache=mean_cache):
             m = scorer.metrics(scorer.scores())

@@ -4,7 +4,8 @@ Glossary
     sizes        dictionary sizes n (`--pairs 10,20,30`): accuracy of the model at each, on `--n`
                  seeded KV-retrieval prompts (chance = 1/n).
     ranking      `rank_heads` on the first size: accuracy and answer log-prob drop per unit, with
-                 its gather and aggregate scores (`ga_scores`) and their percentile among all units.
+                 its gather and aggregate scores (`ga_scores`) and their percentile among all units;
+                 pairs among the top `--top-k` units and the two best gather and aggregate scorers.
     control      the top two units ablated together vs random pairs of other units of the same head
                  modules (`n_random` seeded draws: their mean, min and max), beside the unablated accuracy.
     task         how prompts are made: `kv_retrieval` (the text task of METHODS.md A) for language
@@ -153,9 +154,10 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     save_table(acc, out / "accuracy.csv")
     examples = task(sizes[0], rank_n or n, seed)
     units = head_units(model, channel_group)
-    ranking = rank_heads(model, examples, units, batch_size=batch_size, pairs_top_k=pairs_top_k,
-                         progress=progress)
     scores = ga_scores(model, examples, units)
+    best = {kind: sorted(units, key=lambda u: -scores[u.label][kind])[:2] for kind in ("gather", "aggregate")}
+    ranking = rank_heads(model, examples, units, batch_size=batch_size, pairs_top_k=pairs_top_k,
+                         progress=progress, pair_with=best["aggregate"] + best["gather"])
     gathers = [s["gather"] for s in scores.values()]
     aggregates = [s["aggregate"] for s in scores.values()]
     for row in ranking.rows:

@@ -204,6 +204,23 @@ def test_rank_heads_prefix_reuse_gives_the_same_numbers(arch):
     assert len({r["logprob_drop"] for r in fast.rows}) > 1
 
 
+def test_rank_heads_pairs_the_extra_units_too():
+    model = _model("llama")
+    examples = kv_retrieval(3, 4, seed=1)
+    units = head_units(model)
+    plain = rank_heads(model, examples, units, pairs_top_k=2, progress=False)
+    last = plain.rows[-1]["unit"]  # the least important unit: never paired by the top-k rule
+    extra = rank_heads(model, examples, units, pairs_top_k=2, progress=False, pair_with=[last])
+    top = plain.top(2)
+    assert [p["pair"] for p in plain.pairs] == [f"{top[0]}+{top[1]}"]
+    assert [p["pair"] for p in extra.pairs] == [f"{top[0]}+{top[1]}", f"{top[0]}+{last}", f"{top[1]}+{last}"]
+    unit = {u.label: u for u in units}
+    with ablate_heads(model, unit[top[1]].specs() + unit[last].specs()):
+        assert extra.pairs[2]["accuracy"] == accuracy(score_choices(model, examples), examples)
+    with pytest.raises(KeyError, match="not one of the ranked units"):
+        rank_heads(model, examples, units[:2], progress=False, pair_with=["L1H3"])
+
+
 def test_head_units_cover_every_head():
     assert [u.label for u in head_units(_model("llama"))][:5] == ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"]
     mamba = head_units(_model("mamba"), channel_group=8)  # d_inner 32: 4 groups per layer
