@@ -243,21 +243,29 @@ def test_llama_layer1_heads_read_the_queried_newline(loaded):
 
 @needs_llama
 def test_llama_ga_tooling_finds_the_circuit(loaded):
-    """rank_heads: the two layer-0 heads on top; ga_scores: they gather, the layer-1 heads aggregate;
-    the layer-1 heads are redundant (one costs little alone) and only the pair ablation that
-    rank_heads offers (pairing the best aggregate scorers) shows them: together, chance."""
+    """rank_heads: layer-0 heads on top, the key mover first; ga_scores: the key and value movers are
+    the two best gather scorers, the two layer-1 readers the two best aggregate scorers; those
+    readers are redundant (one costs little alone) and only the pair ablation that rank_heads offers
+    (pairing the best aggregate scorers) shows them: together, chance."""
+    from analysis.kv_reads import reads
+
     ga = pytest.importorskip("analysis.ga")
     model = _hooked("llama-kv", loaded)
+    rows = reads(model, prompts(8, 200, seed=5, fmt="?k"))
+    label = {id(r): f"L{r['layer']}H{r['head']}" for r in rows}
+    key_mover = label[id(max(rows, key=lambda r: r["newline->key"]))]
+    value_mover = label[id(max(rows, key=lambda r: r["newline->value"]))]
     examples = kv_task.examples(8, 120, seed=31, fmt="?k")
     scores = ga.ga_scores(model, examples[:40])
-    layer1 = sorted((u for u in scores if u.startswith("L1")), key=lambda u: -scores[u]["aggregate"])[:2]
+    by = {kind: sorted(scores, key=lambda u: -scores[u][kind]) for kind in ("gather", "aggregate")}
+    assert set(by["gather"][:2]) == {key_mover, value_mover} and key_mover.startswith("L0"), by["gather"][:3]
+    assert all(scores[u]["gather"] > 0.8 for u in (key_mover, value_mover))
+    layer1 = by["aggregate"][:2]
+    assert all(u.startswith("L1") and scores[u]["aggregate"] > 0.5 for u in layer1), {u: scores[u] for u in layer1}
     ranking = ga.rank_heads(model, examples, pairs_top_k=4, progress=False, pair_with=layer1)
-    top2 = ranking.top(2)
-    assert {r["layer"] for r in ranking.rows[:2]} == {0}, ranking.rows[:4]
-    assert all(scores[u]["gather"] > 0.8 for u in top2), {u: scores[u] for u in top2}
-    assert all(scores[u]["aggregate"] > 0.5 for u in layer1), {u: scores[u] for u in layer1}
-    assert max(scores[u]["aggregate"] for u in top2) < min(scores[u]["aggregate"] for u in layer1) - 0.3
     single = {r["unit"]: r for r in ranking.rows}
+    assert ranking.top(1) == [key_mover] and {r["layer"] for r in ranking.rows[:3]} == {0}, ranking.rows[:4]
+    assert value_mover in ranking.top(3) and single[value_mover]["drop"] > 0.3
     assert min(single[u]["drop"] for u in layer1) < 0.1, [single[u] for u in layer1]  # redundant alone
     pair = {p["pair"]: p for p in ranking.pairs}
     key = f"{layer1[0]}+{layer1[1]}" if f"{layer1[0]}+{layer1[1]}" in pair else f"{layer1[1]}+{layer1[0]}"
