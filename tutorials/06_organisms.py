@@ -9,7 +9,7 @@
 # 1. the task and the shipped accuracy tables;
 # 2. Llama-kv: the G&A circuit, found by the tooling (`rank_heads`, `ga_scores`, pair ablation);
 # 3. Mamba-2-kv: one layer of SSM heads that read the queried value straight from the kernel;
-# 4. the facts organisms: knockout on SSMs (when shipped).
+# 4. the facts organisms: knockout on SSMs, and why the conv matters there.
 
 # %%
 import os
@@ -62,15 +62,16 @@ else:
     print("organism/llama-kv is not trained (see its CARD.md); skipping its section")
 
 # %% [markdown]
-# The tooling finds this circuit without being told: `rank_heads` ablates every head (and the top
-# four in pairs, because the two aggregate heads are redundant), `ga_scores` scores every head's
-# pattern. The organism's examples are ordinary `Example`s, so this is the same call as on SmolLM2.
+# The tooling finds this circuit without being told: `ga_scores` scores every head's pattern,
+# `rank_heads` ablates every head, then pairs the top two with the two best aggregate scorers: the two
+# aggregate heads are redundant (one costs nothing alone), so only the pair shows them. The organism's examples are ordinary `Example`s, so this is the same call as on SmolLM2.
 
 # %%
 if llama_trained:
     examples = kv_task.examples(8, 60, seed=31, fmt="?k")
-    ranking = rank_heads(llama, examples, pairs_top_k=4, progress=False)
     scores = ga_scores(llama, examples[:30])
+    readers = sorted(scores, key=lambda u: -scores[u]["aggregate"])[:2]  # the two best aggregate scorers
+    ranking = rank_heads(llama, examples, pairs_top_k=2, progress=False, pair_with=readers)
     for row in ranking.rows:
         s = scores[row["unit"]]
         print(f"{row['unit']}: accuracy {row['accuracy']:.2f} (drop {row['drop']:+.2f})  gather {s['gather']:.2f}  "
@@ -110,3 +111,23 @@ _, cache = mamba2.run_with_cache(p.tokens, names_filter="blocks.0.mixer.hook_ker
 plot_pattern(cache["blocks.0.mixer.hook_kernel"][0].abs().mean(0), OUT / "06_mamba2_kernel_L0.png",
              mamba2.to_str_tokens(p.tokens[0]), "mamba2-kv layer 0, mean |kernel| (min-max)", normalise=True)
 print(card("mamba2-kv").splitlines()[0])
+
+# %% [markdown]
+# ## Facts organisms: knockout on a 4-layer Mamba-2
+# `organism/mamba2-facts` memorised 1,200 synthetic facts (`analysis/facts_task.py`: subjects of 2-3
+# name tokens inside templates like `the R2 of N15 N05 is in`). The facts are known_1000-style dicts,
+# so `info_flow` runs unchanged. The last token is within the conv's reach of the subject, so cutting
+# only the SSM kernel (the paper's knockout) leaves the conv path open; `cut_conv=True` closes it.
+
+# %%
+if "mamba2-facts" in available_for("facts"):
+    from analysis.facts_task import facts
+    from analysis.info_flow import info_flow
+
+    facts_model = from_pretrained("organism/mamba2-facts")
+    for cut_conv in (False, True):
+        flow = info_flow(facts_model, facts()[:48], window=1, sources=("subject", "relation", "last"),
+                         cut_conv=cut_conv, progress=False)
+        print(f"cut_conv={cut_conv}, subject -> last by layer:", [round(row["mean"], 1) for row in flow.summary()
+                                                                  if row["source"] == "subject"])
+    flow.plot(OUT / "06_mamba2_facts_flow.png", title="mamba2-facts, conv cut too")
