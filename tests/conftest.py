@@ -59,6 +59,21 @@ def build_tiny_hf(config: Any, model_cls: Any = None, *, seed: int = 0, perturb:
     return hf.to(device=device, dtype=dtype)
 
 
+@pytest.fixture(scope="session")
+def organism() -> Callable[[str], Any]:
+    """organism(name): the shipped organism loaded through our loader, once per test session."""
+    from loaders import from_pretrained
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cache[name] = from_pretrained(f"organism/{name}")
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture
 def tiny_hf() -> Callable[..., Any]:
     return build_tiny_hf

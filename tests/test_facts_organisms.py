@@ -7,8 +7,8 @@ Glossary
                     attribute token
     shipped     every loaders/organisms/<name>/ whose accuracy.json says "task": "facts"
     card table  accuracy.json: {relation: accuracy} on the whole knowledge base, reproduced here through
-                OUR hooked model loaded by name, within 2 points
-    HF oracle   the same directory loaded by transformers; logits must agree within 1e-4 of max |logit|
+                OUR hooked model organism by name, within 2 points
+    HF oracle   the same directory organism by transformers; logits must agree within 1e-4 of max |logit|
 """
 
 from __future__ import annotations
@@ -118,28 +118,17 @@ def test_stop_acc_ends_training(tmp_path):
 
 
 # ---------------------------------------------------------------------------- shipped checkpoints
-@pytest.fixture(scope="module")
-def loaded():
-    return {}
-
-
-def _hooked(name, cache):
-    if name not in cache:
-        cache[name] = from_pretrained(f"organism/{name}")
-    return cache[name]
-
-
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_facts_accuracy_reproduced_by_hooked_model(name, loaded):
+def test_shipped_facts_accuracy_reproduced_by_hooked_model(name, organism):
     card = accuracy(name)
-    table = ft.accuracy_table(_hooked(name, loaded), seed=card["seed"])
+    table = ft.accuracy_table(organism(name), seed=card["seed"])
     for r, acc in card["accuracy"].items():
         assert abs(table[r] - acc) <= 0.02, (r, table[r], acc)
-    assert _hooked(name, loaded).to_str_tokens("R1 of N03 N17 is") == ["<bos>", "R1", "of", "N03", "N17", "is"]
+    assert organism(name).to_str_tokens("R1 of N03 N17 is") == ["<bos>", "R1", "of", "N03", "N17", "is"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_facts_logits_match_hf(name, loaded):
+def test_shipped_facts_logits_match_hf(name, organism):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(organism_path(name)).eval()
@@ -147,15 +136,15 @@ def test_shipped_facts_logits_match_hf(name, loaded):
     tokens = torch.tensor([ft.prompt_ids(subjects[s], 2) for s in range(40) if len(subjects[s]) == 3])
     with torch.no_grad():
         ref = hf(tokens).logits
-        ours = _hooked(name, loaded)(tokens)
+        ours = organism(name)(tokens)
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-4 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_info_flow_runs_on_shipped_facts_organism(name, loaded):
+def test_info_flow_runs_on_shipped_facts_organism(name, organism):
     from analysis.info_flow import info_flow
 
-    model = _hooked(name, loaded)
+    model = organism(name)
     result = info_flow(model, ft.facts()[:60], window=1, n=12, batch_size=6, progress=False)
     n_layers = model.cfg.n_layers
     assert result.changes.shape == (len(result.facts), len(SOURCE_SETS), n_layers) and len(result.facts) >= 6

@@ -3,7 +3,6 @@ with and without prefix reuse, G&A scores against hand computation, masking cont
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re

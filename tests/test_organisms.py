@@ -4,8 +4,8 @@ Glossary
     shipped     every loaders/organisms/<name>/ with a config.json (see loaders/organisms.py) trained on
                 the KV task (facts organisms: tests/test_facts_organisms.py)
     card table  accuracy.json beside CARD.md: {n: accuracy} on seeded prompts; reproduced here through
-                OUR hooked model loaded by name, within 2 points
-    HF oracle   the same directory loaded by transformers; logits must agree within 1e-4 of max |logit|
+                OUR hooked model organism by name, within 2 points
+    HF oracle   the same directory organism by transformers; logits must agree within 1e-4 of max |logit|
     smoke       every KV recipe of scripts/train_organisms.py trained for a few tiny steps and exported
     circuit     Llama-kv: layer-0 heads that copy a pair's key and value into its newline, layer-1 heads
                 that read the queried pair's newline at the query (attention mass through our hooks);
@@ -148,26 +148,15 @@ def test_recipe_trains_a_few_steps_and_exports(name, tmp_path):
 
 
 # ---------------------------------------------------------------------------- shipped checkpoints
-@pytest.fixture(scope="module")
-def loaded():
-    return {}
-
-
-def _hooked(name, cache):
-    if name not in cache:
-        cache[name] = from_pretrained(f"organism/{name}")
-    return cache[name]
-
-
 def test_unknown_organism_lists_the_shipped_ones():
     with pytest.raises(FileNotFoundError, match="no organism 'nope'"):
         from_pretrained("organism/nope")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_accuracy_table_reproduced_by_hooked_model(name, loaded):
+def test_shipped_accuracy_table_reproduced_by_hooked_model(name, organism):
     card = accuracy(name)
-    model = _hooked(name, loaded)
+    model = organism(name)
     table = kv_task.accuracy_table(model, tuple(card["accuracy"]), n_samples=card["n_samples"],
                                    seed=card["seed"], fmt=card["fmt"])
     for n, acc in card["accuracy"].items():
@@ -177,12 +166,12 @@ def test_shipped_accuracy_table_reproduced_by_hooked_model(name, loaded):
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_logits_match_hf(name, loaded):
+def test_shipped_logits_match_hf(name, organism):
     from transformers import AutoModelForCausalLM
 
     path = organism_path(name)
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    model = _hooked(name, loaded)
+    model = organism(name)
     tokens = prompts(10, 4, seed=11, fmt=accuracy(name)["fmt"]).tokens
     with torch.no_grad():
         ref = hf(tokens, output_hidden_states=True)
@@ -213,8 +202,8 @@ def _llama_patterns(model, n=8, samples=200):
 
 
 @needs_llama
-def test_llama_layer0_heads_move_key_and_value_into_the_newline(loaded):
-    model = _hooked("llama-kv", loaded)
+def test_llama_layer0_heads_move_key_and_value_into_the_newline(organism):
+    model = organism("llama-kv")
     p, pat0, _ = _llama_patterns(model)
     nl = torch.tensor(p.pair_newlines())
     to_key = pat0[:, :, nl, nl - 3].mean((0, 2))  # [n_heads] mean attention newline -> its key
@@ -225,10 +214,10 @@ def test_llama_layer0_heads_move_key_and_value_into_the_newline(loaded):
 
 
 @needs_llama
-def test_llama_layer1_heads_read_the_queried_newline(loaded):
+def test_llama_layer1_heads_read_the_queried_newline(organism):
     from analysis.ablation import ablate_heads
 
-    model = _hooked("llama-kv", loaded)
+    model = organism("llama-kv")
     p, _, pat1 = _llama_patterns(model)
     nl = torch.tensor(p.pair_newlines())
     target_nl = nl[p.answer]  # [batch]
@@ -242,7 +231,7 @@ def test_llama_layer1_heads_read_the_queried_newline(loaded):
 
 
 @needs_llama
-def test_llama_ga_tooling_finds_the_circuit(loaded):
+def test_llama_ga_tooling_finds_the_circuit(organism):
     """rank_heads: layer-0 heads on top, the key mover first; ga_scores: the key and value movers are
     the two best gather scorers, the two layer-1 readers the two best aggregate scorers; those
     readers are redundant (one costs little alone) and only the pair ablation that rank_heads offers
@@ -250,7 +239,7 @@ def test_llama_ga_tooling_finds_the_circuit(loaded):
     from analysis.kv_reads import reads
 
     ga = pytest.importorskip("analysis.ga")
-    model = _hooked("llama-kv", loaded)
+    model = organism("llama-kv")
     rows = reads(model, prompts(8, 200, seed=5, fmt="?k"))
     label = {id(r): f"L{r['layer']}H{r['head']}" for r in rows}
     key_mover = label[id(max(rows, key=lambda r: r["newline->key"]))]
@@ -282,13 +271,13 @@ def test_minutes_budget_stops_training(tmp_path):
 
 # ----------------------------------------------------------------------------- Mamba-2-kv circuit
 @pytest.mark.skipif(not _trained("mamba2-kv"), reason="organism/mamba2-kv not shipped or not trained")
-def test_mamba2_layer0_mixer_does_the_retrieval(loaded):
+def test_mamba2_layer0_mixer_does_the_retrieval(organism):
     """Measured on the shipped checkpoint: layer 0's SSM does the lookup (its whole-mixer ablation
     drops accuracy to chance, layer 1's costs little), and every layer-0 head's kernel row at the
     query puts ~3x more |kernel| on the queried pair's value token than on any other value token."""
     from analysis.ablation import ablate_heads
 
-    model = _hooked("mamba2-kv", loaded)
+    model = organism("mamba2-kv")
     heads = range(model.cfg.n_heads)
     base = kv_task.accuracy(model, 8, 300, seed=21, fmt="k?")
     with ablate_heads(model, [(0, h) for h in heads]):
