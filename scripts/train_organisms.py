@@ -107,7 +107,8 @@ key. GPT-2's learned absolute positions are the difference from Llama-kv; untrie
         tie_word_embeddings=True, attn_implementation="eager"), fmt="k?", lr=3e-3, steps=800, notes="""
 Not shipped: 4,000 steps (~35 min on a shared thread) stayed near the elimination level (training
 accuracy ~0.32 at n = 12) and the exported accuracy was at chance, although Mamba-2-kv, whose mixer
-has the same sizes, learns in 800 steps. Untried: training through our model (engine "hooked"), lr.
+has the same sizes, learns in 800 steps. Through our model (engine "hooked", the same loss as HF at
+step 75), 3,000 more steps from scratch: chance too. Untried: a curriculum, other lr, other layouts.
 """),
     "mamba-kv": Recipe("MambaConfig", "MambaForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
