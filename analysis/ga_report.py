@@ -72,6 +72,8 @@ def control(model: Any, examples: list[Example], ranking: HeadRanking, units: li
             batch_size: int = 16, n_random: int = 5) -> dict[str, Any]:
     """Accuracy with the top two units ablated vs `n_random` seeded draws of two other units, each
     drawn from the same head module as the top unit it stands for (so the same layers)."""
+    if n_random < 1:
+        raise ValueError(f"n_random must be >= 1, got {n_random}")
     by_label = {u.label: u for u in units}
     top = [by_label[label] for label in ranking.top(2)]
     rng = random.Random(seed)

@@ -365,6 +365,15 @@ def test_cli_ga_writes_its_files(tmp_path):
     assert summary["control"]["random2"]["mean_accuracy"] == pytest.approx(sum(accs) / len(accs))
 
 
+def test_control_needs_a_random_draw():
+    from analysis.ga import HeadRanking
+    from analysis.ga_report import control
+
+    model = _model("llama")
+    with pytest.raises(ValueError, match="n_random must be >= 1"):
+        control(model, kv_retrieval(3, 2, seed=0), HeadRanking({"accuracy": 1.0}, []), head_units(model), n_random=0)
+
+
 def test_spearman_matches_scipy_with_ties():
     stats = pytest.importorskip("scipy.stats")
     from analysis.ga_report import spearman
