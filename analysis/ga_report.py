@@ -32,7 +32,7 @@ import torch
 
 from analysis.ablation import ablate_heads, head_layout
 from analysis.ga import ChoiceScorer, HeadRanking, Unit, head_units, rank_heads
-from analysis.ga_scores import ga_scores
+from analysis.ga_scores import ga_scores, weights_hook
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks import Example, kv_retrieval
 
@@ -138,7 +138,7 @@ def plot_agreement(rows: list[dict[str, Any]], path: str | Path, title: str = ""
 def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor, list[str], bool]:
     """[q k] pattern (attention) or kernel magnitude averaged over the unit's heads, the tokens, is_kernel."""
     kind = head_layout(model)[unit.module].kind
-    name = f"{unit.module}.{'hook_pattern' if kind == 'attn' else 'hook_kernel'}"
+    name = weights_hook(unit.module, kind)
     tokens, mask = model.tokenize(example.prompt)
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, mask, names_filter=[name])

@@ -38,6 +38,20 @@ from analysis.ga import ChoiceScorer, Unit, head_units
 from analysis.tasks import Example, encode_prompts
 
 
+# ----------------------------------------------------------------------------- weights
+def weights_hook(prefix: str, kind: str) -> str:
+    """The hook holding a head module's mixing matrix: the pattern (attention) or the kernel (SSM)."""
+    return f"{prefix}.{'hook_pattern' if kind == 'attn' else 'hook_kernel'}"
+
+
+def as_weights(x: Tensor, kind: str) -> Tensor:
+    """w[b, head, q, k] from that hook's value: the pattern as is; |kernel| row-normalised."""
+    if kind == "attn":
+        return x
+    w = x.abs()
+    return w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+
+
 # ------------------------------------------------------------------------------- masks
 def gather_edges(shape: tuple[int, int], segments: Sequence[Sequence[tuple[int, int]]]) -> tuple[Tensor, Tensor]:
     """(rows [batch q], allowed [batch q k]) of the Gather pattern."""
@@ -142,7 +156,7 @@ def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | N
         hooks = []
         for prefix in {u.module for u in units}:
             kind = layout[prefix].kind
-            name = f"{prefix}.{'hook_pattern' if kind == 'attn' else 'hook_kernel'}"
+            name = weights_hook(prefix, kind)
             hooks.append((name, _score_hook(prefix, kind, g_mask, a_mask, n_seg, sums)))
         with torch.no_grad(), model.hooks(fwd_hooks=hooks):
             model(batch.tokens, batch.attention_mask, stop_at_layer=max(u.layer for u in units) + 1)
@@ -155,10 +169,7 @@ def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | N
 
 def _score_hook(prefix: str, kind: str, g_mask: Tensor, a_mask: Tensor, n_seg: Tensor, sums: dict) -> Callable:
     def hook(x: Tensor, hook: Any) -> None:  # x [batch head q k]
-        w = x.detach().double().cpu()
-        if kind != "attn":
-            w = w.abs()
-            w = w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+        w = as_weights(x.detach().double().cpu(), kind)
         gather = (w * g_mask[:, None]).sum((-1, -2)) / n_seg[:, None]  # [batch head]
         aggregate = (w[:, :, -1, :] * a_mask[:, None]).sum(-1)  # the query is the last column (left padding)
         total = torch.stack([gather.sum(0), aggregate.sum(0)])

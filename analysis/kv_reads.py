@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from analysis.ablation import head_layout
+from analysis.ga_scores import as_weights, weights_hook
 from analysis.kv_task import KVPrompts
 
 ROLES = {"key": 0, "colon": 1, "value": 2, "newline": 3}  # offset inside the pair, after <bos>
@@ -32,18 +33,10 @@ ROLES = {"key": 0, "colon": 1, "value": 2, "newline": 3}  # offset inside the pa
 
 def head_weights(model: Any, tokens: Tensor) -> dict[str, Tensor]:
     """{module: [batch head q_pos k_pos]} mixing weights of every attention / SSM head module."""
-    names = {m: f"{m}.hook_pattern" if lay.kind == "attn" else f"{m}.hook_kernel"
-             for m, lay in head_layout(model).items()}
+    kinds = {m: lay.kind for m, lay in head_layout(model).items()}
     with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=list(names.values()))
-    out = {}
-    for module, name in names.items():
-        w = cache[name].float()
-        if name.endswith("hook_kernel"):
-            w = w.abs()
-            w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
-        out[module] = w
-    return out
+        _, cache = model.run_with_cache(tokens, names_filter=[weights_hook(m, k) for m, k in kinds.items()])
+    return {m: as_weights(cache[weights_hook(m, k)].float(), k) for m, k in kinds.items()}
 
 
 def role_positions(p: KVPrompts, role: str) -> Tensor:

@@ -95,8 +95,8 @@ RECIPES: dict[str, Recipe] = {
         notes="""
 Not shipped: with the Llama-kv recipe (untied; every key asked once, answers in the sequence) two runs
 of 10,500 steps (seeds 0 and 1), one of 13,000 at lr 1e-3 (seed 2) and one of 11,900 (seed 3) never
-left the elimination
-plateau at n <= 3 (training accuracy ~0.72-0.76 at n = 2, ~0.62 at n = 3); exported accuracy at chance.
+left the elimination plateau at n <= 3 (training accuracy ~0.72-0.78 at n = 2, ~0.62 at n = 3);
+exported accuracy at chance.
 Same signature as the failed Llama runs: in layer 0 a newline puts at most 0.03 attention on its own
 key. GPT-2's learned absolute positions are the difference from Llama-kv; untried: runs past 13,000 steps.
 """),
