@@ -111,6 +111,26 @@ def training_batch(n: int, batch: int, gen: torch.Generator, fmt: str, queries: 
     return tokens, labels
 
 
+def queried_newlines(tokens: Int[Tensor, "batch pos"], n: int, fmt: str,
+                     answers: bool = True) -> tuple[Int[Tensor, " asked"], Int[Tensor, "batch asked"]]:
+    """For a `training_batch` with n pairs: the position of each query's last token (where the
+    answer is predicted) and, per row, the position of the queried pair's newline."""
+    width = 3 if answers else 2
+    ctx = 4 * n + 1
+    asked = (tokens.shape[1] - ctx) // width
+    if tokens.shape[1] != ctx + width * asked or asked < 1:
+        raise ValueError(f"tokens of length {tokens.shape[1]} are not a training batch with n = {n} "
+                         f"pairs and {'' if answers else 'no '}answers")
+    key_slot = 0 if fmt == "k?" else 1
+    start = ctx + width * torch.arange(asked)
+    asked_keys = tokens[:, start + key_slot]  # [batch asked]
+    context_keys = tokens[:, 4 * torch.arange(n) + 1]  # [batch n]
+    match = asked_keys[:, :, None] == context_keys[:, None, :]
+    if not bool((match.sum(-1) == 1).all()):
+        raise ValueError("every query must ask exactly one key of the context")
+    return start + 1, 4 * match.int().argmax(-1) + 4
+
+
 @dataclass
 class KVPrompts:
     """Evaluation prompts: context plus one query; the answer is `choices[b, answer[b]]`."""

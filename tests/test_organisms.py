@@ -81,6 +81,23 @@ def test_training_batch_rejects_bad_query_options():
         training_batch(3, 2, gen, "?k", "permutation", 5)
 
 
+@pytest.mark.parametrize("queries, answers", [("permutation", True), ("replacement", True), ("replacement", False)])
+@pytest.mark.parametrize("fmt", ["k?", "?k"])
+def test_queried_newlines_point_at_the_asked_pair(fmt, queries, answers):
+    n = 5
+    tokens, labels = training_batch(n, 16, torch.Generator().manual_seed(4), fmt, queries, 7 if queries == "replacement"
+                                    else None, answers)
+    query, newline = kv_task.queried_newlines(tokens, n, fmt, answers)
+    for b, (row, lab) in enumerate(zip(tokens.tolist(), labels.tolist())):
+        labelled = [pos for pos, t in enumerate(lab) if t != -100]
+        assert query.tolist() == labelled
+        for q, nl in zip(labelled, newline[b].tolist()):
+            asked = row[q - 1] if fmt == "k?" else row[q]
+            assert row[nl] == NL and row[nl - 3] == asked and row[nl - 1] == lab[q]
+    with pytest.raises(ValueError, match="not a training batch with n = 4|exactly one key of the context"):
+        kv_task.queried_newlines(tokens, 4, fmt, answers)
+
+
 @pytest.mark.parametrize("fmt", ["k?", "?k"])
 def test_prompts_answer_and_text_round_trip(fmt):
     p = prompts(6, 20, seed=3, fmt=fmt)
@@ -261,6 +278,34 @@ def test_llama_ga_tooling_finds_the_circuit(organism):
     assert key in pair, (layer1, list(pair))
     assert pair[key]["accuracy"] < 0.3 < ranking.baseline["accuracy"] - 0.3, (pair[key], ranking.baseline)
     assert pair[key]["drop"] > pair[key]["single_drops"] + 0.3  # more than the sum of the single drops
+
+
+def test_guide_loss_is_minus_log_attention_on_the_queried_newline():
+    from scripts.train_organisms import guide_loss
+
+    recipe = RECIPES["gpt2-kv"]
+    model = build(recipe).eval()
+    tokens, labels = training_batch(3, 4, torch.Generator().manual_seed(1), recipe.fmt)
+    with torch.no_grad():
+        att = model(tokens, output_attentions=True).attentions
+    layer, head = recipe.guide
+    brute = []
+    for b in range(4):
+        for q in range(tokens.shape[1]):
+            if labels[b, q] == -100:
+                continue
+            nl = next(i for i in range(4, 13, 4) if tokens[b, i - 3] == tokens[b, q])  # the asked key's pair ("? k")
+            assert tokens[b, nl - 1] == labels[b, q]
+            brute.append(-torch.log(att[layer][b, head, q, nl] + 1e-9))
+    torch.testing.assert_close(guide_loss(att, recipe.guide, tokens, 3, recipe), torch.stack(brute).mean())
+
+
+@pytest.mark.parametrize("change", [dict(engine="hooked"), dict(task="facts"), dict(config={})])
+def test_guide_refuses_what_it_cannot_supervise(change, tmp_path):
+    recipe = dataclasses.replace(RECIPES["gpt2-kv"], **change)
+    with pytest.raises(ValueError, match="guide needs an attention model"):
+        train("gpt2-kv", recipe, tmp_path, log=lambda s: None)
+    assert not (tmp_path / "state.pt").exists()
 
 
 def test_minutes_budget_stops_training(tmp_path):
