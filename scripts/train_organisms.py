@@ -341,7 +341,7 @@ prompts per n, `analysis.kv_task.accuracy_table(model, seed=0, fmt="{r.fmt}")` (
 ## Training
 `python scripts/train_organisms.py {name}`: seed {r.seed}, batch {r.batch}, AdamW betas (0.9, 0.98),
 weight decay 0.01, warmup {r.warmup} then lr {r.lr}{phase2}, clip 1.0; {sched}.{guided}
-{summary['steps']} steps{budget} in {summary['seconds'] / 60:.1f} min on one shared CPU thread (machine load ~8).
+{summary['steps']} steps{budget} in {summary['seconds'] / 60:.1f} min on one shared CPU thread.
 Config: `{json.dumps(r.config)}`.
 {r.notes}
 """

@@ -30,13 +30,13 @@ def _brute(weights, p, layer_head):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-kv", "mamba2-kv"])
+@pytest.mark.parametrize("name", ["llama-kv", "gpt2-kv", "mamba2-kv"])
 def test_reads_equal_brute_force(name):
     torch.manual_seed(0)
     model = from_hf(build(RECIPES[name]))
     p = prompts(5, 6, seed=3, fmt=RECIPES[name].fmt)
     rows = reads(model, p)
-    kind = "attn.hook_pattern" if name == "llama-kv" else "mixer.hook_kernel"
+    kind = "mixer.hook_kernel" if name == "mamba2-kv" else "attn.hook_pattern"
     _, cache = model.run_with_cache(p.tokens, names_filter=lambda n: n.endswith(kind))
     assert len(rows) == sum(cache[n].shape[1] for n in cache.keys())
     for row in rows:
