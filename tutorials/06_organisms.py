@@ -7,7 +7,8 @@
 # CARD.md). They load by name and run every analysis of the library in seconds.
 #
 # 1. the task and the shipped accuracy tables;
-# 2. Llama-kv: the G&A circuit, found by the tooling (`rank_heads`, `ga_scores`, pair ablation);
+# 2. Llama-kv: the G&A circuit, found by the tooling (`rank_heads`, `ga_scores`, pair ablation), and
+#    GPT-2-kv, whose learnt positions do not reach past the trained length;
 # 3. Mamba-2-kv: one layer of SSM heads that read the queried value straight from the kernel;
 # 4. the facts organisms: knockout on SSMs, and why the conv matters there.
 
@@ -84,6 +85,26 @@ if llama_trained:
     for layer in range(2):
         plot_pattern(cache[f"blocks.{layer}.attn.hook_pattern"][0].mean(0), OUT / f"06_llama_L{layer}.png", strs,
                      f"llama-kv layer {layer}, mean over heads")
+
+# %% [markdown]
+# ## GPT-2-kv: the same circuit, with positions that do not extrapolate
+# GPT-2 learnt the task only with one layer-1 head's attention guided in training (its CARD.md says
+# why); the key mover, two redundant value movers and a second aggregate head were learnt. Its gather
+# heads find "3 tokens back" through learnt absolute positions, which exist only where training put
+# context newlines (n <= 12): at n = 16 the last four pairs are never retrieved.
+
+# %%
+if "gpt2-kv" in available_for("kv"):
+    gpt2 = from_pretrained("organism/gpt2-kv")
+    p16 = kv_task.prompts(16, 200, seed=16, fmt="?k")
+    logits, cache = gpt2.run_with_cache(p16.tokens, names_filter="blocks.0.attn.hook_pattern")
+    right = kv_task.correct(kv_task.choice_scores(logits, p16.choices), p16).float()
+    nl = torch.tensor(p16.pair_newlines())
+    key_mover = cache["blocks.0.attn.hook_pattern"][:, :, nl, nl - 3].mean(0)  # [head pair]
+    head = int(key_mover[:, :4].mean(1).argmax())
+    for i in (0, 11, 12, 15):
+        print(f"pair {i:2d} (newline at {int(nl[i])}): accuracy {right[p16.answer == i].mean():.2f}, "
+              f"L0H{head} newline->key {key_mover[head, i]:.2f}")
 
 # %% [markdown]
 # ## Mamba-2-kv: the lookup is one layer of SSM heads
