@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from analysis import facts_task
-from analysis.kv_task import D_VOCAB, PAD, accuracy_table, make_tokenizer, queried_newlines, training_batch
+from analysis.kv_task import (D_VOCAB, PAD, accuracy_table, logits_of, make_tokenizer, queried_newlines,
+                             training_batch)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "loaders" / "organisms"
@@ -67,8 +68,6 @@ class Recipe:
     stop_acc: float | None = None  # stop once the last 50 steps' training accuracy reaches this
     guide: tuple[int, int] | None = None  # (layer, head): attention supervised onto the queried newline
     guide_steps: int = 0  # ... for the first guide_steps steps (see guide_loss)
-    positions: str = "default"  # "sinusoidal": learned absolute positions start as scaled sinusoids
-    position_scale: float = 0.03  # with "sinusoidal": entries in [-scale, scale] (HF's init std is 0.02)
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -154,27 +153,7 @@ def build(recipe: Recipe) -> torch.nn.Module:
     if attn is not None:
         config._attn_implementation = attn
     torch.manual_seed(recipe.seed)
-    model = getattr(transformers, recipe.model_class)(config)
-    if recipe.positions == "sinusoidal":
-        wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
-        if wpe is None:
-            raise ValueError(f"positions='sinusoidal' needs learned absolute positions; {recipe.model_class} has none")
-        with torch.no_grad():
-            wpe.weight.copy_(recipe.position_scale * sinusoids(*wpe.weight.shape))
-    elif recipe.positions != "default":
-        raise ValueError(f"positions must be 'default' or 'sinusoidal', got {recipe.positions!r}")
-    return model
-
-
-def sinusoids(n_positions: int, d: int) -> torch.Tensor:
-    """[n_positions d] sin/cos position codes (Vaswani et al. 2017, base 10,000): each code is a
-    rotation of the previous one per frequency, so one bilinear form can attend to a fixed offset."""
-    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]
-    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    out = torch.zeros(n_positions, d, dtype=torch.float64)
-    out[:, 0::2] = torch.sin(pos * freq)
-    out[:, 1::2] = torch.cos(pos * freq)
-    return out.float()
+    return getattr(transformers, recipe.model_class)(config)
 
 
 def forward_model(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
@@ -258,8 +237,8 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
             tokens, labels = training_batch(n, recipe.batch, gen, recipe.fmt, recipe.queries, recipe.n_queries,
                                             recipe.answers)
         guided = recipe.guide is not None and step < recipe.guide_steps
-        out = trainee(tokens, output_attentions=True) if guided else trainee(tokens)
-        logits = out if torch.is_tensor(out) else out.logits
+        out = trainee(tokens, output_attentions=True) if guided else None  # guide: HF engine only
+        logits = out.logits if guided else logits_of(trainee, tokens)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)
         (loss + guide_loss(out.attentions, recipe.guide, tokens, n, recipe) if guided else loss).backward()
