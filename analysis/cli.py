@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
     from analysis.info_flow import add_knockout_parser  # `hooked knockout`, defined beside info_flow
     add_knockout_parser(subparsers)
-    from analysis.ga_report import add_ga_parser  # `hooked ga`, defined beside the G&A analysis
+    from analysis.ga.report import add_ga_parser  # `hooked ga`, defined beside the G&A analysis
     add_ga_parser(subparsers)
     return parser
 

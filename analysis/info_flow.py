@@ -2,7 +2,7 @@
 
 Glossary
     window      layers [l, l + window), clipped at the last layer, for every start layer l
-    source set  subject / relation / last / first tokens of each fact (analysis.facts)
+    source set  subject / relation / last / first tokens of each fact (analysis.tasks.known_facts)
     target      the last token (position -1: rows are left-padded)
     p, p_ko     probability of the answer's first token at the last position, clean / knocked out
     change      100 * (p_ko - p) / p, the relative change in %, per fact, source set and window;
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from analysis.facts import SOURCE_SETS, FactPrompt, load_facts, pad_id, pad_left, prepare_facts, source_masks
-from analysis.knockout import knockout
+from analysis.tasks.known_facts import SOURCE_SETS, FactPrompt, load_facts, pad_id, pad_left, prepare_facts, source_masks
+from analysis.interventions.knockout import knockout
 
 
 # ----------------------------------------------------------------------------------- results

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from analysis.facts import SOURCE_SETS, load_facts, prepare_facts
+from analysis.tasks.known_facts import SOURCE_SETS, load_facts, prepare_facts
 from analysis.info_flow import info_flow
-from analysis.knockout import knockout
+from analysis.interventions.knockout import knockout
 
 
 def naive_units(model, prompts, window: int) -> int:

@@ -23,7 +23,7 @@ import torch
 def tiny_model(arch: str, layers: int, d_model: int):
     import transformers
 
-    from analysis.tasks import char_tokenizer
+    from analysis.tasks.text import char_tokenizer
     from loaders import from_hf
 
     tok = char_tokenizer()
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from analysis.ga import head_units, rank_heads
-    from analysis.tasks import kv_retrieval
+    from analysis.ga.ranking import head_units, rank_heads
+    from analysis.tasks.text import kv_retrieval
 
     torch.set_grad_enabled(False)
     if args.model:

@@ -48,7 +48,7 @@ def card(name: str) -> str:
 
 
 def task(name: str) -> str:
-    """The organism's task: "kv" (analysis.kv_task) or "facts" (analysis.facts_task)."""
+    """The organism's task: "kv" (analysis.tasks.token_kv) or "facts" (analysis.tasks.synthetic_facts)."""
     return accuracy(name).get("task", "kv")
 
 

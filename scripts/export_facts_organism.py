@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from analysis import facts_task as ft
+from analysis.tasks import synthetic_facts as ft
 
 
 def export_facts(name: str, recipe: Any, model: torch.nn.Module, summary: dict, out: Path) -> dict[int, float]:
@@ -48,7 +48,7 @@ def facts_card(name: str, r: Any, table: dict[int, float], overall: float, summa
 
 {r.model_class} trained from scratch to memorise the synthetic facts of `analysis/facts_task.py`.
 Load: `from_pretrained("organism/{name}")` (hooked) or `transformers.{r.model_class}.from_pretrained(dir)`.
-Facts in the known_1000.json format: `analysis.facts_task.facts()` (or `write_facts(path)` for
+Facts in the known_1000.json format: `analysis.tasks.synthetic_facts.facts()` (or `write_facts(path)` for
 `hooked knockout organism/{name} --facts PATH`).
 
 ## Task
@@ -63,7 +63,7 @@ Facts in the known_1000.json format: `analysis.facts_task.facts()` (or `write_fa
 
 ## Accuracy
 Top-1 next token over the whole vocabulary, every fact of the knowledge base
-(`analysis.facts_task.accuracy_table(model)`); overall {overall:.3f} (chance 1/32 = 0.031):
+(`analysis.tasks.synthetic_facts.accuracy_table(model)`); overall {overall:.3f} (chance 1/32 = 0.031):
 
 | relation | template | accuracy |
 |---|---|---|

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from analysis import facts_task
-from analysis.kv_task import (D_VOCAB, PAD, accuracy_table, logits_of, make_tokenizer, queried_newlines,
-                             training_batch)
+from analysis.tasks import synthetic_facts as facts_task
+from analysis.tasks.scoring import logits_of
+from analysis.tasks.token_kv import D_VOCAB, PAD, accuracy_table, make_tokenizer, queried_newlines, training_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "loaders" / "organisms"
@@ -311,7 +311,7 @@ Load: `from_pretrained("organism/{name}")` (hooked) or `transformers.{r.model_cl
 
 ## Accuracy
 Choice scoring over the context's n values (the scorer shared with the text KV task), {n_samples}
-prompts per n, `analysis.kv_task.accuracy_table(model, seed=0, fmt="{r.fmt}")` (prompt seed = n):
+prompts per n, `analysis.tasks.token_kv.accuracy_table(model, seed=0, fmt="{r.fmt}")` (prompt seed = n):
 
 | n | accuracy | chance 1/n |
 |---|---|---|

@@ -14,7 +14,7 @@ import torch
 import transformers
 from conftest import build_tiny_hf, rel_close
 
-from analysis.ablation import (ablate_heads, head_layout, parse_head, prune_from_end, remove_and_restore,
+from analysis.interventions.ablation import (ablate_heads, head_layout, parse_head, prune_from_end, remove_and_restore,
                                replace_block, resolve_heads, skip_layers)
 from loaders.load import from_hf
 

@@ -19,8 +19,8 @@ import json
 import pytest
 import torch
 
-from analysis import facts_task as ft
-from analysis.facts import SOURCE_SETS, prepare_facts
+from analysis.tasks import synthetic_facts as ft
+from analysis.tasks.known_facts import SOURCE_SETS, prepare_facts
 from loaders import from_pretrained
 from loaders.organisms import accuracy, available_for, organism_path
 from scripts.train_organisms import RECIPES, build, export, train

@@ -12,12 +12,12 @@ import torch
 import transformers
 from conftest import build_tiny_hf
 
-from analysis.ablation import ablate_heads
-from analysis.ga import (ChoiceScorer, accuracy, answer_logprob, common_prefix, head_units, rank_heads,
-                         score_choices)
-from analysis.ga_scores import aggregate_only, ga_scores, gather_only, masked_accuracy, restrict_heads
-from analysis.tasks import (Example, char_tokenizer, encode, encode_prompts, kv_retrieval, load_words,
-                            multiple_choice, segment_token_spans)
+from analysis.interventions.ablation import ablate_heads
+from analysis.ga.ranking import head_units, rank_heads
+from analysis.tasks.scoring import ChoiceScorer, accuracy, answer_logprob, common_prefix, score_choices
+from analysis.ga.scores import aggregate_only, ga_scores, gather_only, masked_accuracy, restrict_heads
+from analysis.tasks.text import (Example, char_tokenizer, encode, encode_prompts, kv_retrieval, load_words,
+                                 multiple_choice, segment_token_spans)
 from loaders.load import from_hf
 
 TOK = char_tokenizer()
@@ -366,8 +366,8 @@ def test_cli_ga_writes_its_files(tmp_path):
 
 
 def test_control_needs_a_random_draw():
-    from analysis.ga import HeadRanking
-    from analysis.ga_report import control
+    from analysis.ga.ranking import HeadRanking
+    from analysis.ga.report import control
 
     model = _model("llama")
     with pytest.raises(ValueError, match="n_random must be >= 1"):
@@ -376,7 +376,7 @@ def test_control_needs_a_random_draw():
 
 def test_spearman_matches_scipy_with_ties():
     stats = pytest.importorskip("scipy.stats")
-    from analysis.ga_report import spearman
+    from analysis.ga.report import spearman
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 5, (40,), generator=gen).double().tolist()  # many ties
@@ -389,8 +389,8 @@ def test_spearman_matches_scipy_with_ties():
 
 
 def test_organisms_get_their_own_kv_prompts():
-    from analysis import kv_task
-    from analysis.ga_report import task_for
+    from analysis.tasks import token_kv as kv_task
+    from analysis.ga.report import task_for
     from loaders.organisms import accuracy, available_for
 
     assert task_for("smollm2-135m") is kv_retrieval

@@ -214,7 +214,7 @@ def test_head_ablation_at_one_invocation():
         clean = model(tokens)
     torch.testing.assert_close(by_result, by_z, **TOL)
     assert not torch.allclose(by_z, clean)
-    ablation = pytest.importorskip("analysis.ablation")
+    ablation = pytest.importorskip("analysis.interventions.ablation")
     z_name = "blocks.4.shared.attn.hook_z"
     with ablation.ablate_heads(model, [("blocks.4.shared.attn", head)]):
         with torch.no_grad():

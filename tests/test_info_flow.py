@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from analysis.facts import SOURCE_SETS, FactPrompt, load_facts, prepare_facts, subject_span
+from analysis.tasks.known_facts import SOURCE_SETS, FactPrompt, load_facts, prepare_facts, subject_span
 from analysis.info_flow import info_flow, mean_interval, screen, t_quantile
-from analysis.knockout import knockout
+from analysis.interventions.knockout import knockout
 from loaders.load import from_hf
 
 FACTS = load_facts()

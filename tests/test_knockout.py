@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from analysis.knockout import (decay_norms, decay_split, feature_knockout, feature_plan, knockout,
+from analysis.interventions.knockout import (decay_norms, decay_split, feature_knockout, feature_plan, knockout,
                                knockout_sites)
 from loaders.load import from_hf
 
@@ -402,7 +402,7 @@ def test_feature_knockout_states_what_it_cuts(group, reading):
 MEMORY_SCRIPT = textwrap.dedent('''
     import resource, torch
     from hooked.models.mamba import HookedMamba, MambaConfig
-    from analysis.knockout import knockout
+    from analysis.interventions.knockout import knockout
     torch.manual_seed(0)
     L, d_inner = 2048, 128
     model = HookedMamba(MambaConfig(n_layers=1, d_model=64, d_vocab=64, d_inner=d_inner, d_state=16)).eval()

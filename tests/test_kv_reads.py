@@ -1,12 +1,12 @@
-"""analysis.kv_reads: per-head read shares on the KV task equal a brute-force loop over the cache."""
+"""analysis.ga.reads: per-head read shares on the KV task equal a brute-force loop over the cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from analysis.kv_reads import ROLES, reads, role_positions
-from analysis.kv_task import prompts
+from analysis.ga.reads import ROLES, reads, role_positions
+from analysis.tasks.token_kv import prompts
 from loaders import from_hf
 from scripts.train_organisms import RECIPES, build
 

@@ -19,8 +19,9 @@ import dataclasses
 import pytest
 import torch
 
-from analysis import kv_task
-from analysis.kv_task import KEY0, NL, VALUE0, make_tokenizer, prompts, to_text, training_batch
+from analysis.tasks import scoring
+from analysis.tasks import token_kv as kv_task
+from analysis.tasks.token_kv import KEY0, NL, VALUE0, make_tokenizer, prompts, to_text, training_batch
 from loaders import from_pretrained
 from loaders.organisms import accuracy, available_for, organism_path
 from scripts.train_organisms import RECIPES, build, export, train
@@ -115,14 +116,14 @@ def test_prompts_answer_and_text_round_trip(fmt):
 
 
 def test_scoring_agrees_with_the_text_kv_scorer():
-    """Our batched single-token scorer == `analysis.ga.score_choices` on the same prompts as text."""
+    """The token form of the scoring rule == its text form (`score_choices`) on the same prompts."""
     ga = pytest.importorskip("analysis.ga")
     from loaders import from_hf
 
     model = from_hf(build(RECIPES["mamba2-kv"]).eval(), tokenizer=make_tokenizer())
     p = prompts(5, 6, seed=2, fmt="k?")
     with torch.no_grad():
-        ours = kv_task.choice_scores(model(p.tokens), p.choices)
+        ours = scoring.choice_scores(model(p.tokens), p.choices)
     theirs = ga.score_choices(model, kv_task.examples(5, 6, seed=2, fmt="k?"))
     torch.testing.assert_close(theirs.float(), ours, rtol=1e-5, atol=1e-5)
     assert len(set(p.choices[0].tolist())) == 5  # evaluation values are distinct: chance is 1/n
@@ -133,13 +134,13 @@ def test_batched_and_single_scoring_agree():
     model = build(dataclasses.replace(RECIPES["llama-kv"])).eval()
     p = prompts(4, 3, seed=1)
     with torch.no_grad():
-        batched = kv_task.choice_scores(kv_task.logits_of(model, p.tokens), p.choices)
+        batched = scoring.choice_scores(scoring.logits_of(model, p.tokens), p.choices)
         for b in range(3):
-            single = kv_task.score_choices_tokens(model, p.tokens[b], [[int(c)] for c in p.choices[b]])
+            single = scoring.score_choices_tokens(model, p.tokens[b], [[int(c)] for c in p.choices[b]])
             torch.testing.assert_close(single, batched[b], rtol=1e-5, atol=1e-5)
-            two = kv_task.score_choices_tokens(model, p.tokens[b, :-1], [[int(p.tokens[b, -1]), int(c)]
+            two = scoring.score_choices_tokens(model, p.tokens[b, :-1], [[int(p.tokens[b, -1]), int(c)]
                                                                           for c in p.choices[b]])
-            first = kv_task.logits_of(model, p.tokens[b:b + 1, :-1])[0, -1].log_softmax(-1)[p.tokens[b, -1]]
+            first = scoring.logits_of(model, p.tokens[b:b + 1, :-1])[0, -1].log_softmax(-1)[p.tokens[b, -1]]
             torch.testing.assert_close(two, batched[b] + first, rtol=1e-5, atol=1e-5)
 
 
@@ -234,7 +235,7 @@ def test_layer0_heads_move_key_and_value_into_the_newline(name, organism):
 
 @pytest.mark.parametrize("name", ATTENTION_KV)
 def test_layer1_heads_read_the_queried_newline(name, organism):
-    from analysis.ablation import ablate_heads
+    from analysis.interventions.ablation import ablate_heads
 
     model = organism(name)
     p, _, pat1 = _patterns(model)
@@ -265,7 +266,7 @@ def test_ga_tooling_finds_the_circuit(name, organism):
     only the pair ablation that rank_heads offers (pairing the best aggregate scorers) shows them:
     together, chance. Llama-kv: one key and one value mover; GPT-2-kv: one key mover, two value
     movers (each redundant alone)."""
-    from analysis.kv_reads import reads
+    from analysis.ga.reads import reads
 
     ga = pytest.importorskip("analysis.ga")
     model = organism(name)
@@ -357,7 +358,7 @@ def test_mamba2_layer0_mixer_does_the_retrieval(organism):
     """Measured on the shipped checkpoint: layer 0's SSM does the lookup (its whole-mixer ablation
     drops accuracy to chance, layer 1's costs little), and every layer-0 head's kernel row at the
     query puts ~3x more |kernel| on the queried pair's value token than on any other value token."""
-    from analysis.ablation import ablate_heads
+    from analysis.interventions.ablation import ablate_heads
 
     model = organism("mamba2-kv")
     heads = range(model.cfg.n_heads)

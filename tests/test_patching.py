@@ -9,7 +9,7 @@ import torch
 import transformers
 from conftest import build_tiny_hf, rel_close
 
-from analysis.patching import (act_patch, answer_prob, attribution_patch, compare_attribution, head_patch,
+from analysis.interventions.patching import (act_patch, answer_prob, attribution_patch, compare_attribution, head_patch,
                                index_tuple, logit_diff, normalised_score, output_patch, patch, resid_patch,
                                run_patching, set_slice, ssm_state_patch)
 from loaders.load import from_hf

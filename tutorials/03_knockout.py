@@ -6,7 +6,7 @@
 # reads the subject. They cut every edge from a set of source tokens to the last token in a window
 # of 9 consecutive layers and measure how much the answer's probability drops.
 #
-# `analysis.knockout` does this for attention and SSM layers alike:
+# `analysis.interventions.knockout` does this for attention and SSM layers alike:
 #
 # - `knockout(model, sources, targets, layers, ...)`: a context manager that cuts the edges
 #   (attention: -inf on the scores, or zeros in the pattern; SSM: the kernel terms K[j, i] u_i are
@@ -29,9 +29,9 @@ import matplotlib.pyplot as plt
 import torch
 import transformers
 
-from analysis.facts import load_facts, prepare_facts
+from analysis.tasks.known_facts import load_facts, prepare_facts
 from analysis.info_flow import info_flow, markdown_table
-from analysis.knockout import decay_split, feature_plan, knockout
+from analysis.interventions import decay_split, feature_plan, knockout
 from loaders import from_hf, from_pretrained
 from loaders.smollm2 import smollm2_available
 

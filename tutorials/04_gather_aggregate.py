@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from analysis.ablation import ablate_heads
-from analysis.ga import ChoiceScorer, head_units, rank_heads
-from analysis.ga_report import unit_weights
-from analysis.ga_scores import ga_scores, masked_accuracy
+from analysis.ga import ga_scores, head_units, masked_accuracy, rank_heads
+from analysis.ga.report import unit_weights
+from analysis.interventions import ablate_heads
 from analysis.plots import heatmap, plot_pattern
-from analysis.tasks import kv_retrieval
+from analysis.tasks import ChoiceScorer, kv_retrieval
 from loaders import from_pretrained
 
 torch.set_grad_enabled(False)

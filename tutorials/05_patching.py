@@ -9,7 +9,7 @@
 # - **noising**: run the clean prompt, patch in corrupted activations (what breaks it?).
 #
 # The metric is the logit difference `logit(Paris) - logit(Rome)` at the last position, normalised
-# so that the clean run scores 1 and the corrupted run 0. `analysis.patching` has one generic loop
+# so that the clean run scores 1 and the corrupted run 0. `analysis.interventions.patching` has one generic loop
 # (`act_patch`) and helpers for the residual stream, block outputs, heads and SSM states.
 
 # %%
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from analysis.patching import (act_patch, attribution_patch, compare_attribution, logit_diff, normalised_score,
-                               patch, run_patching)
+from analysis.interventions import (act_patch, attribution_patch, compare_attribution, logit_diff, normalised_score,
+                                     patch, run_patching)
 from analysis.plots import heatmap, line_plot
 from loaders import from_pretrained
 

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from analysis import kv_task
-from analysis.ablation import ablate_heads
-from analysis.ga import rank_heads
-from analysis.ga_scores import ga_scores
-from analysis.kv_reads import reads
+from analysis.ga import ga_scores, rank_heads, reads
+from analysis.interventions import ablate_heads
+from analysis.tasks import choice_scores
+from analysis.tasks import token_kv as kv_task
 from analysis.plots import heatmap, plot_pattern
 from loaders import from_pretrained
 from loaders.organisms import accuracy, available, available_for, card
@@ -98,7 +97,7 @@ if "gpt2-kv" in available_for("kv"):
     gpt2 = from_pretrained("organism/gpt2-kv")
     p16 = kv_task.prompts(16, 200, seed=16, fmt="?k")
     logits, cache = gpt2.run_with_cache(p16.tokens, names_filter="blocks.0.attn.hook_pattern")
-    right = kv_task.correct(kv_task.choice_scores(logits, p16.choices), p16).float()
+    right = kv_task.correct(choice_scores(logits, p16.choices), p16).float()
     nl = torch.tensor(p16.pair_newlines())
     key_mover = cache["blocks.0.attn.hook_pattern"][:, :, nl, nl - 3].mean(0)  # [head pair]
     head = int(key_mover[:, :4].mean(1).argmax())
@@ -142,7 +141,7 @@ print(card("mamba2-kv").splitlines()[0])
 
 # %%
 if "mamba2-facts" in available_for("facts"):
-    from analysis.facts_task import facts
+    from analysis.tasks.synthetic_facts import facts
     from analysis.info_flow import info_flow
 
     facts_model = from_pretrained("organism/mamba2-facts")

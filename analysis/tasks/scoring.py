@@ -1,4 +1,4 @@
-"""Gather-and-Aggregate: choice scoring, accuracy, and head ranking by ablation (Bick, Xing, Gu 2025).
+"""Choice scoring shared by every task: a choice's score is the summed log-probability of its tokens.
 
 Glossary
     choice tokens   prompt and choice are tokenised together (merges across the boundary are
@@ -11,37 +11,27 @@ Glossary
     context         the joint tokens minus the last: one forward of a context yields the
                     log-probabilities of every token of every choice it extends, so choices that
                     share a context (all single-token choices of a prompt) cost one row.
-    unit            what `rank_heads` ablates at once: an attention head, a Zamba2 shared head of
-                    one invocation ("L5SH3"), a Mamba-2 head, or a group of Mamba-1 channels
-                    ("L2C0-63"): single channels are too many and too redundant to rank one by one.
-    prefix reuse    ablating a unit of layer l cannot change the residual entering layer l: it is
-                    computed once per layer (`stop_at_layer`) and every ablated run starts there.
-    pair ablation   redundant heads hide from single-unit ranking (ablating one, its twin takes
-                    over), so the top-k units are also ablated two at a time.
+    text form       `ChoiceScorer` / `score_choices`: `Example`s (text prompts and choices).
+    token form      `score_choices_tokens` (ids in, any choice lengths) and `choice_scores` (its
+                    batched single-token form on logits): the organisms' token-level tasks.
+                    Both forms apply the same rule; tests check they agree.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from analysis.ablation import ablate_heads, head_layout
-from analysis.patching import layer_inputs
-from analysis.plots import save_table
-from analysis.tasks import Example, encode, kv_retrieval, multiple_choice, segment_token_spans, tokenizer_of  # noqa: F401
+from analysis.interventions.patching import layer_inputs
+from analysis.tasks.text import Example, encode, segment_token_spans, tokenizer_of
 
 
-# ------------------------------------------------------------------------------- scoring
 @dataclass
 class ChoiceBatch:
     """Left-padded context rows plus where each scored token is read."""
@@ -183,122 +173,40 @@ def answer_logprob(scores: Tensor, examples: Sequence[Example]) -> float:
     return scores.log_softmax(-1).gather(1, answers[:, None]).mean().item()
 
 
-# ------------------------------------------------------------------------------- ranking
-@dataclass(frozen=True)
-class Unit:
-    label: str  # "L3H5", "L5SH3", "L2C0-63"
-    layer: int
-    module: str
-    heads: tuple[int, ...]
-
-    def specs(self) -> list[tuple[str, int]]:
-        return [(self.module, h) for h in self.heads]
+# ------------------------------------------------------------------------------ token form
+def logits_of(model: Any, tokens: Tensor) -> Float[Tensor, "batch pos d_vocab"]:
+    """Logits of a hooked model (returns a tensor) or an HF model (returns an output with .logits)."""
+    out = model(tokens)
+    return out if torch.is_tensor(out) else out.logits
 
 
-def head_units(model: Any, channel_group: int | None = None) -> list[Unit]:
-    """Every head of every layer; Mamba-1 channels in groups of `channel_group` (default d_inner/16)."""
-    units = []
-    for m in head_layout(model).values():
-        if m.width > 1 or m.kind == "attn":
-            units += [Unit(f"L{m.layer}{m.tag}{h}", m.layer, m.prefix, (h,)) for h in range(m.n_heads)]
-            continue
-        size = channel_group or max(1, m.n_heads // 16)
-        for a in range(0, m.n_heads, size):
-            b = min(a + size, m.n_heads)
-            units.append(Unit(f"L{m.layer}C{a}-{b - 1}", m.layer, m.prefix, tuple(range(a, b))))
-    return units
+def score_choices_tokens(model: Any, prompt: Sequence[int] | Tensor, choices: Sequence[Sequence[int]]) -> Tensor:
+    """Summed log-probability of each choice's tokens appended to `prompt` (one sequence of ids).
 
-
-@dataclass
-class HeadRanking:
-    baseline: dict[str, float]
-    rows: list[dict[str, Any]]  # one per unit, sorted by accuracy drop then log-prob drop
-    pairs: list[dict[str, Any]] = field(default_factory=list)
-    n_examples: int = 0
-
-    def top(self, k: int = 2) -> list[str]:
-        return [r["unit"] for r in self.rows[:k]]
-
-    def matrix(self, key: str = "drop", n_layers: int | None = None) -> Tensor:
-        """[layer, head] of `key` for the layers' own heads (NaN elsewhere; Zamba2 shared heads left out)."""
-        own = [r for r in self.rows if "SH" not in r["unit"]]
-        layers = n_layers or (max(r["layer"] for r in own) + 1)
-        width = max(r["index"] for r in own) + 1
-        out = torch.full((layers, width), float("nan"))
-        for r in own:
-            out[r["layer"], r["index"]] = r[key]
-        return out
-
-    def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
-
-    def to_csv(self, path: str | Path) -> None:
-        save_table(self.rows, path)
-
-
-def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None, *,
-               batch_size: int = 16, reuse_prefix: bool = True, pairs_top_k: int = 4, mode: str = "zero",
-               mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
-               pair_with: Sequence[Unit | str] = ()) -> HeadRanking:
-    """Accuracy (and answer log-prob) drop when each unit is ablated; then pairs.
-
-    Pairs: every pair among the top `pairs_top_k` units by single-unit drop plus the units in
-    `pair_with` (Units or labels; e.g. the best aggregate scorers): redundant heads each cost little
-    alone, so single-unit ranking alone would never pair them.
+    This is the choice scorer shared with the text KV task: single-token choices (the organisms')
+    cost one forward; multi-token choices one forward per choice.
     """
-    scorer = ChoiceScorer(model, examples, batch_size)
-    units = list(units) if units is not None else head_units(model, channel_group)
-    base = scorer.metrics(scorer.scores())
-    bar = tqdm(total=len(units), desc="rank_heads", disable=not progress)
-    results: dict[str, dict[str, float]] = {}
-
-    def run(unit: Unit, start: int | None, resids: list[Tensor] | None) -> None:
-        with ablate_heads(model, unit.specs(), mode=mode, mean_cache=mean_cache):
-            results[unit.label] = scorer.metrics(scorer.scores(start, resids))
-        bar.update()
-
-    layers = sorted({u.layer for u in units})
-    if reuse_prefix:
-        for layer, resids in scorer.prefixes(layers):
-            for unit in (u for u in units if u.layer == layer):
-                run(unit, layer, resids)
-    else:
-        for unit in units:
-            run(unit, None, None)
-    bar.close()
-    rows = [{"unit": u.label, "layer": u.layer, "module": u.module, "index": _index(u),
-             "heads": " ".join(map(str, u.heads)), **results[u.label],
-             "drop": base["accuracy"] - results[u.label]["accuracy"],
-             "logprob_drop": base["logprob"] - results[u.label]["logprob"]} for u in units]
-    rows.sort(key=lambda r: (-r["drop"], -r["logprob_drop"]))
-    ranking = HeadRanking(base, rows, n_examples=len(scorer.examples))
-    by_label = {u.label: u for u in units}
-    top = [by_label[r["unit"]] for r in rows[:pairs_top_k]]
-    for extra in pair_with:
-        unit = by_label.get(extra if isinstance(extra, str) else extra.label)
-        if unit is None:
-            raise KeyError(f"pair_with: {extra!r} is not one of the ranked units")
-        if unit not in top:
-            top.append(unit)
-    for a, b in tqdm(list(itertools.combinations(top, 2)), desc="pairs", disable=not progress):
-        with ablate_heads(model, a.specs() + b.specs(), mode=mode, mean_cache=mean_cache):
-            m = scorer.metrics(scorer.scores())
-        drop = base["accuracy"] - m["accuracy"]
-        singles = results[a.label], results[b.label]
-        ranking.pairs.append({"pair": f"{a.label}+{b.label}", **m, "drop": drop,
-                              "single_drops": sum(base["accuracy"] - s["accuracy"] for s in singles)})
-    return ranking
+    prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+    device = model_device(model)
+    if all(len(c) == 1 for c in choices):
+        logp = logits_of(model, prompt[None].to(device))[0, -1].float().log_softmax(-1)
+        return logp[torch.tensor([c[0] for c in choices], device=device)]
+    scores = []
+    for c in choices:
+        seq = torch.cat([prompt, torch.as_tensor(list(c), dtype=torch.long)])[None].to(device)
+        logp = logits_of(model, seq)[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        scores.append(logp.gather(1, seq[0, len(prompt):, None]).sum())
+    return torch.stack(scores)
 
 
-def _index(unit: Unit) -> int:
-    """Column of the unit in `HeadRanking.matrix`: the head, or the channel group's number."""
-    return unit.heads[0] // len(unit.heads) if len(unit.heads) > 1 else unit.heads[0]
+def choice_scores(logits: Float[Tensor, "batch pos d_vocab"], choices: Int[Tensor, "batch n"]) -> Float[Tensor, "batch n"]:
+    """Batched form of `score_choices_tokens` for single-token choices: log-probs at the last position."""
+    return logits[:, -1].float().log_softmax(-1).gather(1, choices)
 
 
-def __getattr__(name: str) -> Any:
-    """`from analysis.ga import ga_scores` (DESIGN.md section 5): the scores live in analysis.ga_scores."""
-    if name in ("ga_scores", "gather_only", "aggregate_only", "restrict_heads", "masked_accuracy"):
-        from analysis import ga_scores as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module 'analysis.ga' has no attribute {name!r}")
+def model_device(model: Any) -> torch.device:
+    """The device of the model's first parameter (CPU for a parameterless callable)."""
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")

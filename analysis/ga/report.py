@@ -10,7 +10,7 @@ Glossary
                  modules (`n_random` seeded draws: their mean, min and max), beside the unablated accuracy.
     task         how prompts are made: `kv_retrieval` (the text task of METHODS.md A) for language
                  models; an organism ("organism/<name>") gets its own token-level KV prompts
-                 (`analysis.kv_task.examples` in the format of its card).
+                 (`analysis.tasks.token_kv.examples` in the format of its card).
     agreement    Spearman rank correlation, over all units, between each score (gather, aggregate,
                  their maximum) and the ablation drops (accuracy, answer log-prob): does a unit that
                  looks like a G&A head by its pattern/kernel matter when removed?
@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
-from analysis.ablation import ablate_heads, head_layout
-from analysis.ga import ChoiceScorer, HeadRanking, Unit, head_units, rank_heads
-from analysis.ga_scores import ga_scores, weights_hook
+from analysis.interventions.ablation import ablate_heads, head_layout
+from analysis.ga.ranking import HeadRanking, Unit, head_units, rank_heads
+from analysis.tasks.scoring import ChoiceScorer
+from analysis.ga.scores import ga_scores, weights_hook
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
-from analysis.tasks import Example, kv_retrieval
+from analysis.tasks.text import Example, kv_retrieval
 
 Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> examples
 
@@ -44,7 +45,7 @@ def task_for(model_name: str) -> Task:
     from loaders.organisms import accuracy, available_for, is_organism, task
 
     if is_organism(model_name):
-        from analysis import kv_task
+        from analysis.tasks import token_kv as kv_task
 
         if task(model_name) != "kv":
             raise ValueError(f"{model_name} is a {task(model_name)!r} organism; KV retrieval needs one of "

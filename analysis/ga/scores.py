@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.ablation import attached, head_layout, resolve_heads
-from analysis.ga import ChoiceScorer, Unit, head_units
-from analysis.tasks import Example, encode_prompts
+from analysis.interventions.ablation import attached, head_layout, resolve_heads
+from analysis.ga.ranking import Unit, head_units
+from analysis.tasks.scoring import ChoiceScorer
+from analysis.tasks.text import Example, encode_prompts
 
 
 # ----------------------------------------------------------------------------- weights

@@ -15,10 +15,9 @@ Glossary
                 `analysis.tasks.kv_retrieval`); evaluation prompts draw distinct values, so chance
                 is 1/n; a prompt is right when the answer scores highest. Training draws values
                 with replacement.
-    scoring     each choice's summed log-probability of its tokens after the prompt, the rule of
-                `analysis.ga.score_choices` for the text KV task. `choice_scores` is its batched
-                single-token form (one forward per batch, no text), `score_choices_tokens` the
-                general form on ids; tests check both equal `ga.score_choices` on `examples`.
+    scoring     `analysis.tasks.scoring`: the same rule as the text task's `score_choices`, in its
+                token form (`choice_scores`, `score_choices_tokens`); tests check both agree on
+                `examples`.
 
 The text form (`to_text`, `examples`) spells the tokens with single spaces, e.g.
 `K03 : V12 \\n K41 : V07 \\n ? K03`, which `make_tokenizer()` (a word-level HF tokenizer) maps back to
@@ -35,7 +34,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from analysis.tasks import Example
+from analysis.tasks.scoring import choice_scores, logits_of, model_device
+from analysis.tasks.text import Example
 
 PAD, BOS, COLON, NL, QMARK = 0, 1, 2, 3, 4
 N_KEYS, N_VALUES = 64, 32
@@ -160,36 +160,6 @@ def prompts(n: int, n_samples: int, seed: int = 0, fmt: str = "?k") -> KVPrompts
     return KVPrompts(torch.cat([_context(keys, values), q], dim=1), values, target, fmt)
 
 
-def logits_of(model: Any, tokens: Tensor) -> Float[Tensor, "batch pos d_vocab"]:
-    """Logits of a hooked model (returns a tensor) or an HF model (returns an output with .logits)."""
-    out = model(tokens)
-    return out if torch.is_tensor(out) else out.logits
-
-
-def score_choices_tokens(model: Any, prompt: Sequence[int] | Tensor, choices: Sequence[Sequence[int]]) -> Tensor:
-    """Summed log-probability of each choice's tokens appended to `prompt` (one sequence of ids).
-
-    This is the choice scorer shared with the text KV task: single-token choices (the organisms')
-    cost one forward; multi-token choices one forward per choice.
-    """
-    prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
-    device = _device(model)
-    if all(len(c) == 1 for c in choices):
-        logp = logits_of(model, prompt[None].to(device))[0, -1].float().log_softmax(-1)
-        return logp[torch.tensor([c[0] for c in choices], device=device)]
-    scores = []
-    for c in choices:
-        seq = torch.cat([prompt, torch.as_tensor(list(c), dtype=torch.long)])[None].to(device)
-        logp = logits_of(model, seq)[0, len(prompt) - 1:-1].float().log_softmax(-1)
-        scores.append(logp.gather(1, seq[0, len(prompt):, None]).sum())
-    return torch.stack(scores)
-
-
-def choice_scores(logits: Float[Tensor, "batch pos d_vocab"], choices: Int[Tensor, "batch n"]) -> Float[Tensor, "batch n"]:
-    """Batched form of `score_choices_tokens` for single-token choices: log-probs at the last position."""
-    return logits[:, -1].float().log_softmax(-1).gather(1, choices)
-
-
 def correct(scores: Float[Tensor, "batch n"], p: KVPrompts) -> Tensor:
     """Right when the answer's value scores highest (a value repeated in the context counts as one)."""
     best = p.choices.gather(1, scores.argmax(1, keepdim=True))[:, 0]
@@ -200,7 +170,7 @@ def correct(scores: Float[Tensor, "batch n"], p: KVPrompts) -> Tensor:
 def accuracy(model: Any, n: int, n_samples: int = 300, seed: int = 0, fmt: str = "?k", batch: int = 100) -> float:
     """Fraction of `n_samples` seeded prompts answered right (choice scoring over the context's values)."""
     p = prompts(n, n_samples, seed, fmt)
-    device = _device(model)
+    device = model_device(model)
     hits = []
     for s in range(0, n_samples, batch):
         logits = logits_of(model, p.tokens[s:s + batch].to(device))
@@ -213,13 +183,6 @@ def accuracy_table(model: Any, ns: Sequence[int] = (4, 8, 12, 16), n_samples: in
                    fmt: str = "?k") -> dict[int, float]:
     """{n: accuracy} on `n_samples` seeded prompts per n (seed + n, so each n has its own prompts)."""
     return {n: accuracy(model, n, n_samples, seed + n, fmt) for n in ns}
-
-
-def _device(model: Any) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------ text form

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.kv_task import logits_of
+from analysis.tasks.scoring import logits_of
 
 PAD, BOS = 0, 1
 TEMPLATE_WORDS = ["the", "of", "is", "in"]
@@ -139,7 +139,7 @@ def accuracy_table(model: Any, seed: int = KB_SEED) -> dict[int, float]:
 def make_tokenizer() -> Any:
     """A word-level HF tokenizer for this vocabulary: `tok(to_text(ids))` gives [BOS] + ids, with
     character offsets (so `analysis.facts.prepare_facts` finds the subject's tokens). The same
-    construction as `analysis.kv_task.make_tokenizer`, over these words."""
+    construction as `analysis.tasks.token_kv.make_tokenizer`, over these words."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

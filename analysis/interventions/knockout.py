@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
@@ -420,12 +419,3 @@ def feature_knockout(model: Any, sources: Positions, targets: Positions, layers:
         raise ValueError(f"layers {layers} have no SSM mixer: a feature knockout needs one")
     with knockout(model, sources, targets, layers, channels=plan.cut, **kwargs):
         yield plan
-
-
-def __getattr__(name: str) -> Any:
-    """`from analysis.knockout import info_flow` (it lives in analysis.info_flow)."""
-    if name in ("info_flow", "InfoFlowResult", "plot_info_flow"):
-        from analysis import info_flow as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

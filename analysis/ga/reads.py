@@ -3,7 +3,7 @@
 Glossary
     weights     per head, the [q_pos k_pos] mixing matrix: `hook_pattern` for attention heads,
                 |`hook_kernel`| row-normalised for SSM heads (Mamba-2 heads, Mamba-1 channels), as in
-                `analysis.ga_scores`.
+                `analysis.ga.scores`.
     role        a token's place in its pair `k : v \\n`: "key", "colon", "value", "newline".
     reader      a query position: the prompt's last token ("query", where the answer is predicted),
                 or each pair's newline ("newline", the Gather step's destination).
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.ablation import head_layout
-from analysis.ga_scores import as_weights, weights_hook
-from analysis.kv_task import KVPrompts
+from analysis.interventions.ablation import head_layout
+from analysis.ga.scores import as_weights, weights_hook
+from analysis.tasks.token_kv import KVPrompts
 
 ROLES = {"key": 0, "colon": 1, "value": 2, "newline": 3}  # offset inside the pair, after <bos>
 
