@@ -5,21 +5,35 @@ Glossary
                    its path in the module tree ("blocks.3.attn.hook_pattern"), set by `setup()`.
     hook function  `fn(tensor, hook) -> tensor | None`; returning a tensor replaces the activation
                    (same shape and dtype, or a ValueError names the hook).
-    active         a HookPoint with at least one hook (or while the forward order is being
-                   recorded). Models build costly quantities (states, kernels, per-head writes) only
-                   for active HookPoints: `if self.hook_h.is_active: ...`.
-    HookedRootModule  the model's root: `hook_dict`, `run_with_hooks`, `run_with_cache`, `hooks()`.
+    Hook           one attachment of a hook function: a handle compared by identity, never by
+                   equality, so removing it never removes another attachment of an equal function.
+    model hook     added with `add_hook`: stored on the HookPoint (`HookPoint._hooks`), seen by every
+                   caller in every thread, kept until removed or `reset_hooks()`.
+    scoped hook    added by `run_with_hooks`, `run_with_cache`, `hooks()` or `scoped_hooks()`: stored in
+                   a context variable (`_SCOPED`), so only the thread (or asyncio task) that added it
+                   sees it; one model serves concurrent callers, each with its own hooks and caches.
+                   On exit a scope removes exactly its own handles, whatever was added or removed
+                   meanwhile, so nested or interleaved scopes restore what they found.
+    visible hooks  what a HookPoint runs for the current caller, in order: its caller's scoped hooks
+                   added with prepend=True (last prepended first), its model hooks, then the caller's
+                   other scoped hooks (in the order added).
+    active         a HookPoint with at least one visible hook (or while this caller records the
+                   forward order). Models build costly quantities (states, kernels, per-head writes)
+                   only for active HookPoints: `if self.hook_h.is_active: ...`.
+    HookedRootModule  the model's root: `hook_dict`, `add_hook`, `run_with_hooks`, `run_with_cache`, `hooks()`.
 
-Hooks added through `run_with_hooks`, `run_with_cache` or `hooks()` are removed on exit, also when
-the forward or a hook raises. Hooks added with `add_hook` stay until `reset_hooks()`.
+Scoped hooks are removed on exit, also when the forward or a hook raises (KeyboardInterrupt included).
+Model hooks stay until `reset_hooks()`. Caveat of context variables: a generator that yields inside
+`with model.hooks(...)` lends its hooks to whoever iterates it, until it resumes and leaves the block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import difflib
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -30,14 +44,57 @@ NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 
 
-class _Recording:
-    """While `active`, every HookPoint counts as active and calls `on_fire(name)` (forward order)."""
+class Hook:
+    """One attachment of `fn`: a handle, equal only to itself (two adds of one fn are two Hooks)."""
 
-    active: bool = False
-    on_fire: Callable[[str], None] | None = None
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: HookFn) -> None:
+        self.fn = fn
+
+    def __repr__(self) -> str:
+        return f"Hook({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
-_RECORDING = _Recording()
+# --------------------------------------------------------------------------- caller-local state
+# HookPoint -> (scoped hooks added with prepend, the others). The dict is never mutated once set:
+# a scope copies it, so what another context holds is never changed under it.
+_ScopedHooks = Mapping["HookPoint", tuple[tuple[Hook, ...], tuple[Hook, ...]]]
+_SCOPED: contextvars.ContextVar[_ScopedHooks] = contextvars.ContextVar("hooked_scoped_hooks", default={})
+# While this caller records the forward order: called with each HookPoint's name as it fires.
+_RECORDING: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("hooked_recording",
+                                                                                          default=None)
+
+
+@contextlib.contextmanager
+def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Iterator[list[Hook]]:
+    """Attach (HookPoint, fn, prepend) for the current thread / task only; on exit remove these handles.
+
+    Every fn is checked before anything is attached. Yields the Hook handles, in order.
+    """
+    for point, fn, _ in attachments:
+        if not callable(fn):
+            raise TypeError(f"hook for {point.name!r} must be callable, got {type(fn).__name__}")
+    mine = [(point, Hook(fn), bool(prepend)) for point, fn, prepend in attachments]
+    state = dict(_SCOPED.get())
+    for point, hook, prepend in mine:
+        front, back = state.get(point, ((), ()))
+        state[point] = ((hook, *front), back) if prepend else (front, (*back, hook))
+    _SCOPED.set(state)
+    try:
+        yield [hook for _, hook, _ in mine]
+    finally:
+        ids = {id(hook) for _, hook, _ in mine}
+        state = dict(_SCOPED.get())
+        for point in {id(p): p for p, _, _ in mine}.values():
+            front, back = state.get(point, ((), ()))
+            front = tuple(h for h in front if id(h) not in ids)
+            back = tuple(h for h in back if id(h) not in ids)
+            if front or back:
+                state[point] = (front, back)
+            else:
+                state.pop(point, None)
+        _SCOPED.set(state)
 
 
 class HookPoint(nn.Module):
@@ -46,36 +103,55 @@ class HookPoint(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.name: str | None = None
-        self._hooks: list[HookFn] = []
+        self._hooks: list[Hook] = []  # model hooks (every caller); scoped hooks live in _SCOPED
+
+
+    def visible_hooks(self) -> tuple[Hook, ...]:
+        """The hooks this caller runs here, in order (see the module glossary)."""
+        scoped = _SCOPED.get().get(self)
+        if scoped is None:
+            return tuple(self._hooks)
+        return (*scoped[0], *self._hooks, *scoped[1])
+
+    @property
+    def has_hooks(self) -> bool:
+        """True when a hook is visible to this caller (the model's or its own scoped ones)."""
+        return bool(self._hooks) or self in _SCOPED.get()
 
     @property
     def is_active(self) -> bool:
         """True when something listens here; lazy quantities are computed only then."""
-        return bool(self._hooks) or _RECORDING.active
+        return bool(self._hooks) or self in _SCOPED.get() or _RECORDING.get() is not None
 
     def add_hook(self, fn: HookFn, prepend: bool = False) -> Callable[[], None]:
-        """Add `fn`; returns a function that removes exactly this hook."""
+        """Add a model hook `fn` (seen by every caller); returns a function that removes exactly this one."""
         if not callable(fn):
             raise TypeError(f"hook for {self.name!r} must be callable, got {type(fn).__name__}")
+        hook = Hook(fn)
         if prepend:
-            self._hooks.insert(0, fn)
+            self._hooks.insert(0, hook)
         else:
-            self._hooks.append(fn)
+            self._hooks.append(hook)
 
         def remove() -> None:
-            if fn in self._hooks:
-                self._hooks.remove(fn)
+            for i, h in enumerate(self._hooks):
+                if h is hook:
+                    del self._hooks[i]
+                    return
 
         return remove
 
     def remove_hooks(self) -> None:
+        """Remove this point's model hooks (scoped hooks belong to their scopes)."""
         self._hooks.clear()
 
     def __call__(self, x: Tensor) -> Tensor:  # skips nn.Module's call machinery: this is the hot path
-        if _RECORDING.active and _RECORDING.on_fire is not None:
-            _RECORDING.on_fire(self.name)
-        for fn in list(self._hooks):
-            out = fn(x, self)
+        on_fire = _RECORDING.get()
+        if on_fire is not None:  # recording the forward order: no hook runs
+            on_fire(self.name)
+            return x
+        for hook in self.visible_hooks():
+            out = hook.fn(x, self)
             if out is None:
                 continue
             if not isinstance(out, Tensor):
@@ -92,7 +168,8 @@ class HookPoint(nn.Module):
         return self(x)
 
     def extra_repr(self) -> str:
-        return f"{self.name}, {len(self._hooks)} hook(s)" if self._hooks else str(self.name)
+        n = len(self.visible_hooks())
+        return f"{self.name}, {n} hook(s)" if n else str(self.name)
 
 
 class HookedRootModule(nn.Module):
@@ -129,24 +206,20 @@ class HookedRootModule(nn.Module):
         """Every HookPoint of the model, in forward order (recorded once on a 2-token input)."""
         points = self._module_hooks()
         if getattr(self, "_hook_order", None) is None:
-            self._hook_order = self._record_order(points)
+            self._hook_order = self._record_order()
         ordered = {n: points[n] for n in self._hook_order if n in points}
         ordered.update({n: p for n, p in points.items() if n not in ordered})
         return ordered
 
-    def _record_order(self, points: dict[str, HookPoint]) -> list[str]:
+    def _record_order(self) -> list[str]:
+        """Hook names in the order they fire; only this caller's HookPoints record, no hook runs."""
         order: list[str] = []
-        saved = {n: p._hooks for n, p in points.items()}
+        token = _RECORDING.set(lambda n: order.append(n) if n not in order else None)
         try:
-            for p in points.values():  # user hooks must not fire during the recording run
-                p._hooks = []
-            _RECORDING.active, _RECORDING.on_fire = True, lambda n: order.append(n) if n not in order else None
             with torch.no_grad():
                 self(self._example_input())
         finally:
-            _RECORDING.active, _RECORDING.on_fire = False, None
-            for n, p in points.items():
-                p._hooks = saved[n]
+            _RECORDING.reset(token)
         return order
 
     def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:
@@ -174,7 +247,7 @@ class HookedRootModule(nn.Module):
     # ------------------------------------------------------------------------------ add / remove
     def add_hook(self, name: str | Callable[[str], bool], fn: HookFn, dir: str = "fwd",
                  prepend: bool = False) -> list[Callable[[], None]]:
-        """Attach `fn` to the named HookPoint(s). dir="bwd" hooks the activation's gradient."""
+        """Attach model hook `fn` to the named HookPoint(s), for every caller. dir="bwd" hooks the gradient."""
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         points = self._resolve(name)
@@ -183,28 +256,22 @@ class HookedRootModule(nn.Module):
         return [p.add_hook(fn, prepend=prepend) for p in points]
 
     def reset_hooks(self) -> None:
+        """Remove every model hook (scoped hooks belong to their `hooks()` / `run_with_*` scopes)."""
         for p in self._module_hooks().values():
             p.remove_hooks()
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = ()) -> Iterator["HookedRootModule"]:
-        """Context manager: hooks are attached on entry and removed on exit, whatever happens."""
-        removers: list[Callable[[], None]] = []
-        try:
-            # resolve everything first so that a bad name attaches nothing
-            plan = [(self._resolve(n), fn, False) for n, fn in fwd_hooks]
-            plan += [(self._resolve(n), _as_backward_hook(fn), True) for n, fn in bwd_hooks]
-            for points, fn, _ in plan:
-                for p in points:
-                    removers.append(p.add_hook(fn))
+        """Context manager: hooks visible to this thread / task only, attached on entry, removed on exit."""
+        # resolve everything first so that a bad name attaches nothing
+        plan = [(p, fn, False) for n, fn in fwd_hooks for p in self._resolve(n)]
+        plan += [(p, _as_backward_hook(fn), False) for n, fn in bwd_hooks for p in self._resolve(n)]
+        with scoped_hooks(plan):
             yield self
-        finally:
-            for remove in reversed(removers):
-                remove()
 
     def run_with_hooks(self, *args: Any, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = (),
                        **kwargs: Any) -> Any:
-        """Run the forward with temporary hooks."""
+        """Run the forward with temporary hooks (visible to this call only)."""
         with self.hooks(fwd_hooks=fwd_hooks, bwd_hooks=bwd_hooks):
             return self(*args, **kwargs)
 
@@ -213,6 +280,7 @@ class HookedRootModule(nn.Module):
         """Run the forward and return (output, ActivationCache) of the selected hooks.
 
         Lazy quantities (states, kernels, per-head writes) are built for the selected hooks only.
+        The caching hooks are scoped to this call: a concurrent caller neither sees nor fills them.
         """
         from hooked.cache import ActivationCache
 
@@ -252,7 +320,7 @@ def through_hook(hook: HookPoint, value: Tensor,
     seen through the tensor's version counter and the original is rebuilt with `rebuild()`; tensors
     made under torch.inference_mode() have no counter, so a copy is kept to compare with.
     """
-    if not hook._hooks:
+    if not hook.has_hooks:
         return hook(value), None
     version = _version(value)
     saved = value.clone() if version is None else None
@@ -272,6 +340,8 @@ def through_hook(hook: HookPoint, value: Tensor,
 
 def _as_backward_hook(fn: HookFn) -> HookFn:
     """Wrap `fn(grad, hook)` so that it runs on the gradient of the hooked activation."""
+    if not callable(fn):
+        raise TypeError(f"a backward hook must be callable, got {type(fn).__name__}")
 
     def fwd(x: Tensor, hook: HookPoint) -> None:
         if x.requires_grad:

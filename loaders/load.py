@@ -28,12 +28,14 @@ import contextlib
 import json
 import math
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from loaders.hub import looks_like_repo_id, resolve_repo
 from loaders.registry import Architecture, find_architecture
@@ -311,30 +313,48 @@ def _shape_after(key: Any, shape: tuple[int, ...]) -> torch.Size | None:
 
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
-    """Inside, every registered parameter moves to the meta device (no memory) and `torch.nn.init`
-    does nothing (the values are overwritten anyway; on meta, some init functions would import
-    torch._dynamo: seconds and ~100 MB). Buffers stay real: models compute them in __init__."""
-    original = nn.Module.register_parameter
-    inits = {n: f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+    """Inside, parameters registered by this thread move to the meta device (no memory) and weight
+    initialisation is skipped (the values are overwritten anyway; on meta, some init functions would
+    import torch._dynamo: seconds and ~100 MB). Buffers and plain tensors stay real: models compute
+    them in __init__.
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    Only the calling thread is affected: parameters are moved by a torch parameter-registration hook
+    that acts for its owner thread only, and init is skipped by a TorchFunctionMode, whose stack is
+    thread-local. No torch function is patched, so a module built meanwhile in another thread keeps
+    real, initialised parameters."""
+    owner = threading.get_ident()
 
-    nn.Module.register_parameter = register
-    for n in inits:
-        setattr(nn.init, n, _skip_init)
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.device.type == "meta" or threading.get_ident() != owner:
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
     try:
-        yield
+        with _SkipInitOnMeta():
+            yield
     finally:
-        nn.Module.register_parameter = original
-        for n, f in inits.items():
-            setattr(nn.init, n, f)
+        handle.remove()
 
 
-def _skip_init(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    return tensor
+_INIT_FUNCTIONS = frozenset(f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_")
+                            and callable(f))
+# Tensor methods that only change values (never shape, dtype or flags): skipped on meta tensors
+_VALUE_ONLY = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "erfinv_", "mul_", "add_", "sub_",
+                         "div_", "clamp_", "clamp_min_", "clamp_max_", "exp_", "log_", "sqrt_", "random_",
+                         "exponential_", "bernoulli_", "log_normal_", "cauchy_", "geometric_", "fmod_",
+                         "abs_", "neg_", "reciprocal_", "addcmul_", "addcdiv_", "lerp_", "masked_fill_"})
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """nn.init functions and value-only in-place tensor ops on a meta tensor return it untouched."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        first = args[0] if args else (kwargs or {}).get("tensor")
+        if isinstance(first, Tensor) and first.device.type == "meta" and (
+                func in _INIT_FUNCTIONS or getattr(func, "__name__", None) in _VALUE_ONLY):
+            return first
+        return func(*args, **(kwargs or {}))
 
 
 def materialise(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
