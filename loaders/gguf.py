@@ -120,6 +120,10 @@ class _CheckedReader(GGUFReader):
 
     _flat: np.ndarray | None = None
 
+    def __init__(self, path: os.PathLike | str, mode: str = "r") -> None:
+        self.path = Path(path)  # named by every GGUFError; the stock reader keeps no path
+        super().__init__(path, mode)
+
     def _get(self, offset, dtype, count=1, override_order=None):
         if self._flat is None:
             self._flat = self.data.view(np.ndarray)
@@ -183,6 +187,9 @@ def _llama_config(reader: GGUFReader, tensor_names: set[str]) -> dict:
         return value
 
     d_model, n_heads = need("embedding_length"), need("attention.head_count")
+    for key, value in (("embedding_length", d_model), ("attention.head_count", n_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GGUFError(f"{reader.path}: metadata {a}.{key}={value!r} must be an integer >= 1")
     d_head = _value(reader, f"{a}.attention.key_length", d_model // n_heads)
     rotary_dim = _value(reader, f"{a}.rope.dimension_count", d_head)
     if rotary_dim != d_head:

@@ -25,8 +25,8 @@ A failed load raises before the model is returned; no half-loaded model ever esc
 from __future__ import annotations
 
 import contextlib
-import json
 import math
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -37,6 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from loaders.checks import (ConfigError, check_float_dtype, check_hf_config, check_model_config, config_dtype,
+                            read_json, shard_path, weight_map)
 from loaders.hub import looks_like_repo_id, resolve_repo
 from loaders.registry import Architecture, find_architecture
 from loaders.safetensors_io import INDEX_FILE, SINGLE_FILE, MappingSource, SafetensorsCheckpoint
@@ -102,6 +104,9 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
 
 def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
     """The local `.gguf` file or checkpoint directory that `from_pretrained` would read."""
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id).strip():
+        raise ValueError(f"a model name must be a non-empty path, hub repo id or alias "
+                         f"({', '.join(ALIASES)}), got {path_or_repo_id!r}")
     name = str(path_or_repo_id)
     if name.lower() in ALIASES:
         return ALIASES[name.lower()]()
@@ -191,22 +196,40 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str
 def read_config(directory: Path) -> dict[str, Any]:
     """config.json as the HF config class reads it (`AutoConfig(...).to_dict()`, the dict `from_hf`
     sees: legacy fields renamed, JSON-encoded infinities decoded); raw JSON for a model type
-    transformers does not know (the registry then names it)."""
-    raw = json.loads((directory / "config.json").read_text())
+    transformers does not know (the registry then names it). Checked first: a ConfigError names the
+    file and the field."""
+    path = directory / "config.json"
+    raw = check_hf_config(read_json(path, "config"), str(path))
     if not _known_to_transformers(raw):
         return raw
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(directory)).to_dict()
+    try:
+        return AutoConfig.from_pretrained(str(directory), trust_remote_code=False).to_dict()
+    except _hf_config_errors() as e:  # transformers' own field validation
+        raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
 
 
 def normalise_config(raw: dict[str, Any]) -> dict[str, Any]:
     """An HF-style config dict (e.g. GGUF metadata) passed through its HF config class, like `read_config`."""
+    check_hf_config(raw, "config")
     if not _known_to_transformers(raw):
         return raw
     from transformers import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[raw["model_type"]].from_dict(dict(raw)).to_dict()
+    try:
+        return CONFIG_MAPPING[raw["model_type"]].from_dict(dict(raw)).to_dict()
+    except _hf_config_errors() as e:
+        raise ConfigError(f"config: {' '.join(str(e).split())}") from None
+
+
+def _hf_config_errors() -> tuple[type[Exception], ...]:
+    """What an HF config class raises for a value it refuses (its strict dataclass validation included)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub
+        return (TypeError, ValueError, KeyError)
+    return (TypeError, ValueError, KeyError, StrictDataclassError)
 
 
 def _known_to_transformers(raw: dict[str, Any]) -> bool:
@@ -226,15 +249,16 @@ def _pickle_source(d: Path, allow_pickle: bool) -> MappingSource:
             f"are refused: convert them to safetensors, or pass allow_pickle=True if you trust them "
             f"(they are then read with torch.load(weights_only=True)).")
     if "pytorch_model.bin.index.json" in found:
-        files = sorted(set(json.loads((d / "pytorch_model.bin.index.json").read_text())["weight_map"].values()))
+        index = d / "pytorch_model.bin.index.json"
+        files = [shard_path(d, f, index) for f in sorted(set(weight_map(read_json(index, "index"), index).values()))]
     else:
-        files = ["pytorch_model.bin"]
+        files = [d / "pytorch_model.bin"]
     state: dict[str, Tensor] = {}
     for f in files:
         try:
-            state.update(torch.load(d / f, map_location="cpu", weights_only=True, mmap=True))
+            state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
         except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
-            state.update(torch.load(d / f, map_location="cpu", weights_only=True))
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
     return MappingSource(state, origin=str(d))
 
 
@@ -242,11 +266,26 @@ def _pickle_source(d: Path, allow_pickle: bool) -> MappingSource:
 def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dtype | None,
                       device: str | torch.device) -> Any:
     """Build the architecture's model on meta, check the whole plan, then materialise and fill it."""
+    origin = getattr(source, "origin", "checkpoint")
+    check_hf_config(hf_config, origin)
+    if dtype is not None:
+        check_float_dtype(dtype, "dtype")
     arch = find_architecture(hf_config)
-    cfg = arch.config_from_hf(hf_config)
+    try:
+        cfg = arch.config_from_hf(hf_config)
+    except KeyError as e:
+        raise ConfigError(f"{origin}: the {arch.name} config has no field {e.args[0]!r}") from None
+    except (TypeError, ArithmeticError) as e:
+        raise ConfigError(f"{origin}: the {arch.name} config has values the model cannot use ({e})") from None
+    except ValueError as e:  # the config's own checks (heads dividing d_model, unsupported options)
+        raise e if isinstance(e, ConfigError) else ConfigError(f"{origin}: {e}") from None
+    check_model_config(cfg, origin, arch.name)
     dtype = dtype or checkpoint_dtype(hf_config, source)
     with params_on_meta():
-        model = arch.build(cfg)
+        try:
+            model = arch.build(cfg)
+        except ValueError as e:  # the model's own consistency checks (e.g. heads dividing d_model)
+            raise ConfigError(f"{origin}: {e}") from None
     plan = plan_load(arch, cfg, model, source)
     materialise(model, dtype=dtype, device=torch.device(device))
     copy_weights(model, plan, source, arch)
@@ -257,10 +296,8 @@ def checkpoint_dtype(hf_config: dict[str, Any], source: Any) -> torch.dtype:
     """The checkpoint's dtype: config "dtype" / "torch_dtype", else its first floating tensor's, else float32."""
     for field in ("dtype", "torch_dtype"):
         value = hf_config.get(field)
-        if isinstance(value, str) and value.removeprefix("torch.") != "auto":
-            dtype = getattr(torch, value.removeprefix("torch."), None)
-            if isinstance(dtype, torch.dtype):
-                return dtype
+        if isinstance(value, (str, torch.dtype)) and str(value).removeprefix("torch.") != "auto":
+            return config_dtype(value, f"config field {field}")
     for name in source.keys():
         dtype = source.dtype(name)
         if dtype is not None and dtype.is_floating_point:

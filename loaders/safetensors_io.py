@@ -14,8 +14,12 @@ Why not `safe_open(...).get_tensor`: it memory-maps the file, and every page it 
 resident in the process for as long as the file is open, so loading costs the model plus the file
 (about 2x). Here each tensor is read with plain `readinto` into the parameter's own storage when the
 dtype and layout already match (about 1x), or into one temporary tensor when it must be converted.
-The header is validated against the file size before anything is read, so a truncated file fails
-at once with its name.
+The header is validated before anything is read, as the safetensors library does: a JSON object
+without duplicate names, each entry's dtype known, shape non-negative integers, offsets a pair
+[begin, end] whose length is the shape's size in bytes, and the tensors' byte ranges tiling the data
+section exactly (sorted by begin: the first at 0, each where the previous ended, the last at the
+end of the file): no overlap, no gap, no truncation. Each failure names the file and the tensor.
+Shard files named by an index must lie inside the checkpoint directory (loaders/checks.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,23 @@ class CheckpointFileError(ValueError):
     """A checkpoint file that cannot be read: truncated, corrupt header, missing shard."""
 
 
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Duplicate(f"name {dup!r} appears twice")
+    return out
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: torch.dtype
@@ -69,20 +90,41 @@ class SafetensorsFile:
                 raise CheckpointFileError(
                     f"{self.path}: truncated or corrupt safetensors file: header of {n} bytes, file of {size} bytes")
             try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                header = json.loads(f.read(n), object_pairs_hook=_no_duplicates)
+            except (UnicodeDecodeError, json.JSONDecodeError, _Duplicate) as e:
                 raise CheckpointFileError(f"{self.path}: corrupt safetensors header ({e})") from None
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(header, dict):
+            raise CheckpointFileError(f"{self.path}: corrupt safetensors header (a {type(header).__name__}, "
+                                      f"expected a JSON object)")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CheckpointFileError(f"{self.path}: __metadata__ must map strings to strings, got {metadata!r}")
+        self.metadata: dict[str, str] = metadata
         self.tensors: dict[str, TensorInfo] = {}
-        start, last = 8 + n, 8 + n
+        start = 8 + n
         for name, entry in header.items():
-            info = self._info(name, entry, start)
-            self.tensors[name] = info
-            last = max(last, info.end)
-        if last > size:
+            self.tensors[name] = self._info(name, entry, start)
+        self._check_layout(start, size)
+
+    def _check_layout(self, start: int, size: int) -> None:
+        """The byte ranges, sorted by begin, tile [start, size) exactly (the safetensors library's rule)."""
+        at, previous = start, None
+        for name, info in sorted(self.tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+            if info.begin < at:
+                raise CheckpointFileError(
+                    f"{self.path}: tensors {previous!r} and {name!r} overlap (bytes [{info.begin - start}, "
+                    f"{min(at, info.end) - start}) of the data section)")
+            if info.begin > at:
+                raise CheckpointFileError(f"{self.path}: {at - start}..{info.begin - start}: a gap of "
+                                          f"{info.begin - at} bytes before tensor {name!r} (corrupt offsets)")
+            at, previous = info.end, name
+        if at > size:
             raise CheckpointFileError(
-                f"{self.path}: truncated safetensors file: tensors need {last} bytes, the file has {size} "
-                f"({last - size} missing)")
+                f"{self.path}: truncated safetensors file: tensors need {at} bytes, the file has {size} "
+                f"({at - size} missing)")
+        if at < size:
+            raise CheckpointFileError(f"{self.path}: {size - at} bytes after the last tensor that no tensor "
+                                      f"owns (corrupt offsets or a damaged file)")
 
     def _info(self, name: str, entry: Any, start: int) -> TensorInfo:
         if isinstance(entry, dict) and entry.get("dtype") not in SAFETENSORS_DTYPES:
@@ -90,12 +132,16 @@ class SafetensorsFile:
                                       f"does not read (it reads {', '.join(SAFETENSORS_DTYPES)})")
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+                raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
+            if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+                raise ValueError(f"data_offsets {offsets!r} is not [begin, end] of non-negative integers")
+            shape, (begin, end) = tuple(shape), offsets
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointFileError(f"{self.path}: corrupt header entry for {name!r}: {entry!r} ({e!r})") from None
+            raise CheckpointFileError(f"{self.path}: corrupt header entry for {name!r}: {entry!r} ({e})") from None
         nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
+        if end - begin != nbytes:
             raise CheckpointFileError(
                 f"{self.path}: {name!r} has offsets [{begin}, {end}) but {entry['dtype']}{list(shape)} needs {nbytes} bytes")
         return TensorInfo(dtype, shape, start + begin, start + end)
@@ -146,16 +192,16 @@ class SafetensorsCheckpoint:
 
     @classmethod
     def from_index(cls, index_path: str | os.PathLike) -> "SafetensorsCheckpoint":
+        from loaders.checks import read_json, shard_path, weight_map as read_weight_map
+
         index_path = Path(index_path)
-        try:
-            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointFileError(f"{index_path}: not a safetensors index ({e!r})") from None
+        weight_map = read_weight_map(read_json(index_path, "safetensors index"), index_path)
         shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (index_path.parent / s).is_file()]
+        paths = [shard_path(index_path.parent, s, index_path) for s in shards]
+        missing = [s for s, p in zip(shards, paths) if not p.is_file()]
         if missing:
             raise CheckpointFileError(f"{index_path}: shard files missing: {missing}")
-        ckpt = cls(index_path.parent / s for s in shards)
+        ckpt = cls(paths)
         absent = sorted(n for n, s in weight_map.items() if n not in ckpt._where)
         if absent:
             raise CheckpointFileError(f"{index_path}: tensors listed in the index but in no shard: {absent}")

@@ -30,7 +30,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return prepare_tokenizer(AutoTokenizer.from_pretrained(str(directory)))
+    # trust_remote_code=False: a tokenizer_config `auto_map` naming shipped code is neither run nor asked about
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False))
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
