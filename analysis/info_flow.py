@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from analysis.tasks.known_facts import SOURCE_SETS, FactPrompt, load_facts, pad_id, pad_left, prepare_facts, source_masks
 from analysis.interventions.knockout import knockout
+from analysis.validate import NotAnIndex, layer_list, positive_int, writable_dir
 
 
 # ----------------------------------------------------------------------------------- results
@@ -206,18 +207,23 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
         reuse_prefix: start each window's forward from the cached clean residual at its first layer.
         starts: window start layers to run (default: every layer).
     """
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    window, batch_size = positive_int(window, "window"), positive_int(batch_size, "batch_size")
+    n = None if n is None else positive_int(n, "n")
+    if not isinstance(sources, (list, tuple)):
+        raise NotAnIndex(f"sources must be a list of source-set names from {SOURCE_SETS}, got {sources!r}")
     unknown = [s for s in sources if s not in SOURCE_SETS]
     if unknown or not sources:
         raise ValueError(f"unknown source sets {unknown}; choose from {SOURCE_SETS}")
+    n_layers = model.cfg.n_layers
+    starts = list(range(n_layers)) if starts is None else layer_list(starts, n_layers, "starts")
     model._need_tokenizer()
     if facts is None or isinstance(facts, (str, Path)):
         facts = load_facts(facts)
     prompts, skipped = prepare_facts(model.tokenizer, facts)
     kept, n_screened = screen(model, prompts, n, max(batch_size * len(sources), 1), require_correct, progress)
-    n_layers = model.cfg.n_layers
-    starts = list(range(n_layers)) if starts is None else sorted({int(l) % n_layers for l in starts})
+    if not kept:
+        raise ValueError(f"no fact kept: {n_screened} screened, none the model gets right"
+                         + (" (pass require_correct=False / --all-facts to keep them)" if require_correct else ""))
     ends = [min(l + window, n_layers) for l in starts]
     order = sorted(range(len(kept)), key=lambda i: len(kept[i][0]))  # similar lengths pad less
     changes = torch.zeros(len(kept), len(sources), len(starts), dtype=torch.float64)
@@ -293,14 +299,19 @@ def add_knockout_parser(subparsers: Any) -> Any:
 def run_knockout(args: Any) -> int:
     from loaders import from_pretrained
 
+    positive_int(args.window, "--window")
+    positive_int(args.batch_size, "--batch-size")
+    if args.n is not None:
+        positive_int(args.n, "--n")
+    if args.screen is not None:
+        positive_int(args.screen, "--screen")
+    out = writable_dir(args.out)  # before the sweep, not after it
     model = from_pretrained(args.model)
     result = info_flow(model, load_facts(args.facts, args.screen), window=args.window, batch_size=args.batch_size,
                        n=args.n, require_correct=not args.all_facts, attention=args.attention,
                        cut_conv=args.cut_conv, relation_includes_last=not args.relation_excludes_last,
                        progress=not args.no_progress)
     result.settings["model"] = str(args.model)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result.to_json(out / "info_flow.json")
     result.to_csv(out / "info_flow.csv")
     result.to_csv(out / "info_flow_facts.csv", per_fact=True)

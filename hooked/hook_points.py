@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import difflib
 import re
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -60,7 +61,8 @@ class Hook:
 # HookPoint -> (scoped hooks added with prepend, the others). The dict is never mutated once set:
 # a scope copies it, so what another context holds is never changed under it.
 _ScopedHooks = Mapping["HookPoint", tuple[tuple[Hook, ...], tuple[Hook, ...]]]
-_SCOPED: contextvars.ContextVar[_ScopedHooks] = contextvars.ContextVar("hooked_scoped_hooks", default={})
+_SCOPED: contextvars.ContextVar[_ScopedHooks] = contextvars.ContextVar("hooked_scoped_hooks",
+                                                                      default=types.MappingProxyType({}))
 # While this caller records the forward order: called with each HookPoint's name as it fires.
 _RECORDING: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("hooked_recording",
                                                                                           default=None)

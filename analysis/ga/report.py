@@ -36,6 +36,7 @@ from analysis.tasks.scoring import ChoiceScorer
 from analysis.ga.scores import ga_scores, weights_hook
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks.text import Example, kv_retrieval
+from analysis.validate import positive_int, writable_dir
 
 Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> examples
 
@@ -151,8 +152,11 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
 def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
               progress: bool = True, task: Task = kv_retrieval, n_random: int = 5) -> dict[str, Any]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    n, batch_size = positive_int(n, "n"), positive_int(batch_size, "batch_size")
+    rank_n = None if rank_n is None else positive_int(rank_n, "rank_n")
+    if not sizes:
+        raise ValueError("sizes needs at least one dictionary size")
+    out = writable_dir(out, "out")
     acc = accuracy_by_size(model, sizes, n, seed, batch_size, task)
     save_table(acc, out / "accuracy.csv")
     examples = task(sizes[0], rank_n or n, seed)
@@ -211,9 +215,20 @@ def add_ga_parser(subparsers: Any) -> Any:
 def run_ga(args: Any) -> int:
     from loaders import from_pretrained
 
-    sizes = [int(s) for s in str(args.pairs).split(",") if s.strip()]
+    try:
+        sizes = [int(s) for s in str(args.pairs).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--pairs must be comma-separated integers, got {args.pairs!r}") from None
     if not sizes:
         raise ValueError("--pairs needs at least one size")
+    for size in sizes:
+        positive_int(size, "--pairs")
+    for value, what in ((args.n, "--n"), (args.rank_n, "--rank-n"), (args.batch_size, "--batch-size"),
+                        (args.top_k, "--top-k"), (args.channel_group, "--channel-group"),
+                        (args.random_draws, "--random-draws")):
+        if value is not None:
+            positive_int(value, what)
+    writable_dir(args.out)  # before the sweep, not after it
     model = from_pretrained(args.model)
     summary = ga_report(model, args.out, sizes, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
                         args.channel_group, progress=not args.no_progress, task=task_for(args.model),

@@ -32,6 +32,9 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from analysis.validate import as_index, layer_index, layer_list
+from hooked.hook_points import scoped_hooks
+
 HeadSpec = tuple[Any, int]  # (layer, h) or (module prefix, h)
 
 
@@ -87,7 +90,7 @@ def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]
         if isinstance(where, str):
             prefix = where
         else:
-            layer = int(where) + (model.cfg.n_layers if int(where) < 0 else 0)
+            layer = layer_index(where, model.cfg.n_layers, f"the layer of head {spec!r}")
             own = [p for p in (f"blocks.{layer}.attn", f"blocks.{layer}.mixer") if p in layout]
             if not own:
                 raise ValueError(f"layer {where} has no attention or mixer heads")
@@ -95,27 +98,19 @@ def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]
         if prefix not in layout:
             raise ValueError(f"{prefix!r} is not a head module; known: {', '.join(list(layout)[:6])}, ...")
         n = layout[prefix].n_heads
-        if not -n <= int(h) < n:
-            raise ValueError(f"head {h} is outside {prefix!r}'s {n} heads")
-        out.setdefault(prefix, set()).add(int(h) % n)
+        out.setdefault(prefix, set()).add(as_index(h, n, f"head {spec!r}", f"heads of {prefix!r}"))
     return {p: sorted(hs) for p, hs in out.items()}
 
 
 @contextlib.contextmanager
 def attached(model: Any, hooks: Sequence[tuple[str, Callable, bool]]) -> Iterator[None]:
-    """Attach (name, fn, prepend) hooks; all are removed on exit, whatever happens."""
-    removers = []
-    try:
-        points = model.hook_dict
-        for name, _, _ in hooks:  # check every name first: a bad one attaches nothing
-            if name not in points:
-                model.names_matching(name)  # raises KeyError with close matches
-        for name, fn, pre in hooks:
-            removers.append(points[name].add_hook(fn, prepend=pre))
+    """Attach (name, fn, prepend) hooks for this thread / task only; all are removed on exit, whatever happens."""
+    points = model.hook_dict
+    for name, _, _ in hooks:  # check every name first: a bad one attaches nothing
+        if name not in points:
+            model.names_matching(name)  # raises KeyError with close matches
+    with scoped_hooks([(points[name], fn, pre) for name, fn, pre in hooks]):
         yield
-    finally:
-        for remove in reversed(removers):
-            remove()
 
 
 def _write_mask(module: HeadModule, heads: list[int], device: torch.device) -> Tensor:
@@ -180,11 +175,7 @@ def skip_layers(model: Any, layers: Iterable[int]) -> Iterator[Any]:
     The block still runs (its hooks fire) but its output is its input. Hooks the user put on a
     skipped block's resid_post run after ours and see the passed-through residual.
     """
-    n = model.cfg.n_layers
-    chosen = sorted({int(l) + (n if int(l) < 0 else 0) for l in layers})
-    bad = [l for l in chosen if not 0 <= l < n]
-    if bad:
-        raise ValueError(f"layers {bad} are outside the model's {n} layers")
+    chosen = layer_list(list(layers) if not isinstance(layers, (int, Tensor)) else layers, model.cfg.n_layers)
     hooks = []
     for layer in chosen:
         seen: dict[str, Tensor] = {}
@@ -242,22 +233,43 @@ def replace_block(model: Any, layer: int, donor: Any, donor_layer: int | None = 
     While swapped, the donor block's hooks fire under the donor's names and `model`'s hooks of that
     layer do not fire.
     """
-    n = model.cfg.n_layers
-    layer = layer + n if layer < 0 else layer
-    if not 0 <= layer < n:
-        raise ValueError(f"layer {layer} is outside the model's {n} layers")
+    layer = layer_index(layer, model.cfg.n_layers)
     if hasattr(donor, "blocks"):
         if donor.cfg.d_model != model.cfg.d_model:
             raise ValueError(f"widths differ: model d_model={model.cfg.d_model}, donor d_model={donor.cfg.d_model}")
-        block = donor.blocks[layer if donor_layer is None else donor_layer]
+        donor_layer = layer_index(layer if donor_layer is None else donor_layer, donor.cfg.n_layers, "donor_layer")
+        block = donor.blocks[donor_layer]
     else:
         block = donor
+    _check_block(model, block, layer)
     original = model.blocks[layer]
     model.blocks[layer] = block
     try:
         yield model
     finally:
         model.blocks[layer] = original
+
+
+def _check_block(model: Any, block: Any, layer: int) -> None:
+    """A trial run of `block` on a zero residual [1 2 d_model]: a block of another width (or no block)
+    fails here, naming the layer, instead of inside the caller's forward."""
+    d_model = model.cfg.d_model
+    if not callable(block):
+        raise TypeError(f"replace_block: layer {layer}'s replacement must be a block module, got {type(block).__name__}")
+    p = next(model.parameters())
+    resid = torch.zeros(1, 2, d_model, dtype=p.dtype, device=p.device)
+    ctx = model.make_context((1, 2), None, torch.zeros(1, 2, dtype=torch.long, device=p.device), p.device)
+    ctx.embedding = resid
+    try:
+        with torch.no_grad():
+            out = block(resid, ctx)
+    except Exception as e:
+        raise ValueError(f"replace_block: the block for layer {layer} does not run on this model's residual "
+                         f"[batch pos d_model={d_model}] ({type(e).__name__}: {e})") from None
+    if not torch.is_tensor(out) or out.shape != resid.shape:
+        got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise ValueError(f"replace_block: the block for layer {layer} returns {got}, expected the residual "
+                         f"shape {tuple(resid.shape)} (d_model={d_model})")
 
 
 def parse_head(label: str) -> HeadSpec:

@@ -48,36 +48,17 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from hooked.ops.selective_scan import mamba1_kernel_pairs
+from analysis.validate import index_list, index_mask, layer_index, layer_list, position_mask
 from hooked.ops.ssd import mamba2_kernel_pairs
 
 Positions = Union[int, Sequence[int], range, Tensor]
 Channels = Union[None, Sequence[int], Tensor, dict]
 ATTENTION_MODES = ("scores", "pattern")
 _PAIR_ELEMENTS = 2**22  # elements of the per-chunk [pair channel (d_head)] tensors
+_ANY_LENGTH = 2**62  # positions are range-checked at the forward, where the length is known
 
 
 # ---------------------------------------------------------------------------------- positions
-def position_mask(spec: Positions, batch: int, pos: int, device: torch.device | str = "cpu",
-                  what: str = "positions") -> Bool[Tensor, "batch pos"]:
-    """A bool mask [batch pos] from ints / a list / range / 1-D int tensor (shared) or a bool mask."""
-    if torch.is_tensor(spec) and spec.dtype == torch.bool:
-        mask = spec.to(device)
-        if mask.ndim == 1:
-            mask = mask.expand(batch, -1)
-        if tuple(mask.shape) != (batch, pos):
-            raise ValueError(f"{what} mask has shape {tuple(spec.shape)}; the sequence is [batch pos] = {(batch, pos)}")
-        return mask
-    idx = [int(spec)] if isinstance(spec, int) or (torch.is_tensor(spec) and spec.ndim == 0) else \
-        [int(p) for p in (spec.tolist() if torch.is_tensor(spec) else spec)]
-    bad = [p for p in idx if not -pos <= p < pos]
-    if bad:
-        raise IndexError(f"{what} {bad} outside the sequence of {pos} positions")
-    mask = torch.zeros(batch, pos, dtype=torch.bool, device=device)
-    if idx:
-        mask[:, [p % pos for p in idx]] = True
-    return mask
-
-
 def _edge_pairs(target: Tensor, source: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(batch row, target j, source i) of every causal cut edge (i <= j)."""
     batch, pos = target.shape
@@ -125,17 +106,7 @@ def _channel_mask(channels: Any, n: int, where: str) -> Tensor | None:
     """Bool mask [n] from indices or a bool mask; None means every channel."""
     if channels is None:
         return None
-    c = torch.as_tensor(channels)
-    if c.dtype == torch.bool:
-        if c.shape != (n,):
-            raise ValueError(f"channels mask for {where} has shape {tuple(c.shape)}, the mixer has {n} channels")
-        return c
-    c = c.reshape(-1).long()
-    if len(c) and (c.min() < -n or c.max() >= n):
-        raise IndexError(f"channels {c[(c < -n) | (c >= n)].tolist()} outside {where}'s {n} channels")
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[c % n] = True
-    return mask
+    return index_mask(channels, n, f"channels of {where}", "channels")
 
 
 # ------------------------------------------------------------------------------ the cut math
@@ -224,14 +195,15 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     n_layers = model.cfg.n_layers
-    layer_list = [layers] if isinstance(layers, int) else list(layers)
-    bad = [l for l in layer_list if not -n_layers <= int(l) < n_layers]
-    if bad:
-        raise ValueError(f"layers {bad} outside the model's {n_layers} layers")
-    layer_list = sorted({int(l) % n_layers for l in layer_list})
+    layers = layer_list(layers, n_layers, "layers")
+    for spec, what in ((sources, "sources"), (targets, "targets")):  # types now; ranges at the forward
+        if not (torch.is_tensor(spec) and spec.dtype == torch.bool):
+            index_list(spec, _ANY_LENGTH, what, "positions")
+    if isinstance(channels, dict):
+        channels = {layer_index(k, n_layers, "channels key"): v for k, v in channels.items()}
     hooks: list[tuple[str, Any]] = []
     names = set(model.hook_dict)
-    for layer in layer_list:
+    for layer in layers:
         attn_sites, ssm_sites = knockout_sites(model, layer, names)
         if not attn_sites and not ssm_sites:
             raise ValueError(f"block {layer} has no attention or SSM mixer to knock out")
@@ -332,7 +304,7 @@ def decay_norms(model: Any, layer: int) -> Float[Tensor, "c"]:
     Large = slow decay (exp(A) near 1: the channel remembers far back); small = fast decay.
     Mamba-2 has one scalar A per head, so its value is d_state * exp(A_h).
     """
-    mixer = model.get_submodule(f"blocks.{int(layer) % model.cfg.n_layers}.mixer")
+    mixer = model.get_submodule(f"blocks.{layer_index(layer, model.cfg.n_layers)}.mixer")
     with torch.no_grad():
         A = _ssm_A(mixer).double()
         if A.ndim == 2:
@@ -390,7 +362,7 @@ def feature_plan(model: Any, layers: Iterable[int], group: str = "slowest", frac
     if reading not in FEATURE_READINGS:
         raise ValueError(f"reading must be one of {FEATURE_READINGS}, got {reading!r}")
     cut, spared = {}, {}
-    for layer in sorted({int(l) % model.cfg.n_layers for l in layers}):
+    for layer in layer_list(layers, model.cfg.n_layers):
         if not knockout_sites(model, layer)[1]:
             continue  # no SSM mixer here: attention is cut whole
         split = decay_split(model, layer, fraction)

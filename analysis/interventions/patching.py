@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from analysis.validate import as_index, index_list, index_mask, layer_list
+
 Metric = Callable[[Tensor], Any]
 Setter = Callable[[Tensor, Tensor, tuple], Tensor]
 AXES = ("layer", "pos", "head", "channel")
@@ -60,16 +62,53 @@ def axis_dim(hook_name: str, axis: str) -> int:
     raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
 
 
-def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None) -> tuple:
-    """Normalise `index` to a tuple applied after the batch axis."""
+def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None,
+                shape: Sequence[int] | None = None, d_model: int | None = None) -> tuple:
+    """Normalise `index` to a tuple applied after the batch axis.
+
+    With the activation's `shape`, every axis named in a dict must exist on that hook (a "head" of a
+    [batch pos d_model] stream is refused, not taken as a d_model component) and every integer is
+    checked against its axis (negative counts from the end; floats, bools and strings are refused).
+    """
     if index is None:
         return ()
     if isinstance(index, dict):
         if not index:
             return ()
+        if shape is not None:
+            for axis in index:
+                check_axis(hook_name, axis, shape, d_model)
         dims = {axis_dim(hook_name, a): i for a, i in index.items()}
-        return tuple(dims.get(d, slice(None)) for d in range(1, max(dims) + 1))
-    return index if isinstance(index, tuple) else (index,)
+        out = tuple(dims.get(d, slice(None)) for d in range(1, max(dims) + 1))
+    else:
+        out = index if isinstance(index, tuple) else (index,)
+    if shape is not None:
+        if len(out) > len(shape) - 1:
+            raise IndexError(f"index {index!r} has {len(out)} entries; {hook_name} has {len(shape) - 1} axes after batch")
+        out = tuple(_checked(i, shape[d + 1], f"index {index!r} on {hook_name}, axis {d + 1}")
+                    for d, i in enumerate(out))
+    return out
+
+
+def check_axis(hook_name: str, axis: str, shape: Sequence[int], d_model: int | None) -> None:
+    """Refuse an axis the hook's activation does not have ("head" on [batch pos d_model], "pos" on 2-D)."""
+    dim = axis_dim(hook_name, axis)
+    if dim >= len(shape):
+        raise ValueError(f"{hook_name} has no {axis!r} axis (its activation is {list(shape)})")
+    stream = len(shape) == 3 and d_model is not None and shape[-1] == d_model
+    query_first = hook_name.rsplit(".", 1)[-1] in QUERY_FIRST
+    if axis in ("head", "channel") and stream and not query_first:
+        raise ValueError(f"{hook_name} has no {axis!r} axis: its activation is [batch pos d_model] = {list(shape)}")
+
+
+def _checked(i: Any, n: int, what: str) -> Any:
+    if isinstance(i, slice) or i is Ellipsis:
+        return i
+    if isinstance(i, (list, tuple, range)) or (torch.is_tensor(i) and i.ndim == 1 and i.dtype != torch.bool):
+        return index_list(i, n, what)
+    if torch.is_tensor(i) and i.dtype == torch.bool:
+        return index_mask(i, n, what)
+    return as_index(i, n, what)
 
 
 # ------------------------------------------------------------------------------ patched runs
@@ -101,7 +140,7 @@ def patch(model: Any, tokens: Tensor, clean_cache: Any, hook_name: str, index: A
           attention_mask: Tensor | None = None, setter: Setter = set_slice) -> Tensor:
     """Logits of `tokens` with the activation `hook_name` (or its slice `index`) from `clean_cache`."""
     source = _source(clean_cache, hook_name)
-    hook = _patch_hook(source, index_tuple(hook_name, index), setter)
+    hook = _patch_hook(source, index_tuple(hook_name, index, source.shape, model.cfg.d_model), setter)
     return _run(model, tokens, None, tokens, attention_mask, [(hook_name, hook)])
 
 
@@ -137,12 +176,9 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
     The layer axis spans all n_layers; layers without that hook, or left out of `layers` (a subset
     to sweep), hold NaN (Zamba2's shared blocks exist in some layers only).
     """
-    over = tuple(over)
-    bad = [a for a in over if a not in AXES]
-    if bad or len(set(over)) != len(over):
-        raise ValueError(f"over must name distinct axes among {AXES}, got {over}")
+    over = _check_over(over, hook_name_template)
     if "layer" in over:
-        wanted = range(model.cfg.n_layers) if layers is None else sorted(l % model.cfg.n_layers for l in layers)
+        wanted = range(model.cfg.n_layers) if layers is None else layer_list(layers, model.cfg.n_layers)
         layers = [l for l in wanted if hook_name_template.format(layer=l) in model.hook_dict]
         if not layers:
             model.names_matching(hook_name_template.format(layer=wanted[0]))  # raises with close matches
@@ -151,6 +187,8 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
     names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
     first = _source(clean_cache, names[layers[0]])
     inner = [a for a in over if a != "layer"]
+    for a in inner:
+        check_axis(names[layers[0]], a, first.shape, model.cfg.d_model)
     ranges = [range(first.shape[axis_dim(names[layers[0]], a)]) for a in inner]
     shape = [model.cfg.n_layers if a == "layer" else len(ranges[inner.index(a)]) for a in over]
     out = torch.full(shape, float("nan"), dtype=torch.float64)
@@ -167,6 +205,24 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
                 bar.update()
     bar.close()
     return out
+
+
+def _check_over(over: Sequence[str], template: str) -> tuple[str, ...]:
+    """`over` as a tuple of distinct known axes; "layer" in it exactly when the template has {layer}."""
+    if isinstance(over, str):
+        over = (over,)
+    over = tuple(over)
+    bad = [a for a in over if a not in AXES]
+    if bad or len(set(over)) != len(over):
+        raise ValueError(f"over must name distinct axes among {AXES}, got {over}")
+    if not isinstance(template, str):
+        raise TypeError(f"hook_name_template must be a str, got {type(template).__name__}")
+    has_layer = "{layer}" in template
+    if "layer" in over and not has_layer:
+        raise ValueError(f"over has 'layer' but the template {template!r} has no {{layer}} to fill in")
+    if has_layer and "layer" not in over:
+        raise ValueError(f"the template {template!r} has {{layer}} but over={over} does not sweep 'layer'")
+    return over
 
 
 def _count(ranges: list[range]) -> int:
@@ -285,10 +341,15 @@ def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metr
     that lazy quantities (hook_h, hook_kernel, hook_result) sit on the path to the logits. No
     parameter gradient is accumulated (torch.autograd.grad on the activations only).
     """
-    over = tuple(over)
+    over = _check_over(over, hook_name_template)
     layers = [l for l in range(model.cfg.n_layers) if hook_name_template.format(layer=l) in model.hook_dict] \
         if "layer" in over else [None]
+    if not layers:
+        model.names_matching(hook_name_template.format(layer=0))  # raises with close matches
     names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
+    for name in names.values():  # the source cache must be of this very input: no broadcasting
+        model.names_matching(name)
+        _source(clean_cache, name)
     acts: dict[str, Tensor] = {}
 
     def grab(act: Tensor, hook: Any) -> Tensor:
@@ -307,7 +368,13 @@ def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metr
             raise RuntimeError(f"the metric's gradient does not reach {name!r}: that activation is not on the "
                                "path to the logits")
         act = acts[name].detach()
-        prod = (_source(clean_cache, name).to(act) - act) * grad
+        source = _source(clean_cache, name)
+        if source.shape != act.shape:
+            raise ValueError(f"{name}: the source cache has shape {tuple(source.shape)}, the base run "
+                             f"{tuple(act.shape)} (same batch and length needed)")
+        for a in inner:
+            check_axis(name, a, act.shape, model.cfg.d_model)
+        prod = (source.to(act) - act) * grad
         keep = [axis_dim(name, a) for a in inner]
         rest = [d for d in range(prod.ndim) if d not in keep]
         parts[layer] = prod.permute(keep + rest).flatten(len(keep)).sum(-1).detach().double().cpu() + base

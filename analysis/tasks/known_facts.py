@@ -28,20 +28,38 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from analysis.validate import positive_int
+
 SOURCE_SETS = ("subject", "relation", "last", "first")
 KNOWN_FACTS = Path(__file__).parent / "data" / "known_1000.json"
 
 
 def load_facts(path: str | Path | None = None, n: int | None = None) -> list[dict[str, Any]]:
     """Facts from a known_1000.json-style file (default: the copy shipped in analysis/data)."""
-    with open(path or KNOWN_FACTS, encoding="utf-8") as f:
-        facts = json.load(f)
+    origin = path or KNOWN_FACTS
+    try:
+        with open(origin, encoding="utf-8") as f:
+            facts = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{origin}: not a JSON facts file ({e})") from None
+    if n is not None:
+        n = positive_int(n, "n")
+    return check_facts(facts, str(origin))[:n] if n is not None else check_facts(facts, str(origin))
+
+
+def check_facts(facts: Any, origin: str = "facts") -> list[dict[str, Any]]:
+    """`facts` if it is a list of fact objects with string 'subject', 'attribute', 'prompt' (and
+    'template' when present); else a ValueError naming the entries and fields."""
     if not isinstance(facts, list) or not all(isinstance(x, dict) for x in facts):
-        raise ValueError(f"{path or KNOWN_FACTS}: expected a JSON list of fact objects")
+        raise ValueError(f"{origin}: expected a JSON list of fact objects")
     missing = [i for i, x in enumerate(facts) if not {"subject", "attribute", "prompt"} <= set(x)]
     if missing:
-        raise ValueError(f"facts {missing[:10]} lack one of 'subject', 'attribute', 'prompt'")
-    return facts[:n] if n is not None else facts
+        raise ValueError(f"{origin}: facts {missing[:10]} lack one of 'subject', 'attribute', 'prompt'")
+    bad = [f"{i}.{k}" for i, x in enumerate(facts) for k in ("subject", "attribute", "prompt", "template")
+           if k in x and not (isinstance(x[k], str) and (x[k] or k == "template"))]
+    if bad:
+        raise ValueError(f"{origin}: these fact fields must be non-empty strings: {', '.join(bad[:10])}")
+    return facts
 
 
 @dataclass
@@ -85,7 +103,7 @@ def subject_span(prompt: str, subject: str, template: str | None = None) -> tupl
 def prepare_facts(tokenizer: Any, facts: Iterable[dict[str, Any]]) -> tuple[list[FactPrompt], list[tuple[dict, str]]]:
     """Tokenise facts; returns (prompts, skipped facts with the reason)."""
     prompts, skipped = [], []
-    for fact in facts:
+    for fact in check_facts(list(facts)):
         prompt = fact["prompt"]
         try:
             s0, s1 = subject_span(prompt, fact["subject"], fact.get("template"))

@@ -43,6 +43,8 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from analysis.validate import positive_int
+
 WORDS_PATH = Path(__file__).parent / "data" / "words.txt"
 KV_HEADER = "Memorize the following dictionary:\n"
 KV_QUESTION = "The value of the key '{key}' is"
@@ -79,10 +81,15 @@ def kv_retrieval(n_pairs: int, n_samples: int, seed: int = 0, words: tuple[str, 
     key's value. `segments` are the `key:value\\n` lines; `meta` holds keys, values and the query.
     """
     words = load_words() if words is None else tuple(words)
+    repeated = sorted({w for w in words if words.count(w) > 1})
+    if repeated:  # two equal keys would make the query ambiguous
+        raise ValueError(f"words must be distinct keys; repeated: {repeated[:10]}")
+    bad = [w for w in words if not isinstance(w, str) or not w.strip() or ":" in w or "\n" in w]
+    if bad:
+        raise ValueError(f"words must be non-empty strings without ':' or newlines (the prompt's syntax); got {bad[:5]}")
+    n_pairs, n_samples = positive_int(n_pairs, "n_pairs"), positive_int(n_samples, "n_samples")
     if not 1 <= n_pairs <= min(len(words), 100):
         raise ValueError(f"n_pairs must be in [1, {min(len(words), 100)}], got {n_pairs}")
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     rng = random.Random(seed)
     out = []
     for _ in range(n_samples):

@@ -15,6 +15,7 @@ A model subclass builds `self.blocks` (an nn.ModuleList whose blocks take `(resi
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,13 @@ class HookedModel(HookedRootModule):
         else:
             if not torch.is_tensor(input) or not input.is_floating_point() or input.ndim != 3:
                 raise ValueError("with start_at_layer, input must be the residual stream [batch pos d_model]")
+            if input.shape[-1] != self.cfg.d_model or input.shape[1] == 0:
+                raise ValueError(f"with start_at_layer, input must be the residual stream [batch pos d_model="
+                                 f"{self.cfg.d_model}] with pos >= 1, got shape {tuple(input.shape)}")
+            p = next(self.parameters(), None)
+            if p is not None and input.dtype != p.dtype:
+                raise ValueError(f"with start_at_layer, the residual's dtype must be the model's ({p.dtype}), "
+                                 f"got {input.dtype}")
             if tokens is not None:
                 tokens = self.check_tokens(tokens)
             ctx = self.make_context(input.shape[:2], attention_mask, tokens, input.device)
@@ -93,8 +101,11 @@ class HookedModel(HookedRootModule):
         n = self.cfg.n_layers
         if value is None:
             return default
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{what} must be an integer layer in [-{n}, {n}], got {value!r}")
         if not -n <= value <= n:
             raise ValueError(f"{what}={value} is outside the model's {n} layers")
+        value = int(value)
         return value + n if value < 0 else value
 
     # ------------------------------------------------------------------------------- checking
