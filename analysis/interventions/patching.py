@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from analysis.validate import as_index, index_list, index_mask, layer_list
+from analysis.validate import NotAnIndex, as_index, index_list, index_mask, layer_list
 
 Metric = Callable[[Tensor], Any]
 Setter = Callable[[Tensor, Tensor, tuple], Tensor]
@@ -78,7 +78,16 @@ def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None,
         if shape is not None:
             for axis in index:
                 check_axis(hook_name, axis, shape, d_model)
-        dims = {axis_dim(hook_name, a): i for a, i in index.items()}
+        dims = {}
+        for a, i in index.items():
+            d = axis_dim(hook_name, a)
+            if d in dims:
+                raise ValueError(f"index {index!r}: two names for one axis of {hook_name} ('head' and 'channel' "
+                                 f"are aliases)")
+            if not (isinstance(i, slice) or _scalar(i)):
+                raise NotAnIndex(f"index {index!r}: the value for {a!r} must be one integer or a slice, got {i!r} "
+                                 f"(lists would pair up with other axes' lists, not cross them)")
+            dims[d] = i
         out = tuple(dims.get(d, slice(None)) for d in range(1, max(dims) + 1))
     else:
         out = index if isinstance(index, tuple) else (index,)
@@ -99,6 +108,10 @@ def check_axis(hook_name: str, axis: str, shape: Sequence[int], d_model: int | N
     query_first = hook_name.rsplit(".", 1)[-1] in QUERY_FIRST
     if axis in ("head", "channel") and stream and not query_first:
         raise ValueError(f"{hook_name} has no {axis!r} axis: its activation is [batch pos d_model] = {list(shape)}")
+
+
+def _scalar(i: Any) -> bool:
+    return not isinstance(i, (list, tuple, range, str, bytes)) and not (hasattr(i, "ndim") and i.ndim)
 
 
 def _checked(i: Any, n: int, what: str) -> Any:
