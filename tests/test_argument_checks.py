@@ -258,3 +258,20 @@ def test_masks_and_counts():
     for bad, error in ((0, ValueError), (2.0, NotAnIndex), (True, NotAnIndex), ("3", NotAnIndex)):
         with pytest.raises(error, match="^n"):
             positive_int(bad, "n")
+
+
+# ------------------------------------------------------------------ confusing: facts files
+@pytest.mark.parametrize("content, message", [
+    ('[{"subject": ["a", "b", "c"], "attribute": "x", "prompt": "a is"}]', r"must be non-empty strings: 0\.subject"),
+    ('[{"subject": "a", "prompt": "a is"}]', r"facts \[0\] lack one of"),
+    ('{"subject": "a"}', r"expected a JSON list of fact objects"),
+    ('[{"subject": "a",', r"not a JSON facts file"),
+])
+def test_malformed_facts_file_named(tmp_path, content, message):
+    from analysis.tasks.known_facts import load_facts
+
+    path = tmp_path / "facts.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        load_facts(path)
+    assert "facts.json" in str(info.value)
