@@ -56,6 +56,11 @@ class Hook:
     def __repr__(self) -> str:
         return f"Hook({getattr(self.fn, '__qualname__', self.fn)!r})"
 
+    def detach(self) -> None:
+        """Called once the hook is removed: a wrapped backward hook drops its gradient hooks then
+        (`fn.remove_grad_hooks`, when the wrapper has one), so it does not fire in a later backward."""
+        getattr(self.fn, "remove_grad_hooks", lambda: None)()
+
 
 # --------------------------------------------------------------------------- caller-local state
 # HookPoint -> (scoped hooks added with prepend, the others). The dict is never mutated once set:
@@ -97,6 +102,8 @@ def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Ite
             else:
                 state.pop(point, None)
         _SCOPED.set(state)
+        for _, hook, _ in mine:
+            hook.detach()
 
 
 class HookPoint(nn.Module):
@@ -139,20 +146,26 @@ class HookPoint(nn.Module):
             for i, h in enumerate(self._hooks):
                 if h is hook:
                     del self._hooks[i]
+                    hook.detach()
                     return
 
         return remove
 
     def remove_hooks(self) -> None:
         """Remove this point's model hooks (scoped hooks belong to their scopes)."""
-        self._hooks.clear()
+        removed, self._hooks[:] = list(self._hooks), []
+        for hook in removed:
+            hook.detach()
 
     def __call__(self, x: Tensor) -> Tensor:  # skips nn.Module's call machinery: this is the hot path
         on_fire = _RECORDING.get()
         if on_fire is not None:  # recording the forward order: no hook runs
             on_fire(self.name)
             return x
-        for hook in self.visible_hooks():
+        scoped = _SCOPED.get().get(self)
+        if scoped is None and not self._hooks:
+            return x
+        for hook in (*scoped[0], *self._hooks, *scoped[1]) if scoped is not None else tuple(self._hooks):
             out = hook.fn(x, self)
             if out is None:
                 continue
