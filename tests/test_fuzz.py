@@ -503,6 +503,36 @@ def header_cases(rng: random.Random, tmp, count: int) -> list[Case]:
     return cases
 
 
+def shard_cases(rng: random.Random, saved, tmp, count: int) -> list[Case]:
+    """Index files naming random shard paths: inside the checkpoint they load (logits equal the
+    single-file load), anywhere else they are refused naming the index."""
+    reference = from_pretrained(saved)(TOKENS)
+    names = list(SafetensorsFile(saved / "model.safetensors").tensors)
+    cases = []
+    for c in range(count):
+        d = tmp / f"ckpt{c}" / "model"
+        kind = rng.choice(["same dir", "subdir", "dotted inside", "parent", "absolute", "backslash", "deep parent",
+                           "empty", "number", "missing"])
+        target = {"same dir": "w.safetensors", "subdir": "s/w.safetensors", "dotted inside": "s/./w.safetensors",
+                  "parent": "../w.safetensors", "absolute": str(tmp / f"ckpt{c}" / "w.safetensors"),
+                  "backslash": "..\\w.safetensors", "deep parent": "s/../../w.safetensors", "empty": "",
+                  "number": 7, "missing": "nope.safetensors"}[kind]
+        inside = kind in ("same dir", "subdir", "dotted inside")
+
+        def run(d=d, target=target, kind=kind):
+            d.mkdir(parents=True)
+            (d / "config.json").write_text((saved / "config.json").read_text())
+            where = {"same dir": d, "subdir": d / "s", "dotted inside": d / "s"}.get(kind, d.parent)
+            where.mkdir(parents=True, exist_ok=True)
+            shutil.copy(saved / "model.safetensors", where / "w.safetensors")
+            (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: target for n in names}}))
+            return from_pretrained(d)(TOKENS)
+
+        cases.append(Case(f"shard {kind} {target!r}", run, ("model.safetensors.index.json",),
+                          (lambda: reference) if inside else None))
+    return cases
+
+
 def cli_cases(rng: random.Random, tmp, count: int) -> list[Case]:
     from analysis.cli import main
 
@@ -590,6 +620,10 @@ def test_config_values(saved, tmp_path, llama):
 
 def test_safetensors_headers(tmp_path, llama):
     run_cases("safetensors", header_cases(random.Random(SEED + 8), tmp_path, 100), [llama])
+
+
+def test_shard_paths(saved, tmp_path, llama):
+    run_cases("shards", shard_cases(random.Random(SEED + 10), saved, tmp_path, 20), [llama])
 
 
 def test_cli(tmp_path, llama):
