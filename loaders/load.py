@@ -355,23 +355,32 @@ def params_on_meta() -> Iterator[None]:
     import torch._dynamo: seconds and ~100 MB). Buffers and plain tensors stay real: models compute
     them in __init__.
 
-    Only the calling thread is affected: parameters are moved by a torch parameter-registration hook
-    that acts for its owner thread only, and init is skipped by a TorchFunctionMode, whose stack is
-    thread-local. No torch function is patched, so a module built meanwhile in another thread keeps
-    real, initialised parameters."""
-    owner = threading.get_ident()
-
-    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-        if param is None or param.device.type == "meta" or threading.get_ident() != owner:
-            return None
-        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    Only the calling thread is affected, and nothing process-wide changes while it loads: the
+    parameter-registration hook that moves parameters (`_to_meta`) is installed once, when this
+    module is imported, and acts only for a thread whose `_META.depth` is set; init is skipped by a
+    TorchFunctionMode, whose stack is thread-local. No torch function is patched, so a module built
+    meanwhile in another thread keeps real, initialised parameters."""
+    _META.depth = getattr(_META, "depth", 0) + 1
     try:
         with _SkipInitOnMeta():
             yield
     finally:
-        handle.remove()
+        _META.depth -= 1
+
+
+_META = threading.local()  # depth > 0 while this thread builds a model under params_on_meta()
+
+
+def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    """torch's parameter-registration hook: the meta copy of `param` inside params_on_meta(), else None."""
+    if param is None or not getattr(_META, "depth", 0) or param.device.type == "meta":
+        return None
+    return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+
+# Installed once, at import, never removed: adding or removing a global hook while another thread
+# registers parameters would change the dict that thread iterates over.
+nn.modules.module.register_module_parameter_registration_hook(_to_meta)
 
 
 _INIT_FUNCTIONS = frozenset(f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_")

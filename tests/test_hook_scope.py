@@ -219,6 +219,10 @@ def test_loading_leaves_modules_built_by_another_thread_real(llama_dir):
     def load():
         assert next(from_pretrained(llama_dir).parameters()).device.type == "cpu"
 
+    from torch.nn.modules import module as torch_module
+
+    hooks_before = dict(torch_module._global_parameter_registration_hooks)
+    patched_before = (nn.Module.register_parameter, {n: f for n, f in vars(nn.init).items() if callable(f)})
     threads = [_loop(2.0, load, errors), _loop(2.0, build, errors)]
     for t in threads:
         t.start()
@@ -226,3 +230,6 @@ def test_loading_leaves_modules_built_by_another_thread_real(llama_dir):
         t.join()
     assert not errors, errors[0]
     assert built["n"] > 10
+    # nothing process-wide changed: no torch function replaced, no global hook added or removed
+    assert dict(torch_module._global_parameter_registration_hooks) == hooks_before
+    assert patched_before == (nn.Module.register_parameter, {n: f for n, f in vars(nn.init).items() if callable(f)})
