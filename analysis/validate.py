@@ -46,11 +46,11 @@ def as_index(value: Any, n: int, what: str, unit: str = "entries") -> int:
     if torch.is_tensor(value):
         if value.ndim != 0 or value.dtype.is_floating_point or value.is_complex() or value.dtype == torch.bool:
             raise NotAnIndex(f"{what}: expected an integer index, got a {value.dtype} tensor of shape "
-                            f"{tuple(value.shape)}")
+                             f"{tuple(value.shape)}")
         value = int(value)
     if _is_bool(value) or not isinstance(value, numbers.Integral):
         raise NotAnIndex(f"{what}: expected an integer index in [-{n}, {n}), got {value!r} "
-                        f"({type(value).__name__})")
+                         f"({type(value).__name__})")
     value = int(value)
     if not -n <= value < n:
         raise IndexOutOfRange(f"{what}: {value} is outside [-{n}, {n}) (the {n} {unit})")
@@ -62,9 +62,12 @@ def index_list(spec: Any, n: int, what: str, unit: str = "entries") -> list[int]
     if isinstance(spec, (str, bytes)):
         raise NotAnIndex(f"{what}: expected integer indices, got the string {spec!r}")
     if torch.is_tensor(spec) or hasattr(spec, "__array__"):
-        t = torch.as_tensor(spec)
+        try:
+            t = torch.as_tensor(spec)
+        except (TypeError, ValueError, RuntimeError):
+            raise NotAnIndex(f"{what}: expected integer indices, got an array of {getattr(spec, 'dtype', '?')}") from None
         if t.ndim == 0:
-            return [as_index(spec, n, what, unit)]
+            return [as_index(t, n, what, unit)]
         if t.ndim != 1:
             raise ValueError(f"{what}: expected a 1-D list of indices, got shape {tuple(t.shape)}")
         if t.dtype == torch.bool:

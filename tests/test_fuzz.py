@@ -138,7 +138,7 @@ def ref_indices(spec: Any, n: int) -> list[int] | None:
 
 def index_pool(rng: random.Random, n: int) -> Any:
     """One index argument, valid or not, drawn from everything a careless caller passes."""
-    k = rng.randrange(16)
+    k = rng.randrange(19)
     i = rng.randrange(-n - 2, n + 2)
     return [
         lambda: i, lambda: [i, rng.randrange(n)], lambda: [rng.randrange(-n, n) for _ in range(rng.randrange(4))],
@@ -146,7 +146,8 @@ def index_pool(rng: random.Random, n: int) -> Any:
         lambda: bool(rng.randrange(2)), lambda: None, lambda: [[rng.randrange(n)]],
         lambda: torch.tensor([rng.randrange(n)]), lambda: torch.tensor([rng.random()]),
         lambda: np.array([rng.randrange(-n, n)]), lambda: np.int64(i), lambda: range(rng.randrange(n + 1)),
-        lambda: torch.tensor(rng.randrange(-n, n)),
+        lambda: torch.tensor(rng.randrange(-n, n)), lambda: np.array(rng.randrange(-n, n)),
+        lambda: np.array([str(rng.randrange(n))]), lambda: np.array(float(rng.randrange(n))),
     ][k]()
 
 
