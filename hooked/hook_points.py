@@ -114,7 +114,6 @@ class HookPoint(nn.Module):
         self.name: str | None = None
         self._hooks: list[Hook] = []  # model hooks (every caller); scoped hooks live in _SCOPED
 
-
     def visible_hooks(self) -> tuple[Hook, ...]:
         """The hooks this caller runs here, in order (see the module glossary)."""
         scoped = _SCOPED.get().get(self)
@@ -162,10 +161,9 @@ class HookPoint(nn.Module):
         if on_fire is not None:  # recording the forward order: no hook runs
             on_fire(self.name)
             return x
-        scoped = _SCOPED.get().get(self)
-        if scoped is None and not self._hooks:
+        if not self._hooks and self not in _SCOPED.get():
             return x
-        for hook in (*scoped[0], *self._hooks, *scoped[1]) if scoped is not None else tuple(self._hooks):
+        for hook in self.visible_hooks():
             out = hook.fn(x, self)
             if out is None:
                 continue
