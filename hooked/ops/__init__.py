@@ -1,6 +1,12 @@
 """Pure tensor functions: scans, SSD, kernels, convolutions (no modules, no hooks)."""
 
 from hooked.ops.conv import causal_conv1d
+from hooked.ops.selective_kernel import (
+    mamba1_kernel_chunked,
+    mamba1_kernel_cols,
+    mamba1_kernel_discrete_chunked,
+    mamba1_kernel_rows,
+)
 from hooked.ops.selective_scan import (
     linear_scan,
     mamba1_kernel,
@@ -12,7 +18,9 @@ from hooked.ops.selective_scan import (
 from hooked.ops.ssd import (
     linear_scan_heads,
     mamba2_kernel,
+    mamba2_kernel_cols,
     mamba2_kernel_pairs,
+    mamba2_kernel_rows,
     segsum,
     segsum_naive,
     ssd_chunked,

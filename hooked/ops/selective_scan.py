@@ -22,6 +22,7 @@ from einops import einsum, rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from hooked.ops.selective_kernel import mamba1_kernel_discrete_chunked
 from hooked.ops.ssd import _linear_recurrence, segsum
 
 
@@ -146,15 +147,19 @@ def mamba1_kernel_discrete(
 ) -> Float[Tensor, "batch d_inner q_pos k_pos"]:
     """The kernel from discrete (possibly edited) A_bar, B_bar: same as mamba1_kernel.
 
-    prod_{t=i+1..j} A_bar_t = exp(segsum(log|A_bar|)) * (-1)^(number of negative factors), so
-    any A_bar works: zeros give log 0 = -inf and a zero product, negatives flip the sign.
-    Memory O(batch * d_inner * pos^2), built one d_state at a time.
+    When 0 < A_bar <= 1 everywhere (every unedited A_bar, and edits that keep it a decay), the
+    chunked factorisation of selective_kernel.py, at the cost of a matmul. Otherwise the exact
+    slow path: prod_{t=i+1..j} A_bar_t = exp(segsum(log|A_bar|)) * (-1)^(number of negative
+    factors), so any A_bar works: zeros give log 0 = -inf and a zero product, negatives flip the
+    sign. Memory O(batch * d_inner * pos^2), built one d_state at a time.
 
     Args:
         A_bar: decay per position (hook_A_bar). B_bar: dt * B (hook_B_bar). C: output projection.
     Returns:
         kernel: as mamba1_kernel.
     """
+    if bool(((A_bar > 0) & (A_bar <= 1)).all()):
+        return mamba1_kernel_discrete_chunked(A_bar, B_bar, C)
     seq_len = A_bar.shape[1]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=A_bar.device).tril()
     log_abs = rearrange(torch.log(A_bar.abs()), "b l d n -> b d n l")

@@ -1,0 +1,219 @@
+"""The SSM kernel at the cost of a matmul, and its rows and columns (float64 within 1e-10).
+
+Mamba-1: factorised (mamba1_kernel_chunked) == dense (mamba1_kernel) == the sequential
+recurrence, across chunk boundaries and for extreme decays; the discrete kernel's fast path
+(0 < A_bar <= 1) and slow path (zeros, negatives) == the recurrence; rows and columns == slices
+of the whole kernel for Mamba-1 and Mamba-2; rows and columns never build a pos x pos tensor.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import einsum
+from test_ops_ssm import LargestTensor, mamba2_inputs
+
+from hooked.ops import (
+    mamba1_kernel,
+    mamba1_kernel_chunked,
+    mamba1_kernel_cols,
+    mamba1_kernel_discrete,
+    mamba1_kernel_discrete_chunked,
+    mamba1_kernel_rows,
+    mamba2_kernel,
+    mamba2_kernel_cols,
+    mamba2_kernel_rows,
+)
+
+EXACT = dict(atol=1e-10, rtol=1e-10)
+LENGTHS = [1, 2, 15, 16, 17, 33, 64, 300]  # around the chunk lengths 1, 7, 16
+CHUNKS = [1, 7, 16]
+
+# per case: dt from z ~ N(0, 1) [batch pos d_inner], A from w ~ N(0, 1) [d_inner d_state];
+# a = dt * A <= 0 is the log-decay of one step, A_bar = exp(a)
+DECAYS = {
+    "random": (lambda z: F.softplus(z - 1), lambda w: -torch.exp(w)),
+    "near_one": (lambda z: 1e-7 * torch.sigmoid(z), lambda w: -torch.exp(w)),  # A_bar > 1 - 1e-6
+    "near_zero": (lambda z: 30 + F.softplus(z), lambda w: -1 - torch.exp(w)),  # A_bar < 1e-13
+    # a ~ -3 per step: by pos 300 the total decay (e^-900) underflows and exp(+S) would overflow
+    "underflow": (lambda z: 3 + 0.1 * torch.tanh(z), lambda w: -1 - 0.1 * torch.sigmoid(w)),
+    # a < -500 per step: exp(+S) overflows within two steps
+    "dt_huge": (lambda z: 1e3 * (1 + torch.sigmoid(z)), lambda w: -0.5 - torch.exp(w)),
+}
+
+
+@functools.cache
+def mamba1_case(case: str, seq_len: int, batch: int = 2, d_inner: int = 3, d_state: int = 4):
+    g = torch.Generator().manual_seed(seq_len)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    dt_of, A_of = DECAYS[case]
+    dt, A = dt_of(randn(batch, seq_len, d_inner)), A_of(randn(d_inner, d_state))
+    B, C = randn(batch, seq_len, d_state), randn(batch, seq_len, d_state)
+    A_bar, B_bar = torch.exp(dt[..., None] * A), dt[..., None] * B[:, :, None, :]
+    return dt, A, B, C, kernel_by_recurrence(A_bar, B_bar, C)
+
+
+def kernel_by_recurrence(A_bar, B_bar, C):
+    """The oracle: every source's state run forward as the scan runs it, read by each target's C."""
+    batch, seq_len, d_inner, d_state = A_bar.shape
+    H = A_bar.new_zeros(batch, d_inner, d_state, seq_len)  # H[..., i] = prod_{t=i+1..j} A_bar_t B_bar_i
+    rows = []
+    for j in range(seq_len):
+        H = H * A_bar[:, j, :, :, None]
+        H[..., j] = B_bar[:, j]
+        rows.append(einsum(H, C[:, j], "b d n i, b n -> b d i"))
+    return torch.stack(rows, dim=2)  # [b d j i]
+
+
+# ---------------------------------------------------------------- the whole Mamba-1 kernel
+
+
+@pytest.mark.parametrize("case", DECAYS)
+@pytest.mark.parametrize("seq_len", LENGTHS)
+def test_factorised_equals_dense_equals_recurrence(case, seq_len):
+    dt, A, B, C, oracle = mamba1_case(case, seq_len)
+    dense = mamba1_kernel(dt, A, B, C)
+    torch.testing.assert_close(dense, oracle, **EXACT)
+    for chunk in CHUNKS:
+        kernel = mamba1_kernel_chunked(dt, A, B, C, chunk_size=chunk)
+        assert kernel.isfinite().all()
+        torch.testing.assert_close(kernel, oracle, **EXACT)
+        assert (kernel.triu(1) == 0).all()
+
+
+def test_extreme_cases_are_extreme():
+    """The cases are what they claim: sums of a beyond float64's exp range (-745 underflows)."""
+    dt, A, *_ = mamba1_case("underflow", 300)
+    assert (dt.sum(1)[..., None] * A).max() < -745  # exp(S) == 0 and exp(-S) == inf
+    dt, A, *_ = mamba1_case("dt_huge", 17)
+    assert (dt[:, :2].sum(1)[..., None] * A).max() < -745  # within two steps
+    dt, A, *_ = mamba1_case("near_one", 17)
+    assert torch.exp(dt[..., None] * A).min() > 1 - 1e-6
+    dt, A, *_ = mamba1_case("near_zero", 17)
+    assert torch.exp(dt[..., None] * A).max() < 1e-13
+
+
+# ---------------------------------------------------------------- the discrete kernel (edited A_bar, B_bar)
+
+
+@pytest.mark.parametrize("seq_len", [1, 17, 64])
+def test_discrete_fast_path_for_decays_in_0_1(seq_len):
+    """Edits that keep 0 < A_bar <= 1 (here: scaled, some exactly 1) take the factorisation."""
+    dt, A, B, C, _ = mamba1_case("random", seq_len)
+    g = torch.Generator().manual_seed(1)
+    A_bar = torch.exp(dt[..., None] * A) * torch.rand(dt.shape + A.shape[1:], generator=g, dtype=A.dtype)
+    A_bar[:, ::5, 0] = 1.0
+    B_bar = torch.randn(A_bar.shape, generator=g, dtype=A.dtype)  # any sign
+    oracle = kernel_by_recurrence(A_bar, B_bar, C)
+    torch.testing.assert_close(mamba1_kernel_discrete_chunked(A_bar, B_bar, C, chunk_size=7), oracle, **EXACT)
+    torch.testing.assert_close(mamba1_kernel_discrete(A_bar, B_bar, C), oracle, **EXACT)
+
+
+@pytest.mark.parametrize("edit", ["zero", "negative", "growth"])
+def test_discrete_slow_path_for_other_decays(edit):
+    dt, A, B, C, _ = mamba1_case("random", 33)
+    A_bar, B_bar = torch.exp(dt[..., None] * A), dt[..., None] * B[:, :, None, :]
+    A_bar[:, 3::4, 1] = {"zero": 0.0, "negative": -0.7, "growth": 1.3}[edit]
+    oracle = kernel_by_recurrence(A_bar, B_bar, C)
+    torch.testing.assert_close(mamba1_kernel_discrete(A_bar, B_bar, C), oracle, **EXACT)
+    with pytest.raises(ValueError, match="0 < A_bar <= 1"):
+        mamba1_kernel_discrete_chunked(A_bar, B_bar, C)
+
+
+# ---------------------------------------------------------------- rows and columns
+
+
+def positions(seq_len, seed=0):
+    """Unsorted, with a repeat, the first and the last position."""
+    g = torch.Generator().manual_seed(seed)
+    picked = torch.randint(seq_len, (4,), generator=g)
+    return torch.cat([torch.tensor([seq_len - 1]), picked, picked[:1], torch.tensor([0])])
+
+
+@pytest.mark.parametrize("case", ["random", "underflow"])
+@pytest.mark.parametrize("seq_len", [1, 17, 64, 300])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_mamba1_rows_and_cols_are_slices(case, seq_len, chunk):
+    dt, A, B, C, oracle = mamba1_case(case, seq_len)
+    idx = positions(seq_len)
+    torch.testing.assert_close(mamba1_kernel_rows(dt, A, B, C, idx, chunk_size=chunk), oracle[:, :, idx], **EXACT)
+    torch.testing.assert_close(mamba1_kernel_cols(dt, A, B, C, idx, chunk_size=chunk), oracle[:, :, :, idx], **EXACT)
+
+
+@pytest.mark.parametrize("seq_len", [1, 17, 64, 300])
+@pytest.mark.parametrize("n_groups", [1, 2])
+def test_mamba2_rows_and_cols_are_slices(seq_len, n_groups):
+    inp = mamba2_inputs(seq_len, n_groups=n_groups)
+    dt, A, B, C = inp["dt"], inp["A"], inp["B"], inp["C"]
+    kernel = mamba2_kernel(dt, A, B, C)
+    idx = positions(seq_len)
+    torch.testing.assert_close(mamba2_kernel_rows(dt, A, B, C, idx), kernel[:, :, idx], **EXACT)
+    torch.testing.assert_close(mamba2_kernel_cols(dt, A, B, C, idx), kernel[:, :, :, idx], **EXACT)
+
+
+def test_mamba2_rows_and_cols_with_huge_dt():
+    """exp(+S) would overflow: each row's and column's own sums never need it."""
+    inp = mamba2_inputs(40, seed=2)
+    dt, A, B, C = 1e3 * inp["dt"], inp["A"], inp["B"], inp["C"]
+    kernel, idx = mamba2_kernel(dt, A, B, C), positions(40)
+    rows, cols = mamba2_kernel_rows(dt, A, B, C, idx), mamba2_kernel_cols(dt, A, B, C, idx)
+    assert rows.isfinite().all() and cols.isfinite().all()
+    torch.testing.assert_close(rows, kernel[:, :, idx], **EXACT)
+    torch.testing.assert_close(cols, kernel[:, :, :, idx], **EXACT)
+
+
+ROW_COL_FUNCS = {
+    "mamba1_rows": (mamba1_kernel_rows, "mamba1"),
+    "mamba1_cols": (mamba1_kernel_cols, "mamba1"),
+    "mamba2_rows": (mamba2_kernel_rows, "mamba2"),
+    "mamba2_cols": (mamba2_kernel_cols, "mamba2"),
+}
+
+
+@pytest.mark.parametrize("name", ROW_COL_FUNCS)
+def test_rows_and_cols_never_build_pos_by_pos(name):
+    """At pos 2048, 8 rows or columns of 8 channels stay far below one pos x pos tensor."""
+    fn, family = ROW_COL_FUNCS[name]
+    seq_len = 2048
+    if family == "mamba1":
+        g = torch.Generator().manual_seed(0)
+        dt = F.softplus(torch.randn(1, seq_len, 8, generator=g))
+        A = -torch.exp(torch.randn(8, 4, generator=g))
+        B, C = torch.randn(1, seq_len, 4, generator=g), torch.randn(1, seq_len, 4, generator=g)
+    else:
+        inp = mamba2_inputs(seq_len, batch=1, dtype=torch.float32)
+        dt, A, B, C = inp["dt"], inp["A"], inp["B"], inp["C"]
+    idx = torch.arange(seq_len - 8, seq_len)
+    with LargestTensor() as probe:
+        out = fn(dt, A, B, C, idx)
+    assert out.numel() == 8 * seq_len * dt.shape[-1]
+    assert probe.numel < seq_len * seq_len // 16
+
+
+@pytest.mark.parametrize("fn", [mamba1_kernel_rows, mamba1_kernel_cols, mamba2_kernel_rows, mamba2_kernel_cols])
+def test_positions_out_of_range_are_refused(fn):
+    if fn in (mamba1_kernel_rows, mamba1_kernel_cols):
+        dt, A, B, C, _ = mamba1_case("random", 5)
+    else:
+        inp = mamba2_inputs(5)
+        dt, A, B, C = inp["dt"], inp["A"], inp["B"], inp["C"]
+    with pytest.raises(IndexError, match=r"must lie in \[0, 5\).*\[5\]"):
+        fn(dt, A, B, C, torch.tensor([5]))
+
+
+GRADCHECK_CASES = {
+    "chunked": lambda dt, A, B, C: mamba1_kernel_chunked(dt, A, B, C, chunk_size=2),
+    "rows": lambda dt, A, B, C: mamba1_kernel_rows(dt, A, B, C, torch.tensor([4, 1]), chunk_size=2),
+    "cols": lambda dt, A, B, C: mamba1_kernel_cols(dt, A, B, C, torch.tensor([0, 3]), chunk_size=2),
+}
+
+
+@pytest.mark.parametrize("name", GRADCHECK_CASES)
+def test_mamba1_factorised_gradients(name):
+    dt, A, B, C, _ = mamba1_case("random", 5, d_inner=2, d_state=2)
+    inp = [t.clone().requires_grad_() for t in (dt, A, B, C)]
+    assert torch.autograd.gradcheck(GRADCHECK_CASES[name], inp)
