@@ -164,7 +164,7 @@ def test_lazy_quantities_are_not_built_without_hooks(monkeypatch) -> None:
     cfg, pos = model.cfg, 64
     model.hook_dict  # the one-off run that records the hook order has every hook active
     calls: dict[str, int] = {}
-    for fn in ("linear_scan", "mamba1_kernel", "mamba1_kernel_discrete"):
+    for fn in ("linear_scan", "mamba1_kernel_chunked", "mamba1_kernel_discrete"):
         original = getattr(mamba_module, fn)
 
         def counted(*args, _fn=fn, _original=original, **kwargs):
@@ -180,7 +180,7 @@ def test_lazy_quantities_are_not_built_without_hooks(monkeypatch) -> None:
     assert mode.largest < states, "a [batch pos d_inner d_state] tensor was built without a hook"
     model.run_with_cache(toks, names_filter="blocks.0.mixer.hook_h")
     model.run_with_cache(toks, names_filter="blocks.1.mixer.hook_kernel")
-    assert calls == {"linear_scan": 1, "mamba1_kernel": 1}  # the counting sees them when hooked
+    assert calls == {"linear_scan": 1, "mamba1_kernel_chunked": 1}  # the counting sees them when hooked
 
 
 def test_head_out_refused_over_budget(monkeypatch) -> None:

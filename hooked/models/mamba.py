@@ -52,7 +52,8 @@ from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
-from hooked.ops.selective_scan import linear_scan, mamba1_kernel, mamba1_kernel_discrete, selective_scan
+from hooked.ops.selective_kernel import mamba1_kernel_chunked
+from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, selective_scan
 
 HEAD_OUT_BUDGET_BYTES = 2 * 1024**3  # hook_head_out is refused above this size (it is b*l*d_inner*d_model)
 
@@ -200,7 +201,7 @@ class MambaMixer(nn.Module):
             if discrete_edited:
                 build = lambda: mamba1_kernel_discrete(A_bar, B_bar, C)  # noqa: E731
             else:
-                build = lambda: mamba1_kernel(dt, A, B, C)  # noqa: E731
+                build = lambda: mamba1_kernel_chunked(dt, A, B, C)  # noqa: E731
             kernel, kernel_orig = through_hook(self.hook_kernel, build(), build)
             if kernel_orig is not None:
                 y = y + einsum(kernel - kernel_orig, u, "b d j i, b i d -> b j d")

@@ -24,6 +24,7 @@ Cost of the whole kernel: a [pos, d_state] x [d_state, pos] matmul per channel, 
 d_inner x pos x d_state x Q multiplications for the own chunks; no exp of a pos x pos tensor.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -34,8 +35,14 @@ from torch import Tensor
 
 from hooked.ops.ssd import _check_positions, _linear_recurrence
 
-CHUNK_FULL = 16  # chunk length of the whole kernel (fastest measured on CPU, d_inner 1536, pos 256)
 CHUNK_ROWS = 64  # chunk length for a few rows or columns (fewer Python steps)
+
+
+def _full_chunk(seq_len: int) -> int:
+    """Chunk length of the whole kernel: about sqrt(pos), a power of two in [8, 64] (16 at pos
+    256, 32 at 1024: fastest measured on CPU at d_inner 1536), balancing the own chunks'
+    d_inner * d_state * pos * Q products against the carried decays' d_inner * d_state * pos^2 / Q."""
+    return min(64, max(8, 2 ** round(math.log2(max(seq_len, 1)) / 2)))
 
 
 def _reverse_cumsum(x: Float[Tensor, "batch p *rest"]) -> Float[Tensor, "batch p *rest"]:
@@ -53,29 +60,33 @@ def _own_chunk(
 
     Returns the entries sum_n C_j[n] prod_{t=i+1..j} A_bar_t B_c[i] (zero for i > j), and
     W_j = prod_{t=0..j} A_bar_t, the decay from the chunk's start. The products run down the
-    chunk as the scan does, R_j[i] = A_bar_j R_{j-1}[i] for i < j and R_j[j] = B_c[j] (exact;
-    cost d_inner * d_state * p^2), in a [batch j d_inner i d_state] buffer that one matmul
-    contracts with C.
+    chunk as the scan does, one state per source: R_j[i] = A_bar_j R_{j-1}[i] for i < j,
+    R_j[j] = B_c[j] (exact; d_inner * d_state * j multiplications at step j, in a buffer that
+    stays in cache), read by C_j at each chosen j.
     """
     batch, p, d_inner, d_state = A_bar.shape
-    last = int(local[-1])
-    A_bar_d = rearrange(A_bar, "b p d n -> b p d 1 n")
-    if torch.is_grad_enabled() and (A_bar.requires_grad or B_c.requires_grad):  # the same, out of place
-        X = A_bar.new_zeros(batch, last + 1, d_inner, p, d_state)
-        X.diagonal(dim1=1, dim2=3).copy_(rearrange(B_c[:, : last + 1], "b j d n -> b d n j"))
-        R = _linear_recurrence(A_bar_d[:, : last + 1], X, None)
-    else:
-        R = A_bar.new_empty(batch, last + 1, d_inner, p, d_state)  # [b j d i n]
-        R[:, 0] = 0
-        R[:, 0, :, 0] = B_c[:, 0]
-        for j in range(1, last + 1):
-            torch.mul(R[:, j - 1], A_bar_d[:, j], out=R[:, j])  # entries i > j-1 stay zero
-            R[:, j, :, j] = B_c[:, j]
-    if not torch.equal(local, torch.arange(last + 1, device=local.device)):
-        R = R[:, local]  # [b r d i n]
-    entries = rearrange(R, "b r d i n -> b r (d i) n") @ C_rows[..., None]  # [b r (d i) 1]
-    W = torch.cumprod(A_bar[:, : last + 1], dim=1)[:, local]  # [b r d n]
-    return rearrange(entries, "b r (d i) 1 -> b d r i", d=d_inner), W
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A_bar, B_c, C_rows))
+    wanted = local.tolist()
+    entries = C_rows.new_zeros(batch, d_inner, len(wanted), p)
+    W = A_bar.new_empty(batch, len(wanted), d_inner, d_state)
+    W_j = A_bar.new_ones(batch, d_inner, d_state)  # prod_{t=0..j} A_bar_t
+    R_j = A_bar.new_zeros(batch, p, d_inner, d_state)  # [b i d n]; rows i > j stay zero
+    k = 0  # next wanted row
+    for j in range(wanted[-1] + 1):
+        W_j = W_j * A_bar[:, j]
+        if grad:  # out of place, for autograd
+            R_j = torch.cat([R_j[:, :j] * A_bar[:, j, None], B_c[:, j, None].expand(-1, -1, d_inner, -1),
+                             R_j[:, j + 1 :]], dim=1)
+        else:  # only sources i <= j are non-zero: a contiguous prefix
+            R_j[:, :j].mul_(A_bar[:, j, None])
+            R_j[:, j] = B_c[:, j]
+        if k < len(wanted) and wanted[k] == j:
+            read = rearrange(R_j[:, : j + 1], "b i d n -> b (i d) n") @ C_rows[:, k, :, None]  # [b (i d) 1]
+            while k < len(wanted) and wanted[k] == j:  # repeated rows
+                entries[:, :, k, : j + 1] = rearrange(read, "b (i d) 1 -> b d i", d=d_inner)
+                W[:, k] = W_j
+                k += 1
+    return entries, W
 
 
 def _rows_by_chunks(
@@ -97,27 +108,42 @@ def _rows_by_chunks(
     out = C.new_empty(batch, d_inner, len(rows), seq_len)  # every entry is written once below
     if len(rows) == 0:
         return out
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (steps, A, C, B_bar(slice(0, 1))))
     chunk_of = rows // chunk
     first = len(rows)  # rows[first:] are active: targets in chunks after the current one
-    W = C.new_empty(batch, d_inner, 0, A.shape[1])  # [b d r n] decay(j <- start of chunk c+1), rows[first:]
+    # V[:, :, first:] = C_j * decay(j <- start of chunk c+1), the left factor of every matmul.
+    # Without autograd it is updated in place (a fresh tensor of its size per chunk costs page
+    # faults comparable to the math)
+    V = C.new_empty(batch, d_inner, 0 if grad else len(rows), A.shape[1])  # [b d r n]
+    flat = None if grad else C.new_empty(batch * d_inner * len(rows) * chunk)  # one [b d r p] block
     for c in range(int(chunk_of[-1]), -1, -1):
         pos = slice(c * chunk, min((c + 1) * chunk, seq_len))
         steps_c, B_c = steps[:, pos], B_bar(pos)  # [b p d k], [b p d n]
         if first < len(rows):  # 1. sources in chunk c, targets in later chunks: one matmul
             to_end = _reverse_cumsum(steps_c)  # [b p d k] sum_{t=i..end of chunk c}
-            chunk_decay = torch.exp(to_end[:, 0] * A)  # [b d n] decay over the whole chunk
+            chunk_decay = torch.exp(to_end[:, 0] * A)[:, :, None]  # [b d 1 n] decay over the whole chunk
             to_end = F.pad(to_end[:, 1:], (0, 0, 0, 0, 0, 1))  # sum_{t=i+1..end of chunk c}
-            right = torch.exp(to_end * A) * B_c  # [b p d n] decay(end of c <- i) B_bar_i
-            left = rearrange(C[:, rows[first:]], "b r n -> b 1 r n") * W  # [b d r n]
-            out[:, :, first:, pos] = left @ rearrange(right, "b p d n -> b d n p")
-            W = W * chunk_decay[:, :, None]
+            right = rearrange(torch.exp(to_end * A) * B_c, "b p d n -> b d n p")  # decay(end of c <- i) B_bar_i
+            if grad:
+                out[:, :, first:, pos] = V @ right
+                V = V * chunk_decay
+            else:  # into a reused contiguous buffer (a strided out= makes bmm loop over d_inner)
+                block = flat[: V[:, :, first:].numel() // V.shape[-1] * right.shape[-1]]
+                block = block.view(batch, d_inner, len(rows) - first, right.shape[-1])
+                out[:, :, first:, pos] = torch.matmul(V[:, :, first:], right, out=block)
+                V[:, :, first:] *= chunk_decay
         here = (chunk_of == c).nonzero()
         if len(here):  # 2. targets in chunk c: the sources of their own chunk, then nothing
             lo, hi = int(here[0]), int(here[-1]) + 1
-            entries, W_here = _own_chunk(torch.exp(steps_c * A), B_c, C[:, rows[lo:hi]], rows[lo:hi] - c * chunk)
+            C_here = C[:, rows[lo:hi]]  # [b r n]
+            entries, W_here = _own_chunk(torch.exp(steps_c * A), B_c, C_here, rows[lo:hi] - c * chunk)
             out[:, :, lo:hi, pos] = entries
             out[:, :, lo:hi, pos.stop :] = 0  # sources after the chunk
-            W = torch.cat([rearrange(W_here, "b r d n -> b d r n"), W], dim=2)
+            V_here = rearrange(W_here * C_here[:, :, None], "b r d n -> b d r n")
+            if grad:
+                V = torch.cat([V_here, V], dim=2)
+            else:
+                V[:, :, lo:hi] = V_here
             first = lo
     return out
 
@@ -133,6 +159,8 @@ def _sorted_rows(
 
 def _unsort(out: Tensor, order: Tensor, dim: int) -> Tensor:
     """Undo _sorted_rows along dim: result.select(dim, order[k]) = out.select(dim, k)."""
+    if torch.equal(order, torch.arange(len(order), device=order.device)):
+        return out
     result = torch.empty_like(out)
     result.index_copy_(dim, order.to(out.device), out)
     return result
@@ -144,7 +172,7 @@ def mamba1_kernel_chunked(
     B: Float[Tensor, "batch pos d_state"],
     C: Float[Tensor, "batch pos d_state"],
     *,
-    chunk_size: int = CHUNK_FULL,
+    chunk_size: int | None = None,
 ) -> Float[Tensor, "batch d_inner q_pos k_pos"]:
     """Same result as selective_scan.mamba1_kernel, factorised at chunk boundaries (module docstring).
 
@@ -153,12 +181,14 @@ def mamba1_kernel_chunked(
     chunks' products are built out of place (slower, same numbers).
 
     Args:
-        dt, A, B, C: as selective_scan. chunk_size: positions per chunk (speed only).
+        dt, A, B, C: as selective_scan. chunk_size: positions per chunk (speed only; None: about
+            sqrt(pos)).
     Returns:
         kernel: [b, d, j, i], row = target j, column = source i; y_j = sum_i kernel[:, :, j, i] u_i.
     """
     seq_len = dt.shape[1]
     rows = torch.arange(seq_len, device=dt.device)
+    chunk_size = chunk_size or _full_chunk(seq_len)
     return _rows_by_chunks(dt[..., None], A, lambda s: dt[:, s, :, None] * B[:, s, None, :], C, rows, chunk_size)
 
 
@@ -167,7 +197,7 @@ def mamba1_kernel_discrete_chunked(
     B_bar: Float[Tensor, "batch pos d_inner d_state"],
     C: Float[Tensor, "batch pos d_state"],
     *,
-    chunk_size: int = CHUNK_FULL,
+    chunk_size: int | None = None,
 ) -> Float[Tensor, "batch d_inner q_pos k_pos"]:
     """mamba1_kernel_discrete for 0 < A_bar <= 1 (every unedited A_bar): log(A_bar) <= 0 factorises.
 
@@ -179,6 +209,7 @@ def mamba1_kernel_discrete_chunked(
                          "use mamba1_kernel_discrete for zeros, negatives or growth")
     rows = torch.arange(A_bar.shape[1], device=A_bar.device)
     ones = A_bar.new_ones(A_bar.shape[2:])
+    chunk_size = chunk_size or _full_chunk(A_bar.shape[1])
     return _rows_by_chunks(torch.log(A_bar), ones, lambda s: B_bar[:, s], C, rows, chunk_size)
 
 

@@ -1,0 +1,146 @@
+"""The SSM kernel's cost against the forward it explains: ratios measured in one run (1 thread, CPU time).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_kernel.py [--pos 256 1024] [--rows-pos 8192] [--rounds 3]
+
+Glossary
+    layer        one block (norm + mixer + residual) of the 130M width, run on a random residual
+                 with start_at_layer=0, stop_at_layer=1 (no embedding or unembedding), batch 1,
+                 float32, random weights with the models' own initialisation
+    forward      the layer's forward, no hooks
+    + kernel     run_with_cache(names_filter=hook_kernel) of the same layer: forward and kernel
+    kernel / fwd (+ kernel - forward) / forward: what hook_kernel adds, in forwards
+    zeros        torch.zeros of the kernel's shape: the floor any kernel that returns a fresh tensor
+                 pays (on a loaded VM, page faults cost about as much as writing the memory 10 times)
+    dense        the dense reference ops.mamba1_kernel (d_inner x pos^2 x d_state exponentials),
+                 timed once, at the first pos only
+    rows         ops.mamba1_kernel_rows / mamba2_kernel_rows for the last 8 targets, from the
+                 layer's cached dt, B, C; peak = glibc heap in use above the start, sampled after
+                 every aten op (bench_scan.peak_bytes); / pos shows it is linear in pos
+
+Mamba-1: d_model 768, d_inner 1536, d_state 16 (mamba-130m). Mamba-2: d_model 768, 24 heads of
+64, d_state 128, 1 group, chunk 256 (mamba2-130m); there the kernel path is also compared with
+the SSD op alone (mamba2_kernel / ssd_chunked on the same dt, A, B, C).
+Times are minimum CPU times over --rounds rounds, run round-robin so that load from other
+processes falls on all alike. The full Mamba-1 kernel is d_inner x pos^2 floats: 0.4 GB at pos
+256, 6.4 GB at 1024.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.bench_scan import peak_bytes
+from hooked.models.mamba import HookedMamba, MambaConfig
+from hooked.models.mamba2 import HookedMamba2, Mamba2Config
+from hooked.ops import mamba1_kernel, mamba1_kernel_rows, mamba2_kernel, mamba2_kernel_rows, ssd_chunked
+
+N_ROWS = 8
+
+
+def best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Min CPU time of each function, round-robin (one warm-up call each first)."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            best[name] = min(best[name], time.process_time() - start)
+    return best
+
+
+def once(fn: Callable[[], object]) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "mamba1":
+        return HookedMamba(MambaConfig(n_layers=1, d_model=768, d_vocab=16, d_inner=1536, d_state=16)).eval()
+    return HookedMamba2(Mamba2Config(n_layers=1, d_model=768, n_heads=24, d_head=64, d_state=128, d_vocab=16)).eval()
+
+
+def ssm_inputs(model: torch.nn.Module, resid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """dt, A, B, C of layer 0 (float32, as the mixer's scan sees them)."""
+    names = [f"blocks.0.mixer.hook_{n}" for n in ("dt", "B", "C")]
+    _, cache = model.run_with_cache(resid, names_filter=names, start_at_layer=0, stop_at_layer=1)
+    dt, B, C = (cache[n].float() for n in names)
+    return dict(dt=dt, A=model.blocks[0].mixer.A().float(), B=B, C=C)
+
+
+def kernel_ratio(kind: str, seq_len: int, rounds: int, dense: bool) -> None:
+    model = build(kind)
+    resid = torch.randn(1, seq_len, model.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    blocks = dict(start_at_layer=0, stop_at_layer=1)
+    name = "blocks.0.mixer.hook_kernel"
+
+    def with_kernel() -> None:
+        _, cache = model.run_with_cache(resid, names_filter=name, **blocks)
+        del cache
+
+    inp = ssm_inputs(model, resid)
+    kernel_shape = (1, inp["dt"].shape[-1], seq_len, seq_len)
+    fns = {"forward": lambda: model(resid, **blocks), "kernel": with_kernel,
+           "zeros": lambda: torch.zeros(kernel_shape)}
+    if kind == "mamba2":  # the ops alone: SSD forward vs the kernel
+        x = torch.randn(1, seq_len, 24, 64)
+        fns["ssd_chunked"] = lambda: ssd_chunked(x, inp["dt"], inp["A"], inp["B"], inp["C"], 256)
+        fns["mamba2_kernel"] = lambda: mamba2_kernel(**inp)
+    times = best_times(fns, rounds)
+    fwd, both = times["forward"], times["kernel"]
+    print(f"{kind} pos {seq_len:5d}   forward {fwd * 1e3:8.1f} ms   forward + kernel {both * 1e3:8.1f} ms   "
+          f"ratio {both / fwd:5.2f}   kernel / forward {(both - fwd) / fwd:5.2f}")
+    print(f"            of which a fresh tensor of the kernel's size (torch.zeros, page faults): "
+          f"{times['zeros'] * 1e3:8.1f} ms = {times['zeros'] / fwd:5.2f} forwards")
+    if kind == "mamba2":
+        print(f"            op alone: mamba2_kernel {times['mamba2_kernel'] * 1e3:8.1f} ms / ssd_chunked "
+              f"{times['ssd_chunked'] * 1e3:8.1f} ms = {times['mamba2_kernel'] / times['ssd_chunked']:5.2f}")
+    if dense:
+        t_dense = once(lambda: mamba1_kernel(**inp))
+        print(f"            dense reference mamba1_kernel (once) {t_dense * 1e3:8.1f} ms = "
+              f"{t_dense / fwd:6.1f} forwards; the chunked kernel is {t_dense / (both - fwd):5.1f}x faster")
+
+
+def rows_cost(kind: str, seq_lens: list[int], rounds: int) -> None:
+    model = build(kind)
+    rows_fn = mamba1_kernel_rows if kind == "mamba1" else mamba2_kernel_rows
+    for seq_len in seq_lens:
+        resid = torch.randn(1, seq_len, model.cfg.d_model, generator=torch.Generator().manual_seed(1))
+        inp = ssm_inputs(model, resid)
+        rows = torch.arange(seq_len - N_ROWS, seq_len)
+        times = best_times({"forward": lambda: model(resid, start_at_layer=0, stop_at_layer=1),
+                            "rows": lambda: rows_fn(**inp, rows=rows)}, rounds)
+        peak = peak_bytes(lambda: rows_fn(**inp, rows=rows))
+        channels = inp["dt"].shape[-1]
+        full = channels * seq_len**2 * 4
+        print(f"{kind} pos {seq_len:5d}   last {N_ROWS} rows {times['rows'] * 1e3:8.1f} ms = "
+              f"{times['rows'] / times['forward']:5.2f} forwards   peak +{peak / 2**20:7.1f} MiB "
+              f"({peak / seq_len / 2**10:5.1f} KiB per position; full kernel {full / 2**30:6.1f} GiB)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pos", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--rows-pos", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--families", nargs="+", default=["mamba1", "mamba2"])
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        for kind in args.families:
+            print(f"== {kind}: hook_kernel vs a one-layer forward (130M width) ==")
+            for k, seq_len in enumerate(args.pos):
+                kernel_ratio(kind, seq_len, args.rounds if seq_len <= 512 else 1, dense=kind == "mamba1" and k == 0)
+            print(f"== {kind}: kernel rows for the last {N_ROWS} targets ==")
+            rows_cost(kind, args.rows_pos, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
