@@ -12,8 +12,11 @@ Glossary
 O(rows x pos x c x d_state) cost and memory linear in pos (hooked.ops: mamba1_kernel_rows,
 mamba2_kernel_rows; columns likewise): the last 8 rows of a mamba-130m layer at 8,192 tokens
 take 0.4 GB where the whole kernel would take 384 GB. The numbers come from this forward's dt,
-B, C (edits made to those hooks are seen); edits to hook_A_bar, hook_B_bar or hook_kernel are
-not. `slice_hooks` gives the same slices inside a forward the caller runs (the G&A scores use it).
+B, C, so edits made to those hooks are seen. When something already listens at the site's
+hook_A_bar, hook_B_bar or hook_kernel (an edit may be there, e.g. `ga.aggregate_only`), the
+slices are taken from hook_kernel instead, after those hooks: the kernel is built then, and
+every edit is seen. `slice_hooks` gives the same slices inside a forward the caller runs (the
+G&A scores and reads use it).
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, 
         raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
     mixer = model.get_submodule(site)
     seen: dict[str, Tensor] = {}
+    points = model.hook_dict
+    if any(points[f"{site}.hook_{n}"].is_active for n in ("A_bar", "B_bar", "kernel") if f"{site}.hook_{n}" in points):
+
+        def on_kernel(kernel: Tensor, hook: Any) -> None:  # the kernel others asked for, edits included
+            idx = _positions(positions, kernel.shape[-1], axis, kernel.device)
+            on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
+
+        return [(f"{site}.hook_kernel", on_kernel)]
 
     def keep(key: str) -> Callable:
         def hook(x: Tensor, hook: Any) -> None:

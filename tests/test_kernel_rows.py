@@ -74,6 +74,20 @@ def test_rows_see_an_edit_of_dt():
     assert (rows[site] - plain[site]).abs().max() > 1e-3
 
 
+def test_rows_see_an_edit_of_the_kernel():
+    """With a hook on hook_kernel the slices come from the (edited) kernel itself."""
+    model = make("mamba")
+    tokens, _ = inputs()
+    site = ssm_sites(model)[1]
+    halve = [(f"{site}.hook_kernel", lambda x, hook: x / 2)]
+    plain = kernel_rows(model, tokens, [-1, 4], sites=[site])[site]
+    with model.hooks(fwd_hooks=halve):
+        edited = kernel_rows(model, tokens, [-1, 4], sites=[site])[site]
+        cols = kernel_cols(model, tokens, [2], sites=[site])[site]
+    torch.testing.assert_close(edited, plain / 2, **EXACT)
+    torch.testing.assert_close(cols, kernel_cols(model, tokens, [2], sites=[site])[site] / 2, **EXACT)
+
+
 def test_bad_positions_and_sites_are_refused():
     model = make("mamba")
     tokens, _ = inputs()

@@ -1,9 +1,9 @@
 """Where each head reads from on the organisms' KV task: attention or |kernel| mass by role in the pair.
 
 Glossary
-    weights     per head, the [q_pos k_pos] mixing matrix: `hook_pattern` for attention heads,
+    weights     per head, rows of the [q_pos k_pos] mixing matrix: `hook_pattern` for attention heads,
                 |`hook_kernel`| row-normalised for SSM heads (Mamba-2 heads, Mamba-1 channels), as in
-                `analysis.ga.scores`.
+                `analysis.ga.scores`; only the readers' rows are built (analysis.kernel_rows for SSMs).
     role        a token's place in its pair `k : v \\n`: "key", "colon", "value", "newline".
     reader      a query position: the prompt's last token ("query", where the answer is predicted),
                 or each pair's newline ("newline", the Gather step's destination).
@@ -25,18 +25,22 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import head_layout
-from analysis.ga.scores import as_weights, weights_hook
+from analysis.ga.scores import as_weights, weight_rows_hooks
 from analysis.tasks.token_kv import KVPrompts
 
 ROLES = {"key": 0, "colon": 1, "value": 2, "newline": 3}  # offset inside the pair, after <bos>
 
 
-def head_weights(model: Any, tokens: Tensor) -> dict[str, Tensor]:
-    """{module: [batch head q_pos k_pos]} mixing weights of every attention / SSM head module."""
+def head_weights(model: Any, tokens: Tensor, rows: Tensor) -> dict[str, Tensor]:
+    """{module: [batch head row k_pos]} rows of the mixing weights of every attention / SSM head module
+    (for SSMs the kernel's rows alone are built, never the pos x pos kernel)."""
     kinds = {m: lay.kind for m, lay in head_layout(model).items()}
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=[weights_hook(m, k) for m, k in kinds.items()])
-    return {m: as_weights(cache[weights_hook(m, k)].float(), k) for m, k in kinds.items()}
+    out: dict[str, Tensor] = {}
+    hooks = [h for m, k in kinds.items()
+             for h in weight_rows_hooks(model, m, k, rows, lambda x, m=m, k=k: out.__setitem__(m, as_weights(x.float(), k)))]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        model(tokens)
+    return out
 
 
 def role_positions(p: KVPrompts, role: str) -> Tensor:
@@ -48,14 +52,14 @@ def role_positions(p: KVPrompts, role: str) -> Tensor:
 
 def reads(model: Any, p: KVPrompts) -> list[dict[str, Any]]:
     """One row per (module, head): share / other / hit per role at the query, and at the newlines."""
-    weights = head_weights(model, p.tokens)
-    rows_b = torch.arange(p.tokens.shape[0])
     newlines = role_positions(p, "newline")
+    weights = head_weights(model, p.tokens, torch.cat([newlines, torch.tensor([p.tokens.shape[1] - 1])]))
+    rows_b = torch.arange(p.tokens.shape[0])
     table = []
-    for module, w in weights.items():
+    for module, w in weights.items():  # w [batch head row k_pos]: rows = the newlines, then the query
         layer = int(module.split(".")[1])
         at_query = w[:, :, -1]  # [batch head k_pos]
-        at_newline = w[:, :, newlines]  # [batch head pair k_pos]
+        at_newline = w[:, :, : p.n]  # [batch head pair k_pos]
         for h in range(w.shape[1]):
             row: dict[str, Any] = {"module": module, "layer": layer, "head": h}
             for role in ROLES:

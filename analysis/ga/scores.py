@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import attached, head_layout, resolve_heads
+from analysis.kernel_rows import slice_hooks
 from analysis.ga.ranking import Unit, head_units
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example, encode_prompts
@@ -46,11 +47,26 @@ def weights_hook(prefix: str, kind: str) -> str:
 
 
 def as_weights(x: Tensor, kind: str) -> Tensor:
-    """w[b, head, q, k] from that hook's value: the pattern as is; |kernel| row-normalised."""
+    """w[b, head, q, k] from that hook's value: the pattern as is; |kernel| row-normalised.
+
+    Rows only ([b, head, row, k]) give the same rows: each is normalised on its own."""
     if kind == "attn":
         return x
     w = x.abs()
     return w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+
+
+def weight_rows_hooks(model: Any, prefix: str, kind: str, rows: Tensor,
+                      on_rows: Callable[[Tensor], None]) -> list[tuple[str, Callable]]:
+    """Forward hooks calling on_rows(x[:, :, rows]) with x the module's weights hook value: rows of
+    the pattern, or of the kernel (analysis.kernel_rows: no pos x pos tensor is built for SSMs)."""
+    if kind != "attn":
+        return slice_hooks(model, prefix, rows, on_rows)
+
+    def hook(x: Tensor, hook: Any) -> None:
+        on_rows(x[:, :, rows.to(x.device)])
+
+    return [(weights_hook(prefix, kind), hook)]
 
 
 # ------------------------------------------------------------------------------- masks
@@ -151,14 +167,17 @@ def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | N
     sums: dict[str, Tensor] = {}  # module prefix -> [2, n_heads] summed over examples
     for start in range(0, len(examples), batch_size):
         batch = encode_prompts(model, list(examples[start: start + batch_size]))
-        g_mask = gather_exclusive_mask(batch.segments, tuple(batch.tokens.shape))  # [b q k]
+        pos = batch.tokens.shape[1]
+        # only rows are read: the segment-final tokens (gather) and the query, the last position (aggregate)
+        rows = sorted({last for spans in batch.segments for _, last in spans} | {pos - 1})
+        g_mask = gather_exclusive_mask(batch.segments, tuple(batch.tokens.shape))[:, rows]  # [b row k]
         a_mask = batch.summary_mask().cpu()  # [b k]
         n_seg = torch.tensor([max(len(s), 1) for s in batch.segments], dtype=torch.float64)
         hooks = []
         for prefix in {u.module for u in units}:
             kind = layout[prefix].kind
-            name = weights_hook(prefix, kind)
-            hooks.append((name, _score_hook(prefix, kind, g_mask, a_mask, n_seg, sums)))
+            score = _score_rows(prefix, kind, g_mask, rows.index(pos - 1), a_mask, n_seg, sums)
+            hooks += weight_rows_hooks(model, prefix, kind, torch.tensor(rows), score)
         with torch.no_grad(), model.hooks(fwd_hooks=hooks):
             model(batch.tokens, batch.attention_mask, stop_at_layer=max(u.layer for u in units) + 1)
     out = {}
@@ -168,12 +187,13 @@ def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | N
     return out
 
 
-def _score_hook(prefix: str, kind: str, g_mask: Tensor, a_mask: Tensor, n_seg: Tensor, sums: dict) -> Callable:
-    def hook(x: Tensor, hook: Any) -> None:  # x [batch head q k]
+def _score_rows(prefix: str, kind: str, g_mask: Tensor, query_row: int, a_mask: Tensor, n_seg: Tensor,
+                sums: dict) -> Callable:
+    def on_rows(x: Tensor) -> None:  # x [batch head row k], g_mask [batch row k]
         w = as_weights(x.detach().double().cpu(), kind)
         gather = (w * g_mask[:, None]).sum((-1, -2)) / n_seg[:, None]  # [batch head]
-        aggregate = (w[:, :, -1, :] * a_mask[:, None]).sum(-1)  # the query is the last column (left padding)
+        aggregate = (w[:, :, query_row, :] * a_mask[:, None]).sum(-1)  # the query is the last position (left padding)
         total = torch.stack([gather.sum(0), aggregate.sum(0)])
         sums[prefix] = sums.get(prefix, 0) + total
 
-    return hook
+    return on_rows
