@@ -1,7 +1,7 @@
 """The SSM kernel at the cost of a matmul, and its rows and columns (float64 within 1e-10).
 
 Mamba-1: factorised (mamba1_kernel_chunked) == dense (mamba1_kernel) == the sequential
-recurrence, across chunk boundaries and for extreme decays; the discrete kernel's fast path
+recurrence, across chunk boundaries and for extreme decays; Mamba-2: chunked == dense == the scan; the discrete kernel's fast path
 (0 < A_bar <= 1) and slow path (zeros, negatives) == the recurrence; rows and columns == slices
 of the whole kernel for Mamba-1 and Mamba-2; rows and columns never build a pos x pos tensor.
 """
@@ -22,8 +22,10 @@ from hooked.ops import (
     mamba1_kernel_discrete_chunked,
     mamba1_kernel_rows,
     mamba2_kernel,
+    mamba2_kernel_chunked,
     mamba2_kernel_cols,
     mamba2_kernel_rows,
+    ssd_sequential,
 )
 
 EXACT = dict(atol=1e-10, rtol=1e-10)
@@ -95,6 +97,20 @@ def test_extreme_cases_are_extreme():
     assert torch.exp(dt[..., None] * A).min() > 1 - 1e-6
     dt, A, *_ = mamba1_case("near_zero", 17)
     assert torch.exp(dt[..., None] * A).max() < 1e-13
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 15, 16, 17, 64, 300])
+@pytest.mark.parametrize("dt_scale", [1.0, 1e-7, 1e3])  # plain, decays near 1, exp(+S) overflowing
+def test_mamba2_chunked_equals_dense_equals_scan(seq_len, dt_scale):
+    inp = mamba2_inputs(seq_len)
+    x, dt, A, B, C = inp["x"], dt_scale * inp["dt"], inp["A"], inp["B"], inp["C"]
+    dense = mamba2_kernel(dt, A, B, C)
+    y_ref, _ = ssd_sequential(x, dt, A, B, C)
+    torch.testing.assert_close(einsum(dense, x, "b h j i, b i h p -> b j h p"), y_ref, **EXACT)
+    for chunk in CHUNKS:
+        kernel = mamba2_kernel_chunked(dt, A, B, C, chunk_size=chunk)
+        assert kernel.isfinite().all()
+        torch.testing.assert_close(kernel, dense, **EXACT)
 
 
 # ---------------------------------------------------------------- the discrete kernel (edited A_bar, B_bar)
@@ -217,3 +233,9 @@ def test_mamba1_factorised_gradients(name):
     dt, A, B, C, _ = mamba1_case("random", 5, d_inner=2, d_state=2)
     inp = [t.clone().requires_grad_() for t in (dt, A, B, C)]
     assert torch.autograd.gradcheck(GRADCHECK_CASES[name], inp)
+
+
+def test_mamba2_chunked_gradients():
+    inp = mamba2_inputs(5, n_heads=2, d_head=1, n_groups=1, d_state=2)
+    leaves = [inp[k].clone().requires_grad_() for k in ("dt", "A", "B", "C")]
+    assert torch.autograd.gradcheck(lambda *a: mamba2_kernel_chunked(*a, chunk_size=2), leaves)

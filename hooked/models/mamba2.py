@@ -51,7 +51,8 @@ from hooked.models.base import Context
 from hooked.models.gated_norm import GatedRMSNorm
 from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
-from hooked.ops.ssd import linear_scan_heads, mamba2_kernel, ssd_chunked
+from hooked.ops.ssd import linear_scan_heads, ssd_chunked
+from hooked.ops.ssd_kernel import mamba2_kernel_chunked
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ class Mamba2Mixer(nn.Module):
             if discrete_edited:
                 kernel_fn = lambda: _kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731
             else:
-                kernel_fn = lambda: mamba2_kernel(dt, A, B, C)  # noqa: E731
+                kernel_fn = lambda: mamba2_kernel_chunked(dt, A, B, C)  # noqa: E731
             kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)
             if kernel_was is not None:  # y_j += sum_i (K' - K)[j, i] u_i
                 y = y + einsum(kernel - kernel_was, u, "b h j i, b i h p -> b j h p")

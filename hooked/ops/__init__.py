@@ -18,12 +18,11 @@ from hooked.ops.selective_scan import (
 from hooked.ops.ssd import (
     linear_scan_heads,
     mamba2_kernel,
-    mamba2_kernel_cols,
     mamba2_kernel_pairs,
-    mamba2_kernel_rows,
     segsum,
     segsum_naive,
     ssd_chunked,
     ssd_sequential,
     ssd_states,
 )
+from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_cols, mamba2_kernel_rows

@@ -267,62 +267,6 @@ def mamba2_kernel_pairs(
     return entries.masked_fill(~causal, 0)
 
 
-def mamba2_kernel_rows(
-    dt: Float[Tensor, "batch pos n_heads"],
-    A: Float[Tensor, "n_heads"],
-    B: Float[Tensor, "batch pos n_groups d_state"],
-    C: Float[Tensor, "batch pos n_groups d_state"],
-    rows: Int[Tensor, "row"],
-) -> Float[Tensor, "batch n_heads row k_pos"]:
-    """mamba2_kernel(dt, A, B, C)[:, :, rows, :] without the pos x pos matrix.
-
-    Each row's decays are its own stable segment sums, sum_{t=i+1..j} dt_t A as a cumsum
-    backwards from j (no difference of cumsums, no exp of a positive number). Cost and memory
-    O(batch * rows * pos * (n_heads + n_groups * d_state)), linear in pos.
-
-    Args:
-        dt, A, B, C: as ssd_sequential. rows: target positions in [0, pos), any order, repeats ok.
-    Returns:
-        kernel_rows: [b, h, r, i] = kernel[b, h, rows[r], i], zero for i > rows[r].
-    """
-    seq_len, n_heads = dt.shape[1:]
-    _check_positions(rows, seq_len, "rows")
-    upto_j = torch.arange(seq_len, device=dt.device) <= rows[:, None]  # [r t] t <= j (also: i <= j)
-    steps = rearrange(dt * A, "b t h -> b h 1 t").masked_fill(~upto_j, 0)  # [b h r t]
-    seg = F.pad(steps[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # [.., i] = sum_{t=i+1..j}
-    decay = torch.exp(seg).masked_fill(~upto_j, 0)
-    CB = einsum(C[:, rows], B, "b r g n, b i g n -> b g r i")
-    CB = repeat(CB, "b g r i -> b (g k) r i", k=n_heads // B.shape[2])
-    return CB * decay * rearrange(dt, "b i h -> b h 1 i")
-
-
-def mamba2_kernel_cols(
-    dt: Float[Tensor, "batch pos n_heads"],
-    A: Float[Tensor, "n_heads"],
-    B: Float[Tensor, "batch pos n_groups d_state"],
-    C: Float[Tensor, "batch pos n_groups d_state"],
-    cols: Int[Tensor, "col"],
-) -> Float[Tensor, "batch n_heads q_pos col"]:
-    """mamba2_kernel(dt, A, B, C)[:, :, :, cols] without the pos x pos matrix.
-
-    Each column's decays are a cumsum forwards from its source i. Cost and memory as
-    mamba2_kernel_rows.
-
-    Args:
-        dt, A, B, C: as ssd_sequential. cols: source positions in [0, pos), any order, repeats ok.
-    Returns:
-        kernel_cols: [b, h, j, c] = kernel[b, h, j, cols[c]], zero for j < cols[c].
-    """
-    seq_len, n_heads = dt.shape[1:]
-    _check_positions(cols, seq_len, "cols")
-    t = torch.arange(seq_len, device=dt.device)
-    after_i = t[:, None] > cols  # [t c] t >= i+1
-    seg = rearrange(dt * A, "b t h -> b h t 1").masked_fill(~after_i, 0).cumsum(2)  # [b h j c] sum_{t=i+1..j}
-    decay = torch.exp(seg).masked_fill(t[:, None] < cols, 0)  # zero for j < i
-    CB = einsum(C, B[:, cols], "b j g n, b c g n -> b g j c")
-    CB = repeat(CB, "b g j c -> b (g k) j c", k=n_heads // B.shape[2])
-    return CB * decay * rearrange(dt[:, cols], "b c h -> b h 1 c")
-
 
 def _check_positions(positions: Int[Tensor, "k"], seq_len: int, what: str) -> None:
     """Refuse positions outside [0, seq_len), naming them."""

@@ -1,0 +1,123 @@
+"""Mamba-2 kernel (the SSM as attention) at the cost of writing it: whole, chosen rows, chosen columns.
+
+Glossary (as ssd.py): batch b, pos l (rows q_pos = target j, columns k_pos = source i), n_heads h,
+n_groups g, d_state n; row r / col c: chosen targets / sources; chunk z: positions [z Q, (z+1) Q).
+
+kernel[b, h, j, i] = (C_j . B_i) * exp(sum_{t=i+1..j} a_t) * dt_i with a = dt * A <= 0 per head
+(zero for i > j). mamba2_kernel (ssd.py) builds exp(segsum) for the whole pos x pos matrix, a strided
+cumsum over pos^2 entries and several pos^2 temporaries. Here, for the targets j of chunk z and a
+source i before the chunk, the decay splits at the chunk's start,
+    exp(sum_{t=i+1..j} a_t) = exp(sum_{t=zQ..j} a_t) * exp(sum_{t=i+1..zQ-1} a_t),
+a rank-1 outer product of factors <= 1 (each sum is its own cumsum; nothing is exp(+S)); sources
+inside the chunk take the stable segment sums. Each block of rows is written once, into the kernel.
+"""
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange, repeat
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from hooked.ops.ssd import _check_positions, segsum
+
+CHUNK = 64  # rows per block of mamba2_kernel_chunked (speed only)
+
+
+def mamba2_kernel_chunked(
+    dt: Float[Tensor, "batch pos n_heads"],
+    A: Float[Tensor, "n_heads"],
+    B: Float[Tensor, "batch pos n_groups d_state"],
+    C: Float[Tensor, "batch pos n_groups d_state"],
+    *,
+    chunk_size: int = CHUNK,
+) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+    """Same result as ssd.mamba2_kernel, one block of chunk_size rows at a time (module docstring).
+
+    Memory: the kernel plus O(batch * n_heads * chunk_size * pos) per block.
+
+    Args:
+        dt, A, B, C: as ssd_sequential. chunk_size: rows per block (speed only).
+    Returns:
+        kernel: [b, h, j, i], row = target j, column = source i.
+    """
+    batch, seq_len, n_heads = dt.shape
+    a = rearrange(dt * A, "b l h -> b h l")
+    dt_i = rearrange(dt, "b l h -> b h l")
+    out = dt.new_empty(batch, n_heads, seq_len, seq_len)
+    heads_per_group = n_heads // B.shape[2]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (dt, A, B, C))
+    for start in range(0, seq_len, chunk_size):
+        rows = slice(start, min(start + chunk_size, seq_len))
+        stop = rows.stop
+        CB = einsum(C[:, rows], B[:, :stop], "b j g n, b i g n -> b g j i")  # [b g r stop]
+        CB = repeat(CB, "b g j i -> b (g k) j i", k=heads_per_group)
+        decay = torch.empty_like(CB)  # [b h r stop]
+        if start:  # sources before the chunk: exp(into j) x exp(out of i up to the chunk start)
+            into = torch.exp(a[..., rows].cumsum(-1))  # sum_{t=start..j}
+            out_of = torch.exp(F.pad(a[..., 1:start].flip(-1).cumsum(-1).flip(-1), (0, 1)))  # sum_{t=i+1..start-1}
+            decay[..., :start] = into[..., :, None] * (out_of * dt_i[..., :start])[..., None, :]
+        decay[..., start:] = torch.exp(segsum(a[..., rows])) * dt_i[..., None, rows]  # 0 above the diagonal
+        if grad:
+            out[:, :, rows, :stop] = CB * decay
+        else:  # straight into the kernel: no pos x pos temporary
+            torch.mul(CB, decay, out=out[:, :, rows, :stop])
+        out[:, :, rows, stop:] = 0
+    return out
+
+
+def mamba2_kernel_rows(
+    dt: Float[Tensor, "batch pos n_heads"],
+    A: Float[Tensor, "n_heads"],
+    B: Float[Tensor, "batch pos n_groups d_state"],
+    C: Float[Tensor, "batch pos n_groups d_state"],
+    rows: Int[Tensor, "row"],
+) -> Float[Tensor, "batch n_heads row k_pos"]:
+    """mamba2_kernel(dt, A, B, C)[:, :, rows, :] without the pos x pos matrix.
+
+    Each row's decays are its own stable segment sums, sum_{t=i+1..j} dt_t A as a cumsum
+    backwards from j (no difference of cumsums, no exp of a positive number). Cost and memory
+    O(batch * rows * pos * (n_heads + n_groups * d_state)), linear in pos.
+
+    Args:
+        dt, A, B, C: as ssd_sequential. rows: target positions in [0, pos), any order, repeats ok.
+    Returns:
+        kernel_rows: [b, h, r, i] = kernel[b, h, rows[r], i], zero for i > rows[r].
+    """
+    seq_len, n_heads = dt.shape[1:]
+    _check_positions(rows, seq_len, "rows")
+    upto_j = torch.arange(seq_len, device=dt.device) <= rows[:, None]  # [r t] t <= j (also: i <= j)
+    steps = rearrange(dt * A, "b t h -> b h 1 t").masked_fill(~upto_j, 0)  # [b h r t]
+    seg = F.pad(steps[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # [.., i] = sum_{t=i+1..j}
+    decay = torch.exp(seg).masked_fill(~upto_j, 0)
+    CB = einsum(C[:, rows], B, "b r g n, b i g n -> b g r i")
+    CB = repeat(CB, "b g r i -> b (g k) r i", k=n_heads // B.shape[2])
+    return CB * decay * rearrange(dt, "b i h -> b h 1 i")
+
+
+def mamba2_kernel_cols(
+    dt: Float[Tensor, "batch pos n_heads"],
+    A: Float[Tensor, "n_heads"],
+    B: Float[Tensor, "batch pos n_groups d_state"],
+    C: Float[Tensor, "batch pos n_groups d_state"],
+    cols: Int[Tensor, "col"],
+) -> Float[Tensor, "batch n_heads q_pos col"]:
+    """mamba2_kernel(dt, A, B, C)[:, :, :, cols] without the pos x pos matrix.
+
+    Each column's decays are a cumsum forwards from its source i. Cost and memory as
+    mamba2_kernel_rows.
+
+    Args:
+        dt, A, B, C: as ssd_sequential. cols: source positions in [0, pos), any order, repeats ok.
+    Returns:
+        kernel_cols: [b, h, j, c] = kernel[b, h, j, cols[c]], zero for j < cols[c].
+    """
+    seq_len, n_heads = dt.shape[1:]
+    _check_positions(cols, seq_len, "cols")
+    t = torch.arange(seq_len, device=dt.device)
+    after_i = t[:, None] > cols  # [t c] t >= i+1
+    seg = rearrange(dt * A, "b t h -> b h t 1").masked_fill(~after_i, 0).cumsum(2)  # [b h j c] sum_{t=i+1..j}
+    decay = torch.exp(seg).masked_fill(t[:, None] < cols, 0)  # zero for j < i
+    CB = einsum(C, B[:, cols], "b j g n, b c g n -> b g j c")
+    CB = repeat(CB, "b g j c -> b (g k) j c", k=n_heads // B.shape[2])
+    return CB * decay * rearrange(dt[:, cols], "b c h -> b h 1 c")
+
