@@ -2,6 +2,10 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_kernel.py [--pos 256 1024] [--rows-pos 8192] [--rounds 3]
 
+A fresh tensor of the Mamba-1 kernel's size is mostly page faults on a loaded VM (line "zeros").
+To see the kernel's own cost, let glibc keep freed memory so repeated kernels reuse their pages:
+    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=17179869184
+
 Glossary
     layer        one block (norm + mixer + residual) of the 130M width, run on a random residual
                  with start_at_layer=0, stop_at_layer=1 (no embedding or unembedding), batch 1,

@@ -15,9 +15,9 @@ target j in chunk z and a source i in an earlier chunk c, the decay splits at ch
     decay(j <- i) = decay(j <- start of z) * decay(start of z <- end of c) * decay(end of c <- i),
 every factor <= 1 (an exponential of a non-positive sum, never exp(+S)): each factor is at least
 the product, so nothing underflows that the product itself would not. Going backwards chunk by
-chunk, W_j = decay(j <- start of the chunk after c) is carried per target and one matmul
-    kernel[:, :, j, chunk c] = (C_j * W_j) @ (decay(end of c <- i) * B_bar_i)    (rank d_state)
-gives the rows' entries for the whole chunk; then W_j *= decay over chunk c. Sources in j's own
+chunk, V_j = C_j * decay(j <- start of the chunk after c) is carried per target and one matmul
+    kernel[:, :, j, chunk c] = V_j @ (decay(end of c <- i) * B_bar_i)    (rank d_state)
+gives the rows' entries for the whole chunk; then V_j *= decay over chunk c. Sources in j's own
 chunk take products of A_bar down the chunk, as the scan does (exact, no logarithms). Segment sums
 of a = dt * A are taken on dt (d_state times smaller) and multiplied by A.
 Cost of the whole kernel: a [pos, d_state] x [d_state, pos] matmul per channel, plus
@@ -33,7 +33,7 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from hooked.ops.ssd import _check_positions, _linear_recurrence
+from hooked.ops.ssd import _check_positions
 
 CHUNK_ROWS = 64  # chunk length for a few rows or columns (fewer Python steps)
 
