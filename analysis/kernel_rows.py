@@ -63,7 +63,7 @@ def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, 
     mixer = model.get_submodule(site)
     seen: dict[str, Tensor] = {}
     points = model.hook_dict
-    if any(points[f"{site}.hook_{n}"].is_active for n in ("A_bar", "B_bar", "kernel") if f"{site}.hook_{n}" in points):
+    if any(points[f"{site}.hook_{n}"].has_hooks for n in ("A_bar", "B_bar", "kernel") if f"{site}.hook_{n}" in points):
 
         def on_kernel(kernel: Tensor, hook: Any) -> None:  # the kernel others asked for, edits included
             idx = _positions(positions, kernel.shape[-1], axis, kernel.device)
