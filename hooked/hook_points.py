@@ -206,6 +206,10 @@ class HookedRootModule(nn.Module):
         return torch.zeros(1, 2, dtype=torch.long, device=self._device())
 
     def _device(self) -> torch.device:
+        """Where inputs go: the main device of a dispatched model (accelerate's hook says), else the first parameter's."""
+        main = getattr(getattr(self, "_hf_hook", None), "execution_device", None)
+        if main is not None:
+            return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
         p = next(self.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 

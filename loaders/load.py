@@ -78,7 +78,8 @@ class CheckpointError(ValueError):
 
 # ------------------------------------------------------------------------------------- entry points
 def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    allow_pickle: bool = False, revision: str | None = None) -> Any:
+                    allow_pickle: bool = False, revision: str | None = None, device_map: str | dict | None = None,
+                    max_memory: dict | None = None, offload_folder: str | Path | None = None) -> Any:
     """A hooked model from a checkpoint, with `model.tokenizer` set when the checkpoint has one.
 
     Args:
@@ -90,6 +91,11 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
         allow_pickle: read pytorch pickles (`*.bin`) when there are no safetensors, with
             `torch.load(weights_only=True)`. Refused by default.
         revision: hub branch, tag or commit.
+        device_map: spread the model over devices with accelerate (loaders/dispatch.py): "auto",
+            "balanced", "balanced_low_0", "sequential", or {module name: GPU index | "cpu" | "disk"};
+            blocks are never split. Replaces `device`.
+        max_memory: {device: bytes or "10GiB"} for the planners; what does not fit goes to disk.
+        offload_folder: where disk-offloaded weights are written (needed when the map uses "disk").
     Raises:
         CheckpointError (a ValueError): missing, unexpected or mis-shaped tensors, all listed.
         CheckpointFileError (a ValueError): a truncated or corrupt file, named.
@@ -97,9 +103,11 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
         FileNotFoundError: nothing at that path, or a repo id neither cached nor downloadable.
     """
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
+    placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder} \
+        if device_map is not None else {}
     if path.is_file():
-        return load_gguf(path, dtype=dtype, device=device)
-    return load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle)
+        return load_gguf(path, dtype=dtype, device=device, **placement)
+    return load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle, **placement)
 
 
 def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
@@ -164,7 +172,7 @@ def _share(model: nn.Module, hf_config: dict[str, Any], source: Any, origin: str
 
 
 def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-             allow_pickle: bool = False) -> Any:
+             allow_pickle: bool = False, **placement: Any) -> Any:
     """Load a checkpoint directory: config.json plus safetensors (or, opted in, pickles), and its tokenizer."""
     d = Path(directory)
     if not (d / "config.json").is_file():
@@ -174,12 +182,13 @@ def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device:
         source = SafetensorsCheckpoint.from_dir(d)
     else:
         source = _pickle_source(d, allow_pickle)
-    model = build_from_source(hf_config, source, dtype=dtype, device=device)
+    model = build_from_source(hf_config, source, dtype=dtype, device=device, **placement)
     model.tokenizer = load_tokenizer(d)
     return model
 
 
-def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> Any:
+def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+              **placement: Any) -> Any:
     """Load a GGUF file (dequantized to float32 unless `dtype` says otherwise) with its tokenizer."""
     from loaders.gguf import read_gguf
 
@@ -188,7 +197,8 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str
         raise FileNotFoundError(f"GGUF file not found: {path}")
     ckpt = read_gguf(path)
     source = MappingSource(ckpt.tensors, origin=str(path), shapes=ckpt.tensors.shapes)
-    model = build_from_source(normalise_config(ckpt.config), source, dtype=dtype or torch.float32, device=device)
+    model = build_from_source(normalise_config(ckpt.config), source, dtype=dtype or torch.float32, device=device,
+                              **placement)
     model.tokenizer = load_gguf_tokenizer(path)
     return model
 
@@ -264,8 +274,9 @@ def _pickle_source(d: Path, allow_pickle: bool) -> MappingSource:
 
 # ------------------------------------------------------------------------------------------- core
 def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dtype | None,
-                      device: str | torch.device) -> Any:
-    """Build the architecture's model on meta, check the whole plan, then materialise and fill it."""
+                      device: str | torch.device, **placement: Any) -> Any:
+    """Build the architecture's model on meta, check the whole plan, then materialise and fill it
+    (or, given `device_map=`, place it over devices: loaders/dispatch.py)."""
     origin = getattr(source, "origin", "checkpoint")
     check_hf_config(hf_config, origin)
     if dtype is not None:
@@ -287,6 +298,10 @@ def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dt
         except ValueError as e:  # the model's own consistency checks (e.g. heads dividing d_model)
             raise ConfigError(f"{origin}: {e}") from None
     plan = plan_load(arch, cfg, model, source)
+    if placement:
+        from loaders.dispatch import dispatch_from_source
+
+        return dispatch_from_source(model, plan, source, arch, dtype=dtype, **placement)
     materialise(model, dtype=dtype, device=torch.device(device))
     copy_weights(model, plan, source, arch)
     return model.eval()

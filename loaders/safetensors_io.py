@@ -223,6 +223,10 @@ class SafetensorsCheckpoint:
     def read(self, name: str) -> Tensor:
         return self._where[name].read(name)
 
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor `name` (disk offload reads it from there: loaders/dispatch.py)."""
+        return self._where[name].path
+
     def read_into(self, name: str, out: Tensor) -> bool:
         """Read straight into `out` when no conversion is needed; False if the caller must copy."""
         f = self._where[name]

@@ -33,6 +33,12 @@ class Context:
     tokens: Int[Tensor, "batch pos"] | None = None
     embedding: Float[Tensor, "batch pos d_model"] | None = None
 
+    def to(self, device: str | torch.device) -> "Context":
+        """A copy with every tensor on `device` (a block on another device gets its Context so: accelerate
+        moves a module's arguments with `.to`)."""
+        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        return Context(move(self.attention_mask), move(self.position_ids), move(self.tokens), move(self.embedding))
+
 
 class HookedModel(HookedRootModule):
     """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`."""

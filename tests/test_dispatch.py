@@ -1,0 +1,207 @@
+"""Dispatched models (loaders/dispatch.py): blocks on cpu and on disk give what the plain model gives.
+
+Every architecture's tiny checkpoint is loaded twice: plainly, and with a device map that alternates
+its blocks between "cpu" (resident) and "disk" (offloaded: meta between forwards, read back from
+the checkpoint or our offload file by accelerate's hook). Logits, caches, hook edits, knockout, head
+ablation and activation patching must be bit-identical in float32. GPU tests (cuda:0 with cpu
+offload) skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hooked.devices import onloaded
+from loaders import from_pretrained
+from loaders.dispatch import entry_of, plan_device_map, tie_groups
+
+N_LAYERS = 4
+
+
+def _configs():
+    import transformers as t
+
+    return {
+        "gpt2": t.GPT2Config(vocab_size=64, n_embd=32, n_layer=N_LAYERS, n_head=4, n_positions=32,
+                             bos_token_id=0, eos_token_id=0),
+        "llama": t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=N_LAYERS,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        "mamba": t.MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=N_LAYERS, expand=2),
+        "mamba2": t.Mamba2Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=N_LAYERS, expand=2,
+                                 head_dim=8, num_heads=8, n_groups=1, chunk_size=8),
+        "zamba2": t.Zamba2Config(vocab_size=64, hidden_size=16, num_hidden_layers=N_LAYERS, mamba_d_state=8,
+                                 layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=4,
+                                 mamba_ngroups=2, num_attention_heads=4, intermediate_size=24, chunk_size=8,
+                                 adapter_rank=3, max_position_embeddings=64, use_shared_attention_adapter=True),
+    }
+
+
+ARCHS = list(_configs())
+TOKENS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> directory of a saved tiny HF model (perturbed, seeded), made on first use."""
+    from conftest import build_tiny_hf
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            d = tmp_path_factory.mktemp(name)
+            build_tiny_hf(_configs()[name], perturb=0.02).save_pretrained(d, max_shard_size="16KB")
+            made[name] = d
+        return made[name]
+
+    return get
+
+
+def split_map(model) -> dict:
+    """Blocks alternate cpu / disk; the other modules go to disk but the embedding (and what shares it)."""
+    devices = {n: "disk" for n, _ in model.named_children() if n != "blocks"}
+    devices.update({f"blocks.{i}": "cpu" if i % 2 == 0 else "disk" for i in range(model.cfg.n_layers)})
+    devices["embed"] = "cpu"
+    for names, _ in tie_groups(model):
+        entries = {entry_of(n, devices) for n in names}
+        if "embed" in entries:
+            devices.update({e: "cpu" for e in entries})
+    return devices
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoints, tmp_path_factory):
+    """name -> (plain model, dispatched model), loaded once per module."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            d = checkpoints(name)
+            plain = from_pretrained(d)
+            dispatched = from_pretrained(d, device_map=split_map(plain),
+                                         offload_folder=tmp_path_factory.mktemp(f"{name}-offload"))
+            made[name] = plain, dispatched
+        return made[name]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("name", ARCHS)
+def test_split_over_cpu_and_disk_is_bit_identical(pair, name):
+    plain, model = pair(name)
+    devices = model.hf_device_map
+    assert {"cpu", "disk"} <= set(devices.values())
+    on_disk = [n for n, p in model.named_parameters() if devices[entry_of(n, devices)] == "disk"]
+    assert on_disk and all(p.is_meta for n, p in model.named_parameters() if n in on_disk)  # really offloaded
+    assert all(not p.is_meta for n, p in model.named_parameters() if n not in on_disk)
+    mask = torch.ones_like(TOKENS)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), plain(TOKENS))
+        assert torch.equal(model(TOKENS, mask), plain(TOKENS, mask))
+    assert all(p.is_meta for n, p in model.named_parameters() if n in on_disk)  # dropped again after the forward
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_cache_and_hook_edits_match(pair, name):
+    plain, model = pair(name)
+    lazy = lambda n: n.endswith(("hook_pattern", "hook_h", "hook_kernel", "hook_result", "hook_head_out"))  # noqa: E731
+    with torch.no_grad():
+        for names_filter in (None, lazy):
+            _, want = plain.run_with_cache(TOKENS, names_filter=names_filter)
+            _, got = model.run_with_cache(TOKENS, names_filter=names_filter)
+            assert list(got.keys()) == list(want.keys()) and len(want.keys()) > 0
+            for k in want.keys():
+                assert torch.equal(got[k], want[k]), k
+        _, moved = model.run_with_cache(TOKENS, names_filter=lazy, device="cpu")
+        layer = N_LAYERS - 1  # a disk block
+        edit = [(f"blocks.{layer}.hook_resid_pre", lambda x, hook: x * 0.5),
+                (lambda n: n.startswith(f"blocks.{layer}.") and n.endswith(("hook_y", "hook_z", "hook_h")),
+                 lambda x, hook: x.flip(-1))]
+        assert torch.equal(model.run_with_hooks(TOKENS, fwd_hooks=edit), plain.run_with_hooks(TOKENS, fwd_hooks=edit))
+    assert all(t.device.type == "cpu" for t in moved.values())
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_direct_weight_reads_see_real_weights(pair, name):
+    plain, model = pair(name)
+    layer = 1  # a disk block: its weights are meta between forwards
+    block, ref = model.blocks[layer], plain.blocks[layer]
+    assert any(p.is_meta for p in block.parameters())
+    with onloaded(model, block.ln1):
+        assert torch.equal(block.ln1.weight, ref.ln1.weight)
+    with onloaded(model, model.blocks[layer].mixer if hasattr(ref, "mixer") else block.attn) as m:
+        for (n, p), (_, q) in zip(m.named_parameters(), (ref.mixer if hasattr(ref, "mixer") else ref.attn).named_parameters()):
+            assert torch.equal(p, q), n
+    assert any(p.is_meta for p in block.parameters())  # dropped again
+    with onloaded(plain, ref.ln1):  # not dispatched: nothing to do
+        assert not ref.ln1.weight.is_meta
+
+
+# -------------------------------------------------------------------------------------- planner
+def test_sequential_plan_with_max_memory_offloads_to_disk(checkpoints, tmp_path):
+    d = checkpoints("llama")
+    plain = from_pretrained(d)
+    size = sum(p.numel() * p.element_size() for p in plain.parameters())
+    model = from_pretrained(d, device_map="sequential", max_memory={"cpu": size // 2}, offload_folder=tmp_path)
+    assert model.hf_device_map["embed"] == "cpu" and "disk" in model.hf_device_map.values()
+    assert not any("blocks.0." in k for k in model.hf_device_map)  # a block is a unit: never split
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), plain(TOKENS))
+
+
+@pytest.mark.parametrize("name, tied", [("gpt2", True), ("llama", False), ("mamba", True), ("mamba2", False),
+                                        ("zamba2", True)])
+def test_planned_tie_groups_share_one_device(checkpoints, name, tied):
+    plain = from_pretrained(checkpoints(name))
+    size = sum(p.numel() * p.element_size() for p in plain.parameters())
+    devices = plan_device_map(plain, "sequential", max_memory={"cpu": int(size * 0.6)})
+    assert {"cpu", "disk"} <= set(devices.values())
+    groups = tie_groups(plain)
+    assert bool(groups) == tied
+    for names, _ in groups:
+        assert len({devices[entry_of(n, devices)] for n in names}) == 1, names
+
+
+@pytest.mark.parametrize("device_map, match", [
+    ("fastest", "expected one of"),
+    ({"embed": "cpu"}, "places no device for"),
+    ({"embed": "cpu", "blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": "cpu", "blocks.3": "disk",
+      "ln_final": "cpu", "unembed": "cpu"}, "splits tensors shared by blocks.1, blocks.3"),
+    ({"": "disk"}, "lends its weight"),
+    ({"embed": "cpu", "blocks": "disk", "ln_final": "cpu", "unembed": "cpu"}, "pass offload_folder="),
+])
+def test_bad_device_maps_are_refused(checkpoints, device_map, match):
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(checkpoints("zamba2"), device_map=device_map)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ARCHS)
+def test_gpu_and_cpu_offload_match_the_gpu_model(checkpoints, cuda, name):
+    d = checkpoints(name)
+    plain = from_pretrained(d, device=cuda)
+    devices = {k: (0 if v == "cpu" else "cpu") for k, v in split_map(plain).items()}  # cpu entries: offloaded
+    model = from_pretrained(d, device_map=devices)
+    tokens = TOKENS.to(cuda)
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), plain(tokens).cpu())  # cpu tokens in, cpu logits out
+        _, cache = model.run_with_cache(tokens)
+        _, want = plain.run_with_cache(tokens)
+    for k in want.keys():
+        assert cache[k].device.type == "cuda"
+        assert torch.equal(cache[k], want[k]), k
+
+
+@pytest.mark.gpu
+def test_gpu_auto_plan_with_small_gpu_budget(checkpoints, cuda):
+    d = checkpoints("llama")
+    plain = from_pretrained(d, device=cuda)
+    size = sum(p.numel() * p.element_size() for p in plain.parameters())
+    model = from_pretrained(d, device_map="auto", max_memory={0: size // 2, "cpu": 10 * size})
+    assert set(model.hf_device_map.values()) == {0, "cpu"}
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS.to(cuda)), plain(TOKENS.to(cuda)))
