@@ -205,3 +205,63 @@ def test_gpu_auto_plan_with_small_gpu_budget(checkpoints, cuda):
     assert set(model.hf_device_map.values()) == {0, "cpu"}
     with torch.no_grad():
         assert torch.equal(model(TOKENS.to(cuda)), plain(TOKENS.to(cuda)))
+
+
+# ------------------------------------------------------------------------------------- analyses
+def _both(pair, name, run):
+    plain, model = pair(name)
+    with torch.no_grad():
+        return run(model), run(plain)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("cut_conv", [False, True])
+def test_knockout_matches(pair, name, cut_conv):
+    from analysis.knockout import knockout
+
+    def run(m):
+        with knockout(m, sources=[1, 2], targets=[-1, -2], layers=range(N_LAYERS), cut_conv=cut_conv):
+            return m(TOKENS)
+
+    got, want = _both(pair, name, run)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, pair(name)[0](TOKENS))  # the knockout changed something
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "zamba2"])
+def test_decay_norms_match(pair, name):
+    from analysis.knockout import decay_norms
+
+    plain, model = pair(name)
+    for layer in range(N_LAYERS):
+        assert torch.equal(decay_norms(model, layer), decay_norms(plain, layer))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_head_ablation_matches(pair, name):
+    from analysis.ablation import ablate_heads
+
+    def run(m):
+        with ablate_heads(m, [(1, 0), (3, 1), (2, 2)]):
+            return m(TOKENS)
+
+    got, want = _both(pair, name, run)
+    assert torch.equal(got, want) and not torch.equal(want, pair(name)[0](TOKENS))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_activation_patching_matches(pair, name):
+    from analysis.patching import act_patch, attribution_patch, logit_diff
+
+    corrupted = TOKENS.flip(-1)
+    metric = logit_diff(3, 5)
+
+    def run(m, sweep):
+        _, clean = m.run_with_cache(TOKENS, names_filter=lambda n: n.endswith("hook_resid_pre"))
+        return sweep(m, corrupted, clean, metric, "blocks.{layer}.hook_resid_pre")
+
+    plain, model = pair(name)
+    with torch.no_grad():
+        got, want = run(model, act_patch), run(plain, act_patch)
+    assert torch.equal(got, want) and got.abs().sum() > 0
+    torch.testing.assert_close(run(model, attribution_patch), run(plain, attribution_patch), rtol=0, atol=0)
