@@ -109,7 +109,7 @@ def _normalise(device: Any) -> Any:
             from None
     if d.type == "cpu":
         return "cpu"
-    return d.index or 0 if d.type == "cuda" else str(d)
+    return (d.index or 0) if d.type == "cuda" else str(d)
 
 
 def entry_of(name: str, devices: DeviceMap) -> str | None:
