@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from analysis.tasks.known_facts import SOURCE_SETS, FactPrompt, load_facts, pad_id, pad_left, prepare_facts, source_masks
 from analysis.interventions.knockout import knockout
+from analysis.tasks.scoring import model_device
 from analysis.validate import NotAnIndex, layer_list, positive_int, writable_dir
 
 
@@ -144,8 +145,7 @@ def mean_interval(values: Tensor, confidence: float = 0.95) -> tuple[float, floa
 
 # --------------------------------------------------------------------------------- forwards
 def _device(model: Any) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
+    return model_device(model)
 
 
 def _last_probs(model: Any, resid: Tensor) -> Tensor:

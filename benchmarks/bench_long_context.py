@@ -87,7 +87,7 @@ def _status(field: str) -> int:
 def run_one(arch: str, op: str, length: int) -> dict:
     """In this process: build, prepare, then measure one operation (peak over the RSS before it)."""
     from analysis.info_flow import info_flow
-    from analysis.knockout import knockout
+    from analysis.interventions import knockout
 
     tok = tokenizer()
     model = build(arch, len(tok))

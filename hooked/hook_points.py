@@ -205,6 +205,11 @@ class HookedRootModule(nn.Module):
         """A tiny input used once to record the forward order of the hooks."""
         return torch.zeros(1, 2, dtype=torch.long, device=self._device())
 
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: a dispatched model's main device, else the first parameter's device."""
+        return self._device()
+
     def _device(self) -> torch.device:
         """Where inputs go: the main device of a dispatched model (accelerate's hook says), else the first parameter's."""
         main = getattr(getattr(self, "_hf_hook", None), "execution_device", None)

@@ -217,7 +217,7 @@ def _both(pair, name, run):
 @pytest.mark.parametrize("name", ARCHS)
 @pytest.mark.parametrize("cut_conv", [False, True])
 def test_knockout_matches(pair, name, cut_conv):
-    from analysis.knockout import knockout
+    from analysis.interventions import knockout
 
     def run(m):
         with knockout(m, sources=[1, 2], targets=[-1, -2], layers=range(N_LAYERS), cut_conv=cut_conv):
@@ -230,7 +230,7 @@ def test_knockout_matches(pair, name, cut_conv):
 
 @pytest.mark.parametrize("name", ["mamba", "mamba2", "zamba2"])
 def test_decay_norms_match(pair, name):
-    from analysis.knockout import decay_norms
+    from analysis.interventions import decay_norms
 
     plain, model = pair(name)
     for layer in range(N_LAYERS):
@@ -239,7 +239,7 @@ def test_decay_norms_match(pair, name):
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_head_ablation_matches(pair, name):
-    from analysis.ablation import ablate_heads
+    from analysis.interventions import ablate_heads
 
     def run(m):
         with ablate_heads(m, [(1, 0), (3, 1), (2, 2)]):
@@ -251,7 +251,7 @@ def test_head_ablation_matches(pair, name):
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_activation_patching_matches(pair, name):
-    from analysis.patching import act_patch, attribution_patch, logit_diff
+    from analysis.interventions import act_patch, attribution_patch, logit_diff
 
     corrupted = TOKENS.flip(-1)
     metric = logit_diff(3, 5)

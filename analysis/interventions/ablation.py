@@ -61,7 +61,7 @@ def head_layout(model: Any) -> dict[str, HeadModule]:
     if model in _LAYOUTS:
         return _LAYOUTS[model]
     names = [n for n in model.hook_dict if n.endswith(("attn.hook_z", "mixer.hook_dt", "mixer.hook_gated"))]
-    tokens = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=names)
     layout = {}

@@ -47,6 +47,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from hooked.devices import onloaded
 from hooked.ops.selective_scan import mamba1_kernel_pairs
 from analysis.validate import index_list, index_mask, layer_index, layer_list, position_mask
 from hooked.ops.ssd import mamba2_kernel_pairs
@@ -275,15 +276,14 @@ def _ssm_hooks(model: Any, site: str, sources: Positions, targets: Positions, ch
     hooks = [(f"{site}.hook_ssm_in", keep("u")), (f"{site}.hook_dt", keep("dt")), (f"{site}.hook_B", keep("B")),
              (f"{site}.hook_C", keep("C")), (f"{site}.hook_y", on_y)]
     if cut_conv:
-        weight = _conv_weight(mixer)
-        conv_chan = _conv_channels(chan, weight.shape[0], _d_inner(mixer))
+        conv_chan = _conv_channels(chan, _conv_weight(mixer).shape[0], _d_inner(mixer))
 
         def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
             t, s = masks(conv)
             conv_in = seen.pop("in")
             if not (t.any() and s.any()) or (conv_chan is not None and not conv_chan.any()):
                 return None
-            return conv - conv_cut(conv_in, weight, t, s, conv_chan)
+            return conv - conv_cut(conv_in, _conv_weight(mixer), t, s, conv_chan)  # read now: real when offloaded
 
         hooks = [(f"{site}.hook_in", keep("in")), (f"{site}.hook_conv", on_conv)] + hooks
     return hooks
@@ -305,7 +305,7 @@ def decay_norms(model: Any, layer: int) -> Float[Tensor, "c"]:
     Mamba-2 has one scalar A per head, so its value is d_state * exp(A_h).
     """
     mixer = model.get_submodule(f"blocks.{layer_index(layer, model.cfg.n_layers)}.mixer")
-    with torch.no_grad():
+    with torch.no_grad(), onloaded(model, mixer):  # a dispatched model's offloaded weights made real
         A = _ssm_A(mixer).double()
         if A.ndim == 2:
             return torch.exp(A).sum(-1)

@@ -92,7 +92,7 @@ class ChoiceScorer:
     def _batch(self, contexts, picks, batch_size: int, model: Any) -> list[ChoiceBatch]:
         tok = tokenizer_of(model)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        device = next(model.parameters()).device
+        device = model_device(model)
         order = sorted(range(len(contexts)), key=lambda n: len(contexts[n][1]))
         by_context: dict[int, list] = {}
         for n, p, target, slot in picks:
@@ -205,7 +205,10 @@ def choice_scores(logits: Float[Tensor, "batch pos d_vocab"], choices: Int[Tenso
 
 
 def model_device(model: Any) -> torch.device:
-    """The device of the model's first parameter (CPU for a parameterless callable)."""
+    """Where the model's inputs go: a hooked model's `device` (a dispatched model's main device), else
+    its first parameter's (CPU for a parameterless callable)."""
+    if isinstance(getattr(model, "device", None), torch.device):
+        return model.device
     try:
         return next(model.parameters()).device
     except (StopIteration, AttributeError):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.tasks.scoring import logits_of
+from analysis.tasks.scoring import logits_of, model_device
 
 PAD, BOS = 0, 1
 TEMPLATE_WORDS = ["the", "of", "is", "in"]
@@ -126,10 +126,7 @@ def accuracy_table(model: Any, seed: int = KB_SEED) -> dict[int, float]:
     for length in sorted({len(p) for p in prompts}):
         idx = [i for i, p in enumerate(prompts) if len(p) == length]
         tokens = torch.tensor([prompts[i] for i in idx])
-        try:
-            tokens = tokens.to(next(model.parameters()).device)
-        except (StopIteration, AttributeError):
-            pass
+        tokens = tokens.to(model_device(model))
         top = logits_of(model, tokens)[:, -1].argmax(-1).cpu()
         hits[idx] = top == torch.tensor([answers[i] for i in idx])
     rel = torch.tensor(relations)
