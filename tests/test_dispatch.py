@@ -265,3 +265,32 @@ def test_activation_patching_matches(pair, name):
         got, want = run(model, act_patch), run(plain, act_patch)
     assert torch.equal(got, want) and got.abs().sum() > 0
     torch.testing.assert_close(run(model, attribution_patch), run(plain, attribution_patch), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------ organisms (real tasks)
+def _organism_pair(name: str, folder):
+    plain = from_pretrained(f"organism/{name}")
+    return plain, from_pretrained(f"organism/{name}", device_map=split_map(plain), offload_folder=folder)
+
+
+@pytest.mark.parametrize("name", ["mamba-facts", "mamba2-facts"])
+def test_info_flow_on_a_dispatched_facts_organism(name, tmp_path):
+    from analysis.info_flow import info_flow
+    from analysis.tasks import synthetic_facts as ft
+
+    plain, model = _organism_pair(name, tmp_path)
+    kw = dict(window=1, n=6, batch_size=6, progress=False)
+    got, want = info_flow(model, ft.facts()[:40], **kw), info_flow(plain, ft.facts()[:40], **kw)
+    assert len(want.facts) >= 3 and torch.equal(got.changes, want.changes)
+
+
+@pytest.mark.parametrize("name", ["llama-kv", "zamba2-kv"])
+def test_rank_heads_and_ga_scores_on_a_dispatched_kv_organism(name, tmp_path):
+    from analysis.ga import ga_scores, rank_heads
+    from analysis.tasks import token_kv as kv_task
+
+    plain, model = _organism_pair(name, tmp_path)
+    examples = kv_task.examples(8, 16, seed=31, fmt="?k")
+    assert ga_scores(model, examples, batch_size=8) == ga_scores(plain, examples, batch_size=8)
+    got, want = (rank_heads(m, examples, pairs_top_k=2, batch_size=8, progress=False) for m in (model, plain))
+    assert got.rows == want.rows and got.pairs == want.pairs and len(want.rows) > 0
