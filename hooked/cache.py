@@ -101,9 +101,17 @@ class ActivationCache:
 
     # ------------------------------------------------------------------------ residual stream
     def _apply_ln(self, stack: Tensor) -> Tensor:
-        """Final norm with the normalisation factor of the final residual (keeps the map linear)."""
+        """Final norm with the normalisation factor of the final residual (keeps the map linear).
+
+        On a dispatched model the norm's weight is made real (hooked.devices.onloaded) and the
+        stack moved to it."""
+        from hooked.devices import onloaded
+
         final = self[("resid_post", self.n_layers - 1)]
-        return self.model.ln_final.apply_frozen(stack, final)
+        ln = self.model.ln_final
+        with onloaded(self.model, ln):
+            device = ln.weight.device
+            return ln.apply_frozen(stack.to(device), final.to(device))
 
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
                           return_labels: bool = False):
@@ -122,7 +130,7 @@ class ActivationCache:
         if layer is None or n == self.n_layers:
             parts.append(self[("resid_post", self.n_layers - 1)])
             labels.append("final_post")
-        stack = torch.stack(parts)
+        stack = _stack(parts)
         if apply_ln:
             stack = self._apply_ln(stack)
         return (stack, labels) if return_labels else stack
@@ -146,7 +154,7 @@ class ActivationCache:
             for name in writers(l):
                 parts.append(self.cache_dict[name])
                 labels.append(f"{l}_{name.split('hook_')[-1]}")
-        stack = torch.stack(parts)
+        stack = _stack(parts)
         if apply_ln:
             stack = self._apply_ln(stack)
         return (stack, labels) if return_labels else stack
@@ -174,7 +182,15 @@ class ActivationCache:
                     labels += [f"L{l}{tag}{h}" for h in range(res.shape[2])]
         if not parts:
             raise KeyError("no per-head results in the cache: include hook_result / hook_head_out in names_filter")
-        stack = torch.cat(parts)
+        stack = _stack(parts, cat=True)
         if apply_ln:
             stack = self._apply_ln(stack)
         return (stack, labels) if return_labels else stack
+
+
+def _stack(parts: list[Tensor], cat: bool = False) -> Tensor:
+    """torch.stack (or cat) of tensors that may sit on several devices (a dispatched model's layers):
+    all moved to the last one's device."""
+    device = parts[-1].device
+    parts = [p.to(device) for p in parts]
+    return torch.cat(parts) if cat else torch.stack(parts)

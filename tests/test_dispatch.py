@@ -125,6 +125,17 @@ def test_cache_and_hook_edits_match(pair, name):
 
 
 @pytest.mark.parametrize("name", ARCHS)
+def test_resid_decomposition_through_an_offloaded_final_norm_matches(pair, name):
+    plain, model = pair(name)
+    assert model.hf_device_map["ln_final"] == "disk"
+    with torch.no_grad():
+        (_, want), (_, got) = plain.run_with_cache(TOKENS), model.run_with_cache(TOKENS)
+    for stack in (lambda c: c.accumulated_resid(apply_ln=True), lambda c: c.decompose_resid(apply_ln=True)):
+        assert torch.equal(stack(got), stack(want))
+    assert model.ln_final.weight.is_meta  # dropped again
+
+
+@pytest.mark.parametrize("name", ARCHS)
 def test_direct_weight_reads_see_real_weights(pair, name):
     plain, model = pair(name)
     layer = 1  # a disk block: its weights are meta between forwards
