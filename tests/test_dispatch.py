@@ -149,6 +149,8 @@ def test_direct_weight_reads_see_real_weights(pair, name):
     assert any(p.is_meta for p in block.parameters())  # dropped again
     with onloaded(plain, ref.ln1):  # not dispatched: nothing to do
         assert not ref.ln1.weight.is_meta
+    with pytest.raises(ValueError, match="not a submodule of this model"), onloaded(model, ref.ln1):
+        pass
 
 
 # -------------------------------------------------------------------------------------- planner
