@@ -204,9 +204,13 @@ def test_gpu_and_cpu_offload_match_the_gpu_model(checkpoints, cuda, name):
         assert torch.equal(model(TOKENS), plain(tokens).cpu())  # cpu tokens in, cpu logits out
         _, cache = model.run_with_cache(tokens)
         _, want = plain.run_with_cache(tokens)
-    for k in want.keys():
-        assert cache[k].device.type == "cuda"
-        assert torch.equal(cache[k], want[k]), k
+        placed = [p.device for p in model.parameters()]
+        _, moved = model.run_with_cache(tokens, device="cpu")
+    for k in want:
+        assert cache[k].device.type == "cuda" and moved[k].device.type == "cpu"  # hooks fire on cuda:0
+        assert torch.equal(cache[k], want[k]) and torch.equal(moved[k], want[k].cpu()), k
+    assert [p.device for p in model.parameters()] == placed  # the model never moves
+    assert any(p.is_meta for p in model.parameters())  # the cpu entries are offloaded (meta between forwards)
 
 
 @pytest.mark.gpu
