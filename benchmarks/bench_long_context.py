@@ -143,7 +143,8 @@ def main() -> None:
         return
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     print(f"one layer at 130m width, float32, {args.threads} thread(s); peak = max RSS over the RSS before the op")
-    print(f"{'model':8s} {'op':10s} " + " ".join(f"{L:>17d}" for L in args.lengths) + "   exp(mem) exp(time) exp(mem, last doubling)")
+    print(f"{'model':8s} {'op':10s} " + " ".join(f"{L:>17d}" for L in args.lengths)
+          + "   exp(mem) exp(time) exp(mem, last doubling)")
     for arch in args.archs:
         for op in args.ops:
             rows = []
