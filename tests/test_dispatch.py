@@ -273,9 +273,9 @@ def test_activation_patching_matches(pair, name):
     corrupted = TOKENS.flip(-1)
     metric = logit_diff(3, 5)
 
-    def run(m, sweep):
-        _, clean = m.run_with_cache(TOKENS, names_filter=lambda n: n.endswith("hook_resid_pre"))
-        return sweep(m, corrupted, clean, metric, "blocks.{layer}.hook_resid_pre")
+    def run(m, sweep):  # layer x position, on four tokens
+        _, clean = m.run_with_cache(TOKENS[:, :4], names_filter=lambda n: n.endswith("hook_resid_pre"))
+        return sweep(m, corrupted[:, :4], clean, metric, "blocks.{layer}.hook_resid_pre")
 
     plain, model = pair(name)
     with torch.no_grad():
