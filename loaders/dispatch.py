@@ -19,9 +19,9 @@ Glossary
                   checkpoint's own safetensors file when the tensor needs no conversion (no copy at
                   all), else `offload.safetensors` in `offload_folder`, written here tensor by tensor
 
-Each checkpoint tensor is read once: into its resident parameter (`load.copy_weights`, straight from
-the file on CPU), or into the offload file; peak memory is the resident part plus one tensor.
-Reading a parameter outside a forward (decay norms, weight properties) on an offloaded module needs
+Each checkpoint tensor is read once: into its resident parameter (`load.copy_weights`, passed in as
+`fill`, straight from the file on CPU), or into the offload file; peak memory is the resident part
+plus one tensor. Reading a parameter outside a forward (decay norms, weight properties) on an offloaded module needs
 `hooked.devices.onloaded`, which runs accelerate's hook around the read.
 """
 
@@ -31,7 +31,7 @@ import contextlib
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 DeviceMap = dict[str, Any]
+Fill = Callable[[Any, dict, Any, Any], None]  # loaders.load.copy_weights
 PLANNERS = ("auto", "balanced", "balanced_low_0", "sequential")
 OFFLOAD_FILE = "offload.safetensors"
 
@@ -178,12 +179,14 @@ def torch_device(device: Any) -> torch.device:
 
 # --------------------------------------------------------------------------------------- dispatch
 def dispatch_from_source(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any, arch: Any, *,
-                         dtype: torch.dtype, device_map: str | DeviceMap, max_memory: dict | None = None,
+                         fill: Fill, dtype: torch.dtype, device_map: str | DeviceMap, max_memory: dict | None = None,
                          offload_folder: str | Path | None = None) -> nn.Module:
-    """Place `model` (built on meta, plan checked) by `device_map`, read its weights once, dispatch it."""
-    from accelerate import dispatch_model
+    """Place `model` (built on meta, plan checked) by `device_map`, read its weights once, dispatch it.
 
-    from loaders.load import copy_weights
+    `fill(module, plan, source, arch)` reads each planned tensor into `module.named_parameters()`'s
+    tensor of that name (the loader's `copy_weights`: conversion, shape check, one read per tensor).
+    """
+    from accelerate import dispatch_model
 
     devices = plan_device_map(model, device_map, max_memory=max_memory, dtype=dtype)
     main = main_device(devices)
@@ -194,8 +197,8 @@ def dispatch_from_source(model: nn.Module, plan: dict[str, tuple[str, Any]], sou
         raise ValueError(f"device_map puts {', '.join(disk)} on disk: pass offload_folder=")
     _place(model, dtype, {n: torch_device(devices[e] if devices[e] != "disk" else "cpu") for n, e in names.items()
                           if n not in on_disk}, torch_device(main))
-    copy_weights(model, {n: v for n, v in plan.items() if n not in on_disk}, source, arch)
-    index = _offload(model, {n: v for n, v in plan.items() if n in on_disk}, source, arch, dtype,
+    fill(model, {n: v for n, v in plan.items() if n not in on_disk}, source, arch)
+    index = _offload(model, {n: v for n, v in plan.items() if n in on_disk}, source, arch, fill,
                      offload_folder) if on_disk else None
     cpu_state = _aliases(model, {n for n, e in names.items() if devices[e] == "cpu" and offloaded("cpu", main)})
     dispatch_model(model, device_map=devices, main_device=main, state_dict=cpu_state or None,
@@ -230,40 +233,44 @@ def _aliases(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
     return {n: p.data for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def _offload(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any, arch: Any, dtype: torch.dtype,
+def _offload(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any, arch: Any, fill: Fill,
              folder: str | Path) -> dict[str, dict[str, str]]:
     """The offload index of the disk parameters: the checkpoint's file where a tensor is stored as we need
-    it, else `offload.safetensors`, written here (header first, then each tensor as it is read)."""
-    from loaders.load import CheckpointError, _read, _scratch
-
+    it, else `offload.safetensors`, written here (header first, then the parameters of one checkpoint
+    tensor at a time, filled into CPU staging tensors by `fill`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())
     index: dict[str, dict[str, str]] = {}
-    written: list[tuple[str, str, Any]] = []
+    by_source: dict[str, list[str]] = {}  # checkpoint tensor -> the parameters it fills (GPT-2's c_attn: 3)
     file_of = getattr(source, "file_of", None)
     for name, (src, key) in sorted(plan.items(), key=lambda item: item[1][0]):
         if key.transform is None and file_of is not None and source.dtype(src) == params[name].dtype:
             index[name] = {"safetensors_file": str(file_of(src)), "weight_name": src}
         else:
-            written.append((name, src, key))
-    if written:
+            by_source.setdefault(src, []).append(name)
+    if by_source:
         path = folder / OFFLOAD_FILE
-        scratch = _scratch([(n, (s, k)) for n, s, k in written], params, source)
-        with SafetensorsWriter(path, {n: (params[n].shape, params[n].dtype) for n, _, _ in written}) as out:
-            last = None
-            for name, src, key in written:
-                if last is None or last[0] != src:
-                    last = None
-                    last = (src, _read(source, src, scratch))
-                t = key.transform(last[1]) if key.transform is not None else last[1]
-                if t.shape != params[name].shape:
-                    raise CheckpointError(getattr(source, "origin", "checkpoint"), arch.name, [], [],
-                                          [f"{src}: -> {list(t.shape)}, expected {list(params[name].shape)} for {name}"])
-                out.write(name, t.to(params[name].dtype))
-                index[name] = {"safetensors_file": str(path), "weight_name": name}
+        specs = {n: (params[n].shape, params[n].dtype) for names in by_source.values() for n in names}
+        with SafetensorsWriter(path, specs) as out:
+            for names in by_source.values():
+                staging = _Staging({n: torch.empty(params[n].shape, dtype=params[n].dtype) for n in names})
+                fill(staging, {n: plan[n] for n in names}, source, arch)
+                for n in names:
+                    out.write(n, staging.tensors[n])
+                    index[n] = {"safetensors_file": str(path), "weight_name": n}
     ids = {id(params[n]): index[n] for n in index}
     return {n: ids[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
+class _Staging:
+    """What `fill` reads into for disk parameters: named CPU tensors, freed once written."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
 
 
 class SafetensorsWriter:

@@ -301,7 +301,7 @@ def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dt
     if placement:
         from loaders.dispatch import dispatch_from_source
 
-        return dispatch_from_source(model, plan, source, arch, dtype=dtype, **placement)
+        return dispatch_from_source(model, plan, source, arch, fill=copy_weights, dtype=dtype, **placement)
     materialise(model, dtype=dtype, device=torch.device(device))
     copy_weights(model, plan, source, arch)
     return model.eval()
