@@ -11,7 +11,10 @@ Glossary
     info_flow    one fact whose prompt is padded to L tokens, four source sets, window 1
     peak         the peak resident memory (VmHWM) of the operation over the process's memory before it,
                  measured in a fresh subprocess per (model, operation, length), the peak reset first
-                 (/proc/self/clear_refs)
+                 (/proc/self/clear_refs), with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_)
+                 so that freed tensors leave the process at once and the peak follows the live tensors
+                 (with glibc's sliding threshold, memory freed while the model was built is reused
+                 unseen, and small lengths look bigger than they are)
     exponent     the slope of log(peak) (and log(time)) against log(L): 1 = linear, 2 = quadratic; fitted
                  over all lengths, and for memory also over the last doubling alone (where fixed costs,
                  which pull the fit below 1, weigh least)
@@ -38,6 +41,7 @@ OPS = ("forward", "cache", "knockout", "info_flow")
 ARCHS = ("mamba", "mamba2")
 CACHE_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_ssm_in", "hook_dt", "hook_B", "hook_C", "hook_y",
                "hook_ssm_out", "hook_mixer_out")
+MMAP_THRESHOLD = 1 << 16  # glibc: every block above 64 KiB is its own mapping, unmapped when freed
 FILLER = "The river runs past the old mill, and the town sleeps while the bells ring out over the hills. "
 
 
@@ -141,7 +145,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], int(args.one[2]))))
         return
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
     print(f"one layer at 130m width, float32, {args.threads} thread(s); peak = max RSS over the RSS before the op")
     print(f"{'model':8s} {'op':10s} " + " ".join(f"{L:>17d}" for L in args.lengths)
           + "   exp(mem) exp(time) exp(mem, last doubling)")
