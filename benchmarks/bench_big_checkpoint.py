@@ -166,7 +166,8 @@ def measure(kind: str, path: Path, out_dir: Path, limit_gb: float, offload_gb: f
     out = subprocess.run([sys.executable, __file__, "--child", kind, str(path), str(out_dir), str(offload_gb)],
                          capture_output=True, text=True, preexec_fn=limit, env=env)
     if out.returncode:
-        return {"kind": kind, "error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc {out.returncode}"}
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc {out.returncode}"
+        return {"kind": kind, "error": last}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -204,8 +205,8 @@ def main() -> None:
                     continue
                 extra = ""
                 if "forward_seconds" in r:
-                    extra = (f", forward of 8 tokens {r['forward_seconds']:.1f} s (peak then {r['peak_with_forward'] / 1e9:.2f} GB,"
-                             f" finite {r['finite']})")
+                    extra = (f", forward of 8 tokens {r['forward_seconds']:.1f} s (peak then "
+                             f"{r['peak_with_forward'] / 1e9:.2f} GB, finite {r['finite']})")
                 if k == "offload":
                     extra += (f"; {r['disk_entries']} modules on disk, {r['cpu_entries']} on cpu, offload file "
                               f"{r['offload_file_bytes'] / 1e9:.2f} GB, resident {r['params'] / 1e9:.2f} GB")

@@ -89,7 +89,8 @@ def main() -> None:
             a, b = ours(tokens).float(), hf(tokens).logits.float()
             err = ((a - b).abs().max() / b.abs().max()).item()
             mo, mh = statistics.median(t_ours) * 1e3, statistics.median(t_hf) * 1e3
-            print(f"{arch:8s} {str(dtype)[6:]:9s} {mo:9.2f} {mh:9.2f} {mo / mh:8.2f} {err:9.2e}  {hf_path(hf)}", flush=True)
+            print(f"{arch:8s} {str(dtype)[6:]:9s} {mo:9.2f} {mh:9.2f} {mo / mh:8.2f} {err:9.2e}  {hf_path(hf)}",
+                  flush=True)
             del hf, ours
             torch.cuda.empty_cache()
 

@@ -152,13 +152,14 @@ def _tie(model: nn.Module, devices: DeviceMap, strict: bool) -> DeviceMap:
         chosen = {devices[e] for e in entries}
         if len(chosen) > 1:
             if strict:
-                raise ValueError(f"device_map splits tensors shared by {', '.join(entries)} over {sorted(map(str, chosen))}: "
-                                 f"give them one device")
+                raise ValueError(f"device_map splits tensors shared by {', '.join(entries)} over "
+                                 f"{sorted(map(str, chosen))}: give them one device")
             first = min(entries, key=list(devices).index)
             for e in entries:
                 devices[e] = devices[first]
         if lent and offloaded(devices[entries[0]], main):
-            raise ValueError(f"{names[0].rsplit('.', 1)[0]} lends its weight to {names[-1].rsplit('.', 1)[0]}, so it cannot "
+            owner, borrower = names[0].rsplit(".", 1)[0], names[-1].rsplit(".", 1)[0]
+            raise ValueError(f"{owner} lends its weight to {borrower}, so it cannot "
                              f"be offloaded ({devices[entries[0]]!r}); give it (and its borrower) a resident device"
                              f"{' or more max_memory' if not strict else ''}")
     return devices

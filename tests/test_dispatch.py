@@ -143,8 +143,9 @@ def test_direct_weight_reads_see_real_weights(pair, name):
     assert any(p.is_meta for p in block.parameters())
     with onloaded(model, block.ln1):
         assert torch.equal(block.ln1.weight, ref.ln1.weight)
-    with onloaded(model, model.blocks[layer].mixer if hasattr(ref, "mixer") else block.attn) as m:
-        for (n, p), (_, q) in zip(m.named_parameters(), (ref.mixer if hasattr(ref, "mixer") else ref.attn).named_parameters()):
+    inner = "mixer" if hasattr(ref, "mixer") else "attn"
+    with onloaded(model, getattr(block, inner)) as m:
+        for (n, p), (_, q) in zip(m.named_parameters(), getattr(ref, inner).named_parameters(), strict=True):
             assert torch.equal(p, q), n
     assert any(p.is_meta for p in block.parameters())  # dropped again
     with onloaded(plain, ref.ln1):  # not dispatched: nothing to do
