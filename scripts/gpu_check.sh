@@ -12,8 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
 PY=${PY:-python3}
-PINS=(transformers==5.24.0 tokenizers==0.23.3 huggingface_hub==2.4.0 hf-xet==1.8.0 accelerate==1.16.0
-      beartype==0.23.1 gguf==0.19.0)  # this project's versions (pyproject / the CPU venv)
+# What the image lacks or has in another version: transformers is pinned by this project, and needs
+# tokenizers 0.23; the image's huggingface_hub (1.33, within transformers' ">=1.31") is kept.
+PINS=(transformers==5.24.0 tokenizers==0.23.3 accelerate==1.16.0 beartype==0.23.1 gguf==0.19.0)
 
 if [ "${1:-}" = "--fetch" ]; then
   mkdir -p "$WHEELS"
