@@ -9,9 +9,9 @@ Glossary
                  C, y, ssm_out, mixer_out): no state, no kernel
     knockout     the first half of the tokens cut from the last one, in the layer (logits after)
     info_flow    one fact whose prompt is padded to L tokens, four source sets, window 1
-    peak         the peak resident memory (VmHWM) of the operation over the process's memory before it,
-                 measured in a fresh subprocess per (model, operation, length), the peak reset first
-                 (/proc/self/clear_refs), with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_)
+    peak         the peak anonymous resident memory (RssAnon, sampled each millisecond) of the operation
+                 over the process's before it, in a fresh subprocess per (model, operation, length),
+                 with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_)
                  so that freed tensors leave the process at once and the peak follows the live tensors
                  (with glibc's sliding threshold, memory freed while the model was built is reused
                  unseen, and small lengths look bigger than they are)
@@ -32,6 +32,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,11 +77,26 @@ def fact_of_length(tok, length: int) -> dict:
     return {"prompt": prompt, "subject": "The Eiffel Tower", "attribute": "Paris", "length": len(ids)}
 
 
-def peak_reset() -> int:
-    """Reset the peak RSS; return the current RSS in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
+class AnonPeak:
+    """The peak of RssAnon while inside, sampled every millisecond by a thread (torch releases the GIL
+    in its kernels). Anonymous memory only: the pages of shared libraries, which the kernel may drop
+    from a process under memory pressure, would otherwise pull the peak down."""
+
+    def __enter__(self) -> "AnonPeak":
+        self.before = self.peak = _status("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _status("RssAnon"))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status("RssAnon"))
 
 
 def _status(field: str) -> int:
@@ -117,11 +133,11 @@ def run_one(arch: str, op: str, length: int) -> dict:
             return info_flow(model, [fact], window=1, require_correct=False, progress=False, batch_size=1)
 
         fn = {"forward": forward, "cache": cache, "knockout": ko, "info_flow": flow}[op]
-        before = peak_reset()
-        t0 = time.perf_counter()
-        out = fn()
-        seconds = time.perf_counter() - t0
-        peak = _status("VmHWM") - before
+        with AnonPeak() as mem:
+            t0 = time.perf_counter()
+            out = fn()
+            seconds = time.perf_counter() - t0
+        peak = mem.peak - mem.before
         del out
     return {"arch": arch, "op": op, "length": int(tokens.shape[1]), "peak": peak, "seconds": seconds}
 
@@ -146,7 +162,8 @@ def main() -> None:
         print(json.dumps(run_one(args.one[0], args.one[1], int(args.one[2]))))
         return
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-    print(f"one layer at 130m width, float32, {args.threads} thread(s); peak = max RSS over the RSS before the op")
+    print(f"one layer at 130m width, float32, {args.threads} thread(s); peak = max anonymous RSS over its value "
+          "before the op")
     print(f"{'model':8s} {'op':10s} " + " ".join(f"{L:>17d}" for L in args.lengths)
           + "   exp(mem) exp(time) exp(mem, last doubling)")
     for arch in args.archs:
