@@ -211,7 +211,7 @@ class HookedRootModule(nn.Module):
         return self._device()
 
     def _device(self) -> torch.device:
-        """Where inputs go: the main device of a dispatched model (accelerate's hook says), else the first parameter's."""
+        """Where inputs go: a dispatched model's main device (its accelerate hook's), else the first parameter's."""
         main = getattr(getattr(self, "_hf_hook", None), "execution_device", None)
         if main is not None:
             return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
