@@ -2,9 +2,12 @@
 
 Every architecture's tiny checkpoint is loaded twice: plainly, and with a device map that alternates
 its blocks between "cpu" (resident) and "disk" (offloaded: meta between forwards, read back from
-the checkpoint or our offload file by accelerate's hook). Logits, caches, hook edits, knockout, head
-ablation and activation patching must be bit-identical in float32. GPU tests (cuda:0 with cpu
-offload) skip without CUDA.
+the checkpoint or our offload file by accelerate's hook). Logits, caches, hook edits, residual
+decompositions through the offloaded final norm, direct weight reads (`onloaded`), knockout, decay
+norms, head ablation, activation and attribution patching must be bit-identical in float32; so must
+info_flow, rank_heads and ga_scores on dispatched model organisms. The planner keeps blocks whole
+and tied or shared weights on one device, and bad maps are refused by name. GPU tests (cuda:0 with
+cpu offload, and an "auto" plan under a small GPU budget) skip without CUDA.
 """
 
 from __future__ import annotations
