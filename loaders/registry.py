@@ -67,7 +67,8 @@ def _import_all() -> None:
     """Import every architecture module so that it registers itself."""
     import importlib
 
-    for mod in ("gpt2", "llama", "mamba", "mamba2", "zamba2"):
+    for mod in ("gpt2", "llama", "mamba", "mamba2", "zamba2", "bamba", "granitemoehybrid", "falcon_h1",
+                "nemotron_h", "jamba"):
         try:
             importlib.import_module(f"loaders.{mod}")
         except ModuleNotFoundError as e:  # an architecture not written yet

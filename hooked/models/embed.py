@@ -4,6 +4,8 @@ Glossary
     d_vocab    vocabulary size; d_model residual width
     W_U        unembed.weight [d_vocab d_model]; logits = x @ W_U^T (no bias, as in GPT-2 and Llama)
     tied       W_U is the token embedding's weight: `model.unembed.weight is model.embed.weight`
+    scale      a constant multiplying the logits (Granite's 1 / logits_scaling, Falcon-H1's
+               lm_head_multiplier); 1 elsewhere. Logit attributions through W_U must apply it too.
 
 A tied Unembed does not own a parameter: it reads the embedding's weight when called. The tie is
 therefore structural, and survives what breaks ties held as two references to one Parameter
@@ -22,8 +24,9 @@ from torch import Tensor, nn
 
 
 class Unembed(nn.Module):
-    def __init__(self, d_model: int, d_vocab: int, tied_to: nn.Embedding | None = None) -> None:
+    def __init__(self, d_model: int, d_vocab: int, tied_to: nn.Embedding | None = None, scale: float = 1.0) -> None:
         super().__init__()
+        self.scale = float(scale)
         self.__dict__["_tied_to"] = tied_to  # a plain reference, not a submodule
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
@@ -39,8 +42,10 @@ class Unembed(nn.Module):
         return super().__getattr__(name)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
-        return F.linear(x, self.weight)
+        logits = F.linear(x, self.weight)
+        return logits if self.scale == 1.0 else logits * self.scale
 
     def extra_repr(self) -> str:
         d_vocab, d_model = self.weight.shape
-        return f"d_model={d_model}, d_vocab={d_vocab}, tied={self.tied}"
+        scale = f", scale={self.scale:g}" if self.scale != 1.0 else ""
+        return f"d_model={d_model}, d_vocab={d_vocab}, tied={self.tied}{scale}"

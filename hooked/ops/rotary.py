@@ -82,9 +82,16 @@ def rope_cos_sin(position_ids: Int[Tensor, "batch pos"], inv_freq: Float[Tensor,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: Float[Tensor, "batch pos heads d_rot"], cos: Float[Tensor, "batch pos d_rot"],
-                 sin: Float[Tensor, "batch pos d_rot"]) -> Float[Tensor, "batch pos heads d_rot"]:
-    """Rotate queries or keys: x * cos + rotate_half(x) * sin, the same rotation for every head."""
+def apply_rotary(x: Float[Tensor, "batch pos heads d_head"], cos: Float[Tensor, "batch pos d_rot"],
+                 sin: Float[Tensor, "batch pos d_rot"]) -> Float[Tensor, "batch pos heads d_head"]:
+    """Rotate queries or keys: x * cos + rotate_half(x) * sin, the same rotation for every head.
+
+    Partial rotary (d_rot < d_head, HF's partial_rotary_factor, e.g. Bamba's 0.5): the first d_rot
+    features of each head rotate, the rest pass unchanged, as HF's apply_rotary_pos_emb does.
+    """
+    d_rot = cos.shape[-1]
+    if d_rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :d_rot], cos, sin), x[..., d_rot:]), dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return x * cos + rotate_half(x) * sin
 

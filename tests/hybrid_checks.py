@@ -1,0 +1,161 @@
+"""Checks every hybrid family's tests share (Bamba, Granite 4, Falcon-H1, NemotronH, Jamba).
+
+    perturbed(hf)               every HF parameter + 0.2 N(0, 1) (HF's init hides misplaced weights)
+    check_against_hf            logits and every residual within `rel` of the reference's max magnitude;
+                                HF's hidden_states are [embedding, outputs of layers 0 .. n-2, final norm]
+    left_padded                 left-padded random tokens and their mask
+    check_padding               padded run == HF padded run, and each row == that prompt alone (HF and ours)
+    check_ssm_invariants        float64, one SSM mixer: chunked y == C.h (scan) == kernel @ u; an edit of h
+                                == a brute-force recurrence written here; knockout == zeroing kernel entries
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import einsum, repeat
+
+RTOL = 1e-4
+
+
+def perturbed(hf, scale: float = 0.2, seed: int = 0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return hf.eval()
+
+
+def assert_rel_close(ours: torch.Tensor, ref: torch.Tensor, what: str, rel: float = RTOL) -> None:
+    torch.testing.assert_close(ours.double(), ref.double(), rtol=0, atol=rel * ref.abs().max().item(),
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_against_hf(hf, model, tokens, attention_mask=None, rel: float = RTOL) -> None:
+    """Logits and every residual; with a mask, at the real positions of each row only."""
+    with torch.no_grad():
+        out = hf(tokens, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        logits, cache = model.run_with_cache(tokens, attention_mask=attention_mask, names_filter=lambda n: (
+            n == "hook_embed" or "resid_post" in n or n.startswith("ln_final")))
+    n = model.cfg.n_layers
+    ours = [cache["hook_embed"]] + [cache[f"blocks.{l}.hook_resid_post"] for l in range(n - 1)]
+    ours += [cache["ln_final.hook_normalized"], logits]
+    refs = list(out.hidden_states) + [out.logits]
+    assert len(refs) == len(ours) == n + 2
+    names = ["embed"] + [f"resid_post {l}" for l in range(n - 1)] + ["ln_final", "logits"]
+    real = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    for what, a, b in zip(names, ours, refs):
+        assert_rel_close(a.float()[real], b.float()[real], what, rel)
+
+
+def left_padded(lengths: list[int], width: int, vocab: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, vocab, (len(lengths), width), generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, width - n:] = 1
+        tokens[b, : width - n] = 0
+    return tokens, mask
+
+
+def check_padding(hf, model, lengths=(19, 11, 8, 1), rel: float = RTOL) -> None:
+    width = max(lengths)
+    tokens, mask = left_padded(list(lengths), width, hf.config.vocab_size)
+    check_against_hf(hf, model, tokens, mask, rel)
+    with torch.no_grad():
+        padded = hf(tokens, attention_mask=mask, use_cache=False).logits
+        ours = model(tokens, attention_mask=mask)
+        for b, n in enumerate(lengths):
+            alone = hf(tokens[b:b + 1, width - n:], use_cache=False).logits
+            assert_rel_close(padded[b:b + 1, width - n:], alone, f"HF row {b} vs alone", rel)
+            assert_rel_close(ours[b:b + 1, width - n:], alone, f"our row {b} vs alone", rel)
+
+
+# ------------------------------------------------------------------------------ SSM invariants
+def _per_channel(t: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """Mamba-2 B or C [b l g n] -> each head's [b l h n]; Mamba-1 [b l n] unchanged."""
+    if A.ndim == 1:
+        return repeat(t, "b l g n -> b l (g r) n", r=A.shape[0] // t.shape[2])
+    return t
+
+
+def brute_states(u, dt, B, C, A, edit_at: int | None = None, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y) by the recurrence one position at a time, adding `delta` to h right after position edit_at.
+
+    Mamba-2: u [b l h p], dt [b l h], B, C [b l g n], A [h]; h [b l h p n].
+    Mamba-1: u [b l d], dt [b l d], B, C [b l n], A [d n]; h [b l d n].
+    """
+    Bh, Ch = _per_channel(B, A), _per_channel(C, A)
+    hs, ys = [], []
+    h = None
+    for t in range(u.shape[1]):
+        if A.ndim == 1:
+            decay = torch.exp(dt[:, t] * A)[..., None, None]
+            inp = einsum(dt[:, t, :, None] * u[:, t], Bh[:, t], "b h p, b h n -> b h p n")
+        else:
+            decay = torch.exp(dt[:, t, :, None] * A)
+            inp = (dt[:, t] * u[:, t])[..., None] * Bh[:, t, None, :]
+        h = inp if h is None else decay * h + inp
+        if t == edit_at:
+            h = h + delta
+        hs.append(h)
+        ys.append(einsum(h, Ch[:, t], "b h p n, b h n -> b h p") if A.ndim == 1 else einsum(h, Ch[:, t], "b d n, b n -> b d"))
+    return torch.stack(hs, 1), torch.stack(ys, 1)
+
+
+def check_ssm_invariants(model, tokens, site: str, tol: float = 1e-10) -> None:
+    """float64 model; `site` = "blocks.{l}.mixer"."""
+    mixer = model.get_submodule(site)
+    A = mixer.A().detach()
+    names = [f"{site}.hook_{n}" for n in ("ssm_in", "dt", "B", "C", "h", "kernel", "y")]
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens, names_filter=names)
+    u, dt, B, C, h, K, y = (cache[n] for n in names)
+    Ch = _per_channel(C, A)
+    close = lambda a, b, what: torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=lambda m: f"{what}: {m}")  # noqa: E731
+    mamba2 = A.ndim == 1
+    y_scan = einsum(h, Ch, "b l h p n, b l h n -> b l h p") if mamba2 else einsum(h, Ch, "b l d n, b l n -> b l d")
+    y_kernel = einsum(K, u, "b h j i, b i h p -> b j h p") if mamba2 else einsum(K, u, "b d j i, b i d -> b j d")
+    h_ref, y_ref = brute_states(u, dt, B, C, A)
+    close(y_scan, y, "C.h (scan) vs chunked y")
+    close(y_kernel, y, "kernel @ u vs chunked y")
+    close(h, h_ref, "hook_h vs brute-force recurrence")
+    close(y, y_ref, "y vs brute-force recurrence")
+
+    # an edit of h at position t continues the recurrence from the edited state
+    t = tokens.shape[1] // 2
+    delta = torch.randn(h[:, t].shape, generator=torch.Generator().manual_seed(5), dtype=h.dtype)
+
+    def edit(hh, hook):
+        hh = hh.clone()
+        hh[:, t] += delta
+        return hh
+
+    with torch.no_grad():
+        with model.hooks(fwd_hooks=[(f"{site}.hook_h", edit)]):
+            _, edited = model.run_with_cache(tokens, names_filter=[f"{site}.hook_y", f"{site}.hook_h"])
+    h_ed, y_ed = brute_states(u, dt, B, C, A, edit_at=t, delta=delta)
+    # the cache holds what the hook returned (the edit at t); the later states live in y
+    close(edited[f"{site}.hook_h"][:, : t + 1], h_ed[:, : t + 1], "edited state vs brute force")
+    close(edited[f"{site}.hook_y"], y_ed, "y after the edit vs brute force")
+    assert not torch.allclose(y_ed[:, t + 1:], y[:, t + 1:]), "the edit must change later outputs"
+
+
+def check_knockout_equals_kernel_zeroing(model, tokens, layer: int, sources, targets, knockout, tol: float = 1e-10):
+    """knockout(sources -> targets) at SSM layer `layer` == zeroing those entries of its hook_kernel."""
+    site = f"blocks.{layer}.mixer"
+
+    def zero(K, hook):
+        K = K.clone()
+        for j in targets:
+            for i in sources:
+                if i <= j % K.shape[-1]:
+                    K[..., j, i] = 0
+        return K
+
+    with torch.no_grad():
+        plain = model(tokens)
+        with knockout(model, sources=list(sources), targets=list(targets), layers=[layer]):
+            cut = model(tokens)
+        ref = model.run_with_hooks(tokens, fwd_hooks=[(f"{site}.hook_kernel", zero)])
+    torch.testing.assert_close(cut, ref, rtol=0, atol=tol)
+    assert not torch.allclose(cut, plain), "the cut must change the logits"
