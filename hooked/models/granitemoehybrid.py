@@ -1,0 +1,129 @@
+"""Granite 4 hybrid (IBM GraniteMoeHybrid): Mamba-2 and attention layers, dense or MoE MLPs, muP multipliers.
+
+Glossary (TransformerLens / SSM names; HF GraniteMoeHybridConfig names in brackets)
+    n_layers [num_hidden_layers]  d_model [hidden_size]  d_vocab [vocab_size]
+    layer_types  "mamba" or "attention" per layer [layer_types / layers_block_type]
+    Mamba-2 layers: n_heads [mamba_n_heads], d_head [mamba_d_head], d_inner [mamba_expand * hidden_size],
+        d_state [mamba_d_state], n_groups [mamba_n_groups], d_conv [mamba_d_conv], chunk_size
+        [mamba_chunk_size], dt_limit [time_step_limit], conv_bias, proj_bias [mamba_conv_bias, mamba_proj_bias]
+    attention layers: n_attn_heads, n_attn_kv_heads, d_attn_head = d_model / n_attn_heads,
+        rotary [position_embedding_type == "rope"], attention_bias
+    MLP: n_experts [num_local_experts] (0: dense), top_k [num_experts_per_tok], d_mlp [intermediate_size,
+        one expert's width], d_shared [shared_intermediate_size, the always-on SwiGLU "shared_mlp"]
+    multipliers (muP): embedding_multiplier; residual_multiplier on every sublayer's output;
+        attention_multiplier = the attention scale (replaces d_head^-1/2); logit_multiplier = 1 / logits_scaling
+
+    resid_0 = embedding_multiplier * W_E[token]                                   hook_embed
+    layer l: resid = resid + residual_multiplier * (attn or mixer)(ln1(resid))
+             resid = resid + residual_multiplier * (moe(x) + shared_mlp(x) or shared_mlp(x)),  x = ln2(resid)
+    logits = (ln_final(resid) @ W_U^T) * logit_multiplier
+
+Dense layers' MLP is the shared SwiGLU itself (blocks.{l}.mlp.*); MoE layers' is moe.py's MoE with
+it as `shared` (blocks.{l}.mlp.shared.*). Hooks: decoder.py, attention.py, mamba2.py, mlp.py, moe.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from hooked.models.attention import Attention
+from hooked.models.bamba import mamba2_layer
+from hooked.models.decoder import DecoderBlock, HybridLM
+from hooked.models.mlp import GatedMLP
+from hooked.models.moe import MoE, SoftmaxTopK
+from hooked.models.norms import RMSNorm
+from hooked.ops.rotary import Rotary
+
+LAYER_TYPES = ("mamba", "attention")
+
+
+@dataclass(frozen=True)
+class GraniteMoeHybridConfig:
+    n_layers: int
+    d_model: int
+    d_vocab: int
+    layer_types: Sequence[str]
+    n_heads: int  # H, SSM heads
+    d_head: int | None = None  # P
+    d_inner: int | None = None  # None: 2 * d_model
+    d_state: int = 256
+    n_groups: int = 1
+    d_conv: int = 4
+    chunk_size: int = 256
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    n_attn_heads: int = 32
+    n_attn_kv_heads: int | None = None
+    d_attn_head: int | None = None
+    use_rope: bool = False  # HF position_embedding_type == "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    attention_bias: bool = False
+    n_experts: int = 0  # 0: dense MLPs (the shared MLP only)
+    top_k: int = 2
+    d_mlp: int = 1024  # one expert's hidden width
+    d_shared: int = 1024  # the shared MLP's hidden width
+    act_fn: str = "silu"
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0  # the attention scale
+    logit_multiplier: float = 1.0  # 1 / HF logits_scaling
+    eps: float = 1e-6
+    tied: bool = False
+    n_ctx: int = 2048
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        put("layer_types", tuple(self.layer_types))
+        put("dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
+        if self.d_inner is None:
+            put("d_inner", 2 * self.d_model)
+        if self.d_head is None:
+            put("d_head", self.d_inner // self.n_heads)
+        if self.n_attn_kv_heads is None:
+            put("n_attn_kv_heads", self.n_attn_heads)
+        if self.d_attn_head is None:
+            put("d_attn_head", self.d_model // self.n_attn_heads)
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad or len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types must hold {self.n_layers} entries from {LAYER_TYPES}; got "
+                             f"{len(self.layer_types)}{f', unknown {bad}' if bad else ''}")
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be in [1, n_experts = {self.n_experts}]")
+
+    @property
+    def rotary(self) -> Rotary | None:
+        return Rotary.of(self.d_attn_head, self.rope_theta, self.rope_scaling) if self.use_rope else None
+
+
+def granite_mlp(cfg: GraniteMoeHybridConfig) -> nn.Module:
+    shared = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn)
+    if not cfg.n_experts:
+        return shared
+    return MoE(cfg.d_model, cfg.d_mlp, cfg.n_experts, SoftmaxTopK(cfg.top_k, renormalise=True), cfg.act_fn,
+               shared=shared)
+
+
+class HookedGraniteMoeHybrid(HybridLM):
+    """Granite 4 hybrid; attention layers `blocks.{l}.attn`, Mamba-2 layers `blocks.{l}.mixer`, MLPs `blocks.{l}.mlp`."""
+
+    def __init__(self, cfg: GraniteMoeHybridConfig) -> None:
+        rotary = cfg.rotary
+        blocks = []
+        for kind in cfg.layer_types:
+            if kind == "attention":
+                first, name = Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
+                                        qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
+                                        scale=cfg.attention_multiplier), "attn"
+            else:
+                first, name = mamba2_layer(cfg), "mixer"
+            blocks.append(DecoderBlock(RMSNorm(cfg.d_model, cfg.eps), first, name, RMSNorm(cfg.d_model, cfg.eps),
+                                       granite_mlp(cfg), residual_multiplier=cfg.residual_multiplier))
+        super().__init__(cfg, blocks, cfg.embedding_multiplier, cfg.logit_multiplier)
+        nn.init.normal_(self.embed.weight, std=0.02)

@@ -1,0 +1,158 @@
+"""Mixture-of-experts MLP: a router picks top_k experts per token, their outputs are mixed by weight.
+
+Glossary
+    n_experts   E, routed experts; top_k = k experts per token; d_expert = F, one expert's hidden width
+    router      linear d_model -> E without bias; its output is the router logits
+    select      the routing rule: (logits) -> (chosen [.. k] expert ids, weights [.. k])
+                SoftmaxTopK: Jamba / Mixtral (softmax over all E, keep the top k) and, with
+                renormalise=True, Granite 4 (softmax over the top k logits)
+                SigmoidTopK: NemotronH (DeepSeek-V3 style: sigmoid scores, a per-expert correction
+                bias for the choice only, expert groups, optional renormalisation, a scaling factor)
+    experts     stacked weights: gate_proj and up_proj [E F d_model] (gated experts: down(act(gate) * up)),
+                up_proj only for plain experts (down(act(up))), down_proj [E d_model F]
+    shared      an always-on MLP added to the routed output (Granite 4's shared_mlp, NemotronH's
+                shared_experts), or None
+
+    out = sum_k weights[k] * expert_{chosen[k]}(x)  (+ shared(x))
+
+Hooks, under blocks.{l}.mlp. (the MoE is the layer's `mlp`; its output is blocks.{l}.hook_mlp_out):
+    hook_router_logits [batch pos n_experts]       router(x), float32 or wider (as HF routes)
+    hook_chosen        [batch pos top_k] (int64)   each token's experts, in slot order
+    hook_routing_weights [batch pos top_k]         each slot's weight
+    hook_expert_out    [batch pos top_k d_model]   the chosen experts' outputs, before weighting
+    hook_routed_out    [batch pos d_model]         sum_k weights * expert_out
+    shared.*, hook_shared_out [batch pos d_model]  the shared MLP (when there is one)
+
+Edits propagate: edited logits are what the rule selects from; an edited `chosen` runs the experts it
+names (its slots keep their weights); edited weights and expert outputs are what is summed. Zeroing
+the weights of expert e (analysis `ablate_experts`) equals zeroing expert e's down_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from hooked.hook_points import HookPoint
+from hooked.models.mlp import activation
+
+
+class SoftmaxTopK(nn.Module):
+    """Top-k by logit; weights softmax(logits)[chosen], or (renormalise) softmax(logits[chosen])."""
+
+    def __init__(self, top_k: int, renormalise: bool = False) -> None:
+        super().__init__()
+        self.top_k, self.renormalise = top_k, renormalise
+
+    def forward(self, logits: Float[Tensor, "n n_experts"]) -> tuple[Int[Tensor, "n k"], Float[Tensor, "n k"]]:
+        top_logits, chosen = logits.topk(self.top_k, dim=-1)
+        if self.renormalise:
+            return chosen, top_logits.softmax(dim=-1)
+        return chosen, logits.softmax(dim=-1).gather(-1, chosen)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, renormalise={self.renormalise}"
+
+
+class SigmoidTopK(nn.Module):
+    """sigmoid scores; choose top-k of scores + correction_bias within the topk_group best groups.
+
+    A group's score is the sum of its two best biased scores (DeepSeek-V3, NemotronH). Weights are
+    the unbiased scores of the chosen experts, divided by their sum when renormalise, times scaling.
+    """
+
+    def __init__(self, n_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1, renormalise: bool = True,
+                 scaling: float = 1.0) -> None:
+        super().__init__()
+        if n_experts % n_group:
+            raise ValueError(f"n_group ({n_group}) must divide n_experts ({n_experts})")
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.renormalise, self.scaling = renormalise, float(scaling)
+        self.correction_bias = nn.Parameter(torch.zeros(n_experts), requires_grad=False)  # choice only
+
+    def forward(self, logits: Float[Tensor, "n n_experts"]) -> tuple[Int[Tensor, "n k"], Float[Tensor, "n k"]]:
+        scores = logits.sigmoid()
+        biased = scores + self.correction_bias.to(scores.dtype)
+        grouped = rearrange(biased, "n (g e) -> n g e", g=self.n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        chosen = biased.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        if self.renormalise:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return chosen, weights * self.scaling
+
+    def extra_repr(self) -> str:
+        return (f"top_k={self.top_k}, n_group={self.n_group}, topk_group={self.topk_group}, "
+                f"renormalise={self.renormalise}, scaling={self.scaling:g}")
+
+
+class MoE(nn.Module):
+    """Router, rule, stacked experts and an optional shared MLP, every routing quantity hooked.
+
+    Args:
+        d_model, d_expert, n_experts: sizes (glossary).
+        select: a routing rule (SoftmaxTopK, SigmoidTopK); its top_k is the slots per token.
+        act_fn: the experts' activation (mlp.py's names).
+        gated: experts are down(act(gate) * up) when True, down(act(up)) when False.
+        shared: the always-on MLP, or None.
+        router_dtype: the router's compute dtype floor (HF routes in float32).
+    """
+
+    def __init__(self, d_model: int, d_expert: int, n_experts: int, select: nn.Module, act_fn: str = "silu",
+                 gated: bool = True, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.act_fn = n_experts, select.top_k, act_fn
+        self.act = activation(act_fn)
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.select = select
+        scale = d_model**-0.5
+        self.gate_proj = nn.Parameter(torch.randn(n_experts, d_expert, d_model) * scale) if gated else None
+        self.up_proj = nn.Parameter(torch.randn(n_experts, d_expert, d_model) * scale)
+        self.down_proj = nn.Parameter(torch.randn(n_experts, d_model, d_expert) * d_expert**-0.5)
+        self.shared = shared
+        self.hook_router_logits = HookPoint()  # [batch pos n_experts]
+        self.hook_chosen = HookPoint()  # [batch pos top_k] int64
+        self.hook_routing_weights = HookPoint()  # [batch pos top_k]
+        self.hook_expert_out = HookPoint()  # [batch pos top_k d_model]
+        self.hook_routed_out = HookPoint()  # [batch pos d_model]
+        if shared is not None:
+            self.hook_shared_out = HookPoint()  # [batch pos d_model]
+
+    def expert(self, e: int, x: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_model"]:
+        """Expert e on the rows of x."""
+        up = F.linear(x, self.up_proj[e])
+        hidden = self.act(up) if self.gate_proj is None else self.act(F.linear(x, self.gate_proj[e])) * up
+        return F.linear(hidden, self.down_proj[e])
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        batch, pos, d_model = x.shape
+        router_dtype = torch.promote_types(x.dtype, torch.float32)
+        router_logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype))
+        router_logits = self.hook_router_logits(router_logits)
+        chosen, weights = self.select(rearrange(router_logits, "b l e -> (b l) e"))
+        chosen = self.hook_chosen(rearrange(chosen, "(b l) k -> b l k", b=batch))
+        routing_weights = self.hook_routing_weights(rearrange(weights, "(b l) k -> b l k", b=batch).to(x.dtype))
+        if chosen.dtype != torch.long or ((chosen < 0) | (chosen >= self.n_experts)).any():
+            raise ValueError(f"{self.hook_chosen.name}: chosen experts must be int64 ids in [0, {self.n_experts})")
+        flat_x = rearrange(x, "b l m -> (b l) m")
+        flat_chosen = rearrange(chosen, "b l k -> (b l) k")
+        outs = flat_x.new_zeros(flat_x.shape[0], self.top_k, d_model)
+        for e in torch.unique(flat_chosen).tolist():
+            rows, slots = torch.where(flat_chosen == e)
+            outs[rows, slots] = self.expert(e, flat_x[rows])
+        expert_out = self.hook_expert_out(rearrange(outs, "(b l) k m -> b l k m", b=batch))
+        routed_out = einsum(routing_weights, expert_out, "b l k, b l k m -> b l m")
+        routed_out = self.hook_routed_out(routed_out)
+        if self.shared is None:
+            return routed_out
+        shared_out = self.hook_shared_out(self.shared(x))
+        return routed_out + shared_out
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, top_k={self.top_k}, gated={self.gate_proj is not None}, act_fn={self.act_fn}"
