@@ -141,8 +141,12 @@ def check_ssm_invariants(model, tokens, site: str, tol: float = 1e-10) -> None:
 
 
 def check_knockout_equals_kernel_zeroing(model, tokens, layer: int, sources, targets, knockout, tol: float = 1e-10):
-    """knockout(sources -> targets) at SSM layer `layer` == zeroing those entries of its hook_kernel."""
+    """knockout(sources -> targets) at SSM layer `layer` == zeroing those entries of its hook_kernel
+    (and, where the layer also has attention, Falcon-H1, of its pattern: attention="pattern")."""
     site = f"blocks.{layer}.mixer"
+    hooks = [(f"{site}.hook_kernel", None)]
+    if f"blocks.{layer}.attn.hook_pattern" in model.hook_dict:
+        hooks.append((f"blocks.{layer}.attn.hook_pattern", None))
 
     def zero(K, hook):
         K = K.clone()
@@ -154,8 +158,8 @@ def check_knockout_equals_kernel_zeroing(model, tokens, layer: int, sources, tar
 
     with torch.no_grad():
         plain = model(tokens)
-        with knockout(model, sources=list(sources), targets=list(targets), layers=[layer]):
+        with knockout(model, sources=list(sources), targets=list(targets), layers=[layer], attention="pattern"):
             cut = model(tokens)
-        ref = model.run_with_hooks(tokens, fwd_hooks=[(f"{site}.hook_kernel", zero)])
+        ref = model.run_with_hooks(tokens, fwd_hooks=[(name, zero) for name, _ in hooks])
     torch.testing.assert_close(cut, ref, rtol=0, atol=tol)
     assert not torch.allclose(cut, plain), "the cut must change the logits"

@@ -71,3 +71,35 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={self.eps}"
+
+
+class NormThenGate(nn.Module):
+    """weight * rmsnorm_groups(x) * SiLU(gate): the norm BEFORE the gate (Falcon-H1's mamba_norm_before_gate).
+
+    float32 (float64 for float64 inputs) throughout, cast back to x's dtype at the end, as HF's
+    FalconH1RMSNormGated does.
+    """
+
+    def __init__(self, d: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        if group_size <= 0 or d % group_size:
+            raise ValueError(f"group_size {group_size} must divide the {d} channels")
+        self.group_size, self.eps = group_size, eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Float[Tensor, "*batch d"], gate: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch d"]:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        grouped = rearrange(x.to(compute), "... (k s) -> ... k s", s=self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.weight.to(compute) * rearrange(grouped, "... k s -> ... (k s)")
+        return (normed * F.silu(gate.to(compute))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={self.eps}"
+
+
+class SiluGate(nn.Module):
+    """x * SiLU(gate), no norm and no weight (Falcon-H1 with mamba_rms_norm=False, Mamba-1's gate)."""
+
+    def forward(self, x: Float[Tensor, "*batch d"], gate: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch d"]:
+        return x * F.silu(gate.to(x.dtype))

@@ -118,11 +118,17 @@ class Mamba2Mixer(nn.Module):
         conv_bias, proj_bias: biases of the conv and of in_proj / out_proj.
         eps: epsilon of the gated RMSNorm (its group size is d_inner // n_groups, as in HF).
         dt_limit: (min, max) clamp of dt after softplus.
+        out_bias: out_proj's bias when it differs from in_proj's (Falcon-H1's projectors_bias).
+        norm: the gate-and-norm module between the SSM and out_proj, called norm(ssm_out, z)
+            (default GatedRMSNorm; Falcon-H1 uses gated_norm.py's NormThenGate or SiluGate).
+        in_multiplier, in_scale: muP scales (Falcon-H1): in_proj reads in_multiplier * x, and its
+            output [z, x, B, C, dt] is multiplied by in_scale (a buffer, one entry per output).
     """
 
     def __init__(self, d_model: int, d_inner: int, n_heads: int, d_head: int, d_state: int, n_groups: int,
                  d_conv: int, chunk_size: int, conv_bias: bool = True, proj_bias: bool = False,
-                 eps: float = 1e-5, dt_limit: tuple[float, float] = (0.0, math.inf)) -> None:
+                 eps: float = 1e-5, dt_limit: tuple[float, float] = (0.0, math.inf), *, out_bias: bool | None = None,
+                 norm: nn.Module | None = None, in_multiplier: float = 1.0, in_scale: Tensor | None = None) -> None:
         super().__init__()
         if d_inner != n_heads * d_head or n_heads % n_groups:
             raise ValueError(f"need d_inner == n_heads * d_head and n_groups | n_heads; got d_inner={d_inner}, "
@@ -138,8 +144,12 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1 of dt in [1e-3, 0.1]
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(n_heads))
-        self.norm = GatedRMSNorm(d_inner, d_inner // n_groups, eps)
-        self.out_proj = nn.Linear(d_inner, d_model, bias=proj_bias)
+        self.norm = GatedRMSNorm(d_inner, d_inner // n_groups, eps) if norm is None else norm
+        self.out_proj = nn.Linear(d_inner, d_model, bias=proj_bias if out_bias is None else out_bias)
+        self.in_multiplier = float(in_multiplier)
+        if in_scale is not None and in_scale.shape != (self.in_proj.out_features,):
+            raise ValueError(f"in_scale must have in_proj's {self.in_proj.out_features} entries, got {tuple(in_scale.shape)}")
+        self.register_buffer("in_scale", in_scale, persistent=False)
 
         self.hook_in = HookPoint()  # [batch pos conv_dim]  x, B, C before the conv
         self.hook_gate = HookPoint()  # [batch pos d_inner]  z, before SiLU
@@ -170,7 +180,10 @@ class Mamba2Mixer(nn.Module):
         mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
         if mask is not None:  # padding enters the mixer, and the conv, as zeros: the state stays 0
             x = x * mask
-        gate, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
+        projected = self.in_proj(x if self.in_multiplier == 1.0 else x * self.in_multiplier)
+        if self.in_scale is not None:
+            projected = projected * self.in_scale.to(projected.dtype)
+        gate, xBC, dt = projected.split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         if mask is not None:  # equal to HF without in_proj bias; with one, keeps padded rows exact
             xBC = xBC * mask
         xBC = self.hook_in(xBC)

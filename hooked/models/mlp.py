@@ -45,6 +45,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_new": gelu_new,
     "gelu_pytorch_tanh": gelu_tanh,
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (NemotronH)
 }
 
 
@@ -81,10 +82,13 @@ class MLP(nn.Module):
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)), as in Llama (SwiGLU when act_fn is silu)."""
 
-    def __init__(self, d_model: int, d_mlp: int, act_fn: str, bias: bool = False) -> None:
+    def __init__(self, d_model: int, d_mlp: int, act_fn: str, bias: bool = False, *, gate_multiplier: float = 1.0,
+                 out_multiplier: float = 1.0) -> None:
         super().__init__()
         self.act_fn = act_fn
         self.act = activation(act_fn)
+        # muP scales (Falcon-H1's mlp_multipliers): hook_pre = gate_multiplier * gate_proj(x); out * out_multiplier
+        self.gate_multiplier, self.out_multiplier = float(gate_multiplier), float(out_multiplier)
         self.gate_proj = nn.Linear(d_model, d_mlp, bias=bias)
         self.up_proj = nn.Linear(d_model, d_mlp, bias=bias)
         self.down_proj = nn.Linear(d_mlp, d_model, bias=bias)
@@ -94,12 +98,15 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         pre = self.gate_proj(x)
+        if self.gate_multiplier != 1.0:
+            pre = pre * self.gate_multiplier
         pre = self.hook_pre(pre)
         pre_linear = self.up_proj(x)
         pre_linear = self.hook_pre_linear(pre_linear)
         post = self.act(pre) * pre_linear
         post = self.hook_post(post)
-        return self.down_proj(post)
+        out = self.down_proj(post)
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier
 
     def extra_repr(self) -> str:
         return f"act_fn={self.act_fn}"
