@@ -1,0 +1,103 @@
+"""NemotronHForCausalLM checkpoints (model_type "nemotron_h") -> hooked.models.nemotron_h.HookedNemotronH.
+
+Glossary of HF config fields (NemotronHConfig) and ours: layers_block_type / layer_types, or the legacy
+hybrid_override_pattern string -> layer_types; mamba_num_heads -> n_heads, mamba_head_dim -> d_head,
+ssm_state_size -> d_state, n_groups, conv_kernel -> d_conv, chunk_size, (time_step_min, inf) -> dt_limit,
+use_conv_bias -> conv_bias, use_bias -> proj_bias, num_attention_heads -> n_attn_heads,
+num_key_value_heads -> n_attn_kv_heads, head_dim -> d_attn_head, intermediate_size -> d_mlp,
+mlp_hidden_act -> act_fn, mlp_bias, n_routed_experts -> n_experts, num_experts_per_tok -> top_k,
+moe_intermediate_size -> d_expert, moe_shared_expert_intermediate_size -> d_shared, n_group, topk_group,
+norm_topk_prob -> renormalise, routed_scaling_factor -> routed_scaling, layer_norm_epsilon -> eps.
+Refused: moe_latent_size (latent expert projections), mamba_hidden_act other than silu.
+
+Key layout: `model.embeddings.weight`, `model.layers.{l}.norm.weight`, `model.layers.{l}.mixer.*`
+(Mamba-2, attention q/k/v/o, MLP up/down, or MoE `gate.weight`, `gate.e_score_correction_bias`,
+`experts.up_proj` [E F m], `experts.down_proj` [E m F], `shared_experts.{up,down}_proj.weight`),
+`model.norm_f.weight`, `lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hooked.models.nemotron_h import HookedNemotronH, NemotronHConfig
+from loaders.bamba import attention_keys, mamba2_keys
+from loaders.granitemoehybrid import stacked_experts_keys
+from loaders.registry import Architecture, Key, register
+
+LAYER_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
+               "mlp": "mlp", "moe": "moe"}
+
+
+def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    if kinds is None and hf.get("hybrid_override_pattern"):
+        kinds = NemotronHConfig.layer_types_of(hf["hybrid_override_pattern"])
+    if not kinds:
+        raise ValueError("NemotronH config without layers_block_type or hybrid_override_pattern")
+    unknown = sorted({k for k in kinds if k not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"NemotronH layer types {unknown} are not supported (known: {', '.join(LAYER_TYPES)})")
+    if hf.get("moe_latent_size") is not None:
+        raise ValueError("NemotronH with moe_latent_size (latent expert projections) is not supported")
+    if hf.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"NemotronH mamba_hidden_act {hf['mamba_hidden_act']!r} is not supported (silu only)")
+    n_attn_heads = int(hf["num_attention_heads"])
+    return NemotronHConfig(
+        d_model=int(hf["hidden_size"]), d_vocab=int(hf["vocab_size"]), layer_types=tuple(LAYER_TYPES[k] for k in kinds),
+        n_heads=int(hf["mamba_num_heads"]), d_head=int(hf["mamba_head_dim"]), d_state=int(hf.get("ssm_state_size", 128)),
+        n_groups=int(hf.get("n_groups", 8)), d_conv=int(hf.get("conv_kernel", 4)), chunk_size=int(hf.get("chunk_size", 128)),
+        dt_limit=(float(hf.get("time_step_min", 0.001)), math.inf), conv_bias=bool(hf.get("use_conv_bias", True)),
+        proj_bias=bool(hf.get("use_bias", False)), n_attn_heads=n_attn_heads,
+        n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
+        d_attn_head=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_attn_heads),
+        d_mlp=int(hf["intermediate_size"]), mlp_bias=bool(hf.get("mlp_bias", False)),
+        act_fn=hf.get("mlp_hidden_act", "relu2"), n_experts=int(hf.get("n_routed_experts", 8)),
+        top_k=int(hf.get("num_experts_per_tok", 2)), d_expert=int(hf.get("moe_intermediate_size", 7688)),
+        d_shared=int(hf.get("moe_shared_expert_intermediate_size", 7688)), n_group=int(hf.get("n_group", 1)),
+        topk_group=int(hf.get("topk_group", 1)), renormalise=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        tied=False,  # HF's NemotronHForCausalLM never ties lm_head (_tied_weights_keys = {}), whatever the config says
+        n_ctx=int(hf.get("max_position_embeddings") or 4096),
+    )
+
+
+def mlp_keys(ours: str, theirs: str, bias: bool) -> dict[str, Key]:
+    return {f"{ours}{p}_proj.{w}": Key.of(f"{theirs}{p}_proj.{w}") for p in ("up", "down")
+            for w in ("weight", "bias")[: 1 + bias]}
+
+
+def key_map(cfg: NemotronHConfig) -> dict[str, Key]:
+    keys = {"embed.weight": Key.of("model.embeddings.weight", "backbone.embeddings.weight"),
+            "ln_final.weight": Key.of("model.norm_f.weight", "backbone.norm_f.weight")}
+    for layer, kind in enumerate(cfg.layer_types):
+        ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
+        keys[ours + "ln1.weight"] = Key.of(theirs + "norm.weight")
+        if kind == "mamba":
+            keys.update(mamba2_keys(ours + "mixer.", theirs + "mixer.", cfg.conv_bias, cfg.proj_bias))
+            keys[ours + "mixer.norm.weight"] = Key.of(theirs + "mixer.norm.weight")
+        elif kind == "attention":
+            keys.update(attention_keys(ours + "attn.", theirs + "mixer.", False, False))
+        elif kind == "mlp":
+            keys.update(mlp_keys(ours + "mlp.", theirs + "mixer.", cfg.mlp_bias))
+        else:
+            keys[ours + "mlp.router.weight"] = Key.of(theirs + "mixer.gate.weight")
+            keys[ours + "mlp.select.correction_bias"] = Key.of(theirs + "mixer.gate.e_score_correction_bias")
+            keys.update(stacked_experts_keys(ours + "mlp.", theirs + "mixer.experts.", gated=False))
+            keys.update(mlp_keys(ours + "mlp.shared.", theirs + "mixer.shared_experts.", cfg.mlp_bias))
+    if not cfg.tied:
+        keys["unembed.weight"] = Key.of("lm_head.weight")
+    return keys
+
+
+NEMOTRON_H = register(
+    Architecture(
+        name="nemotron_h",
+        hf_classes=("NemotronHForCausalLM",),
+        model_types=("nemotron_h",),
+        config_from_hf=config_from_hf,
+        build=HookedNemotronH,
+        key_map=key_map,
+    )
+)
