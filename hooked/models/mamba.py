@@ -32,9 +32,10 @@ untouched (bit-identical logits); an in-place edit is seen through the tensor's 
 (under torch.inference_mode, by comparing with a copy).
 
 FalconMamba = Mamba-1 plus weightless RMS norms on the Δ input (dt_rank wide), B and C, turned on
-by `MambaConfig.mixer_rms_eps`. Padding (Context.attention_mask) zeroes the mixer input, the
-conv input and the conv output at padded positions, as HF's slow path does: a left-padded row
-keeps a zero state until its first real token, so it equals the prompt run alone.
+by `MambaConfig.mixer_rms_eps`; Jamba's Mamba layers give those norms weights (`mixer_norm_weights`).
+Padding (Context.attention_mask) zeroes the mixer input, the conv input and the conv output at
+padded positions, as HF's slow path does: a left-padded row keeps a zero state until its first
+real token, so it equals the prompt run alone.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class MambaConfig:
     proj_bias: bool = False  # bias of in_proj and out_proj (HF use_bias)
     tied: bool = True  # unembed shares the embedding matrix
     mixer_rms_eps: float | None = None  # FalconMamba: weightless RMS norms on Δ input, B, C
+    mixer_norm_weights: bool = False  # Jamba: those norms have weights (dt_norm_weight, B_norm_weight, C_norm_weight)
 
     def __post_init__(self) -> None:
         if self.d_inner is None:
@@ -110,6 +112,12 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(d, n))
         self.D = nn.Parameter(torch.ones(d))
         self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
+        if cfg.mixer_norm_weights:
+            if cfg.mixer_rms_eps is None:
+                raise ValueError("mixer_norm_weights needs mixer_rms_eps (the norms they weight)")
+            self.dt_norm_weight = nn.Parameter(torch.ones(r))
+            self.B_norm_weight = nn.Parameter(torch.ones(n))
+            self.C_norm_weight = nn.Parameter(torch.ones(n))
         self.reset_parameters()
 
         self.hook_in = HookPoint()  # [batch pos d_inner]
@@ -157,8 +165,10 @@ class MambaMixer(nn.Module):
         ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
         ssm_in = self.hook_ssm_in(ssm_in)
         dt_in, B, C = self.x_proj(ssm_in).split([self.cfg.dt_rank, self.cfg.d_state, self.cfg.d_state], dim=-1)
-        if self.cfg.mixer_rms_eps is not None:  # FalconMamba
+        if self.cfg.mixer_rms_eps is not None:  # FalconMamba; Jamba with weights
             dt_in, B, C = (_weightless_rms_norm(t, self.cfg.mixer_rms_eps) for t in (dt_in, B, C))
+            if self.cfg.mixer_norm_weights:
+                dt_in, B, C = dt_in * self.dt_norm_weight, B * self.B_norm_weight, C * self.C_norm_weight
         dt = F.softplus(self.dt_proj(dt_in))
         dt = self.hook_dt(dt)
         B = self.hook_B(B)
