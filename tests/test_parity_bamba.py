@@ -110,7 +110,7 @@ def test_ssm_invariants_float64():
 
 
 def test_knockout_equals_zeroing_kernel_entries():
-    from analysis.knockout import knockout
+    from analysis.interventions.knockout import knockout
 
     model = model64()
     tokens = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(4))
@@ -118,7 +118,7 @@ def test_knockout_equals_zeroing_kernel_entries():
 
 
 def test_attention_knockout_equals_pattern_zeroing_and_hook_sites():
-    from analysis.knockout import knockout, knockout_sites
+    from analysis.interventions.knockout import knockout, knockout_sites
 
     model = model64()
     assert knockout_sites(model, 0) == (["blocks.0.attn"], []) and knockout_sites(model, 1) == ([], ["blocks.1.mixer"])

@@ -88,7 +88,7 @@ def test_branch_ablation_equals_hf_with_its_output_projection_zeroed(name, branc
 
 
 def test_head_ablation_on_either_branch():
-    from analysis.ablation import ablate_heads
+    from analysis.interventions import ablate_heads
 
     hf = make_hf(**CASES["silu_gate_mup"][0])
     model = from_hf(hf)
@@ -103,7 +103,7 @@ def test_head_ablation_on_either_branch():
 
 
 def test_ssm_invariants_float64_and_knockout():
-    from analysis.knockout import knockout
+    from analysis.interventions.knockout import knockout
 
     model = from_hf(make_hf(**CASES["norm_before_gate_mup"][0]).double())
     tokens = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(4))

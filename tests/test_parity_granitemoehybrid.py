@@ -105,7 +105,7 @@ def test_expert_ablation_equals_hf_with_its_down_proj_zeroed(name, layer, expert
 
 
 def test_ssm_invariants_float64_and_knockout():
-    from analysis.knockout import knockout
+    from analysis.interventions.knockout import knockout
 
     model = from_hf(make_hf(**CASES["moe_top3_nope"][0]).double())
     tokens = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(4))

@@ -85,7 +85,7 @@ def test_expert_ablation_equals_hf_with_its_down_proj_zeroed(name, layer, expert
 
 
 def test_channel_ablation_equals_hf_with_its_out_proj_column_zeroed():
-    from analysis.ablation import ablate_heads
+    from analysis.interventions import ablate_heads
 
     hf = make_hf(**CASES["attn_odd_moe_even"][0])
     model = from_hf(hf)
@@ -100,7 +100,7 @@ def test_channel_ablation_equals_hf_with_its_out_proj_column_zeroed():
 
 
 def test_ssm_invariants_float64_and_knockout():
-    from analysis.knockout import knockout
+    from analysis.interventions.knockout import knockout
 
     model = from_hf(make_hf(**CASES["attn_odd_moe_even"][0]).double())
     tokens = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(4))

@@ -101,7 +101,7 @@ def test_expert_ablation_equals_hf_with_its_down_proj_zeroed(name, layer, expert
 
 
 def test_ssm_invariants_float64_and_knockout():
-    from analysis.knockout import knockout
+    from analysis.interventions.knockout import knockout
 
     pattern, overrides, _, _ = CASES["ME*M-"]
     model = from_hf(make_hf(pattern, **overrides).double())

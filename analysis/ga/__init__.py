@@ -1,6 +1,7 @@
 """Gather-and-Aggregate (Bick, Xing, Gu 2025): which heads gather segments and which aggregate them.
 
-    ranking  `rank_heads` (accuracy drop when each unit is ablated, pairs too), `head_units`, `HeadRanking`
+    ranking  `rank_heads` (accuracy drop when each unit is ablated, pairs too), `head_units`,
+             `expert_units` (mixture-of-experts experts as units), `HeadRanking`
     scores   `ga_scores` (gather / aggregate mass from patterns and SSM kernels), masking experiments
              (`gather_only`, `aggregate_only`, `restrict_heads`, `masked_accuracy`), the one definition
              of a head's mixing weights (`weights_hook`, `as_weights`)
@@ -10,12 +11,12 @@
 `kv_retrieval` and `score_choices` (analysis.tasks) are exported here too, as DESIGN.md section 5 names them.
 """
 
-from analysis.ga.ranking import HeadRanking, Unit, head_units, rank_heads
+from analysis.ga.ranking import HeadRanking, Unit, expert_units, head_units, rank_heads
 from analysis.ga.reads import reads
 from analysis.ga.report import ga_report
 from analysis.ga.scores import aggregate_only, ga_scores, gather_only, masked_accuracy, restrict_heads
 from analysis.tasks.scoring import score_choices
 from analysis.tasks.text import kv_retrieval
 
-__all__ = ["HeadRanking", "Unit", "head_units", "rank_heads", "reads", "ga_report", "aggregate_only",
+__all__ = ["HeadRanking", "Unit", "expert_units", "head_units", "rank_heads", "reads", "ga_report", "aggregate_only",
            "ga_scores", "gather_only", "masked_accuracy", "restrict_heads", "score_choices", "kv_retrieval"]

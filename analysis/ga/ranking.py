@@ -5,7 +5,9 @@ Choices are scored by `analysis.tasks.scoring` (summed log-probability of each c
 Glossary
     unit            what `rank_heads` ablates at once: an attention head, a Zamba2 shared head of
                     one invocation ("L5SH3"), a Mamba-2 head, or a group of Mamba-1 channels
-                    ("L2C0-63"): single channels are too many and too redundant to rank one by one.
+                    ("L2C0-63"): single channels are too many and too redundant to rank one by one;
+                    or a mixture-of-experts expert ("L3E5", `expert_units`, zero-ablated by
+                    `ablate_experts`: pass `head_units(model) + expert_units(model)` as units).
     prefix reuse    ablating a unit of layer l cannot change the residual entering layer l: it is
                     computed once per layer (`stop_at_layer`) and every ablated run starts there.
     pair ablation   redundant heads hide from single-unit ranking (ablating one, its twin takes
@@ -14,6 +16,7 @@ Glossary
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from collections.abc import Sequence
@@ -26,6 +29,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.interventions.ablation import ablate_heads, head_layout
+from analysis.interventions.experts import ablate_experts, moe_layout
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example
@@ -34,13 +38,38 @@ from analysis.tasks.text import Example
 # ------------------------------------------------------------------------------- ranking
 @dataclass(frozen=True)
 class Unit:
-    label: str  # "L3H5", "L5SH3", "L2C0-63"
+    label: str  # "L3H5", "L5SH3", "L2C0-63", "L3E5"
     layer: int
     module: str
-    heads: tuple[int, ...]
+    heads: tuple[int, ...]  # head ids, or expert ids when kind == "expert"
+    kind: str = "head"  # "head" (ablate_heads) or "expert" (ablate_experts)
 
     def specs(self) -> list[tuple[str, int]]:
         return [(self.module, h) for h in self.heads]
+
+
+@contextlib.contextmanager
+def ablated(model: Any, units: Sequence[Unit], mode: str = "zero", mean_cache: Any = None):
+    """Ablate every unit at once: heads through ablate_heads, experts through ablate_experts (zero only)."""
+    heads = [s for u in units if u.kind == "head" for s in u.specs()]
+    experts = [s for u in units if u.kind == "expert" for s in u.specs()]
+    if experts and mode != "zero":
+        raise ValueError(f"expert units are zero-ablated only, got mode={mode!r}")
+    with contextlib.ExitStack() as stack:
+        if heads:
+            stack.enter_context(ablate_heads(model, heads, mode=mode, mean_cache=mean_cache))
+        if experts:
+            stack.enter_context(ablate_experts(model, experts))
+        yield model
+
+
+def expert_units(model: Any) -> list[Unit]:
+    """One unit per expert of every mixture-of-experts MLP ("L3E5": layer 3, expert 5)."""
+    units = []
+    for prefix, n in moe_layout(model).items():
+        layer = int(prefix.split(".")[1])
+        units += [Unit(f"L{layer}E{e}", layer, prefix, (e,), "expert") for e in range(n)]
+    return units
 
 
 def head_units(model: Any, channel_group: int | None = None) -> list[Unit]:
@@ -68,8 +97,8 @@ class HeadRanking:
         return [r["unit"] for r in self.rows[:k]]
 
     def matrix(self, key: str = "drop", n_layers: int | None = None) -> Tensor:
-        """[layer, head] of `key` for the layers' own heads (NaN elsewhere; Zamba2 shared heads left out)."""
-        own = [r for r in self.rows if "SH" not in r["unit"]]
+        """[layer, head] of `key` for the layers' own heads (NaN elsewhere; Zamba2 shared heads and experts left out)."""
+        own = [r for r in self.rows if "SH" not in r["unit"] and r.get("kind", "head") == "head"]
         layers = n_layers or (max(r["layer"] for r in own) + 1)
         width = max(r["index"] for r in own) + 1
         out = torch.full((layers, width), float("nan"))
@@ -101,7 +130,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     results: dict[str, dict[str, float]] = {}
 
     def run(unit: Unit, start: int | None, resids: list[Tensor] | None) -> None:
-        with ablate_heads(model, unit.specs(), mode=mode, mean_cache=mean_cache):
+        with ablated(model, [unit], mode, mean_cache):
             results[unit.label] = scorer.metrics(scorer.scores(start, resids))
         bar.update()
 
@@ -114,7 +143,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         for unit in units:
             run(unit, None, None)
     bar.close()
-    rows = [{"unit": u.label, "layer": u.layer, "module": u.module, "index": _index(u),
+    rows = [{"unit": u.label, "layer": u.layer, "module": u.module, "kind": u.kind, "index": _index(u),
              "heads": " ".join(map(str, u.heads)), **results[u.label],
              "drop": base["accuracy"] - results[u.label]["accuracy"],
              "logprob_drop": base["logprob"] - results[u.label]["logprob"]} for u in units]
@@ -129,7 +158,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         if unit not in top:
             top.append(unit)
     for a, b in tqdm(list(itertools.combinations(top, 2)), desc="pairs", disable=not progress):
-        with ablate_heads(model, a.specs() + b.specs(), mode=mode, mean_cache=mean_cache):
+        with ablated(model, [a, b], mode, mean_cache):
             m = scorer.metrics(scorer.scores())
         drop = base["accuracy"] - m["accuracy"]
         singles = results[a.label], results[b.label]

@@ -4,12 +4,14 @@
                  `knockout`, `decay_norms`, `decay_split`, `feature_plan`, `feature_knockout`
     ablation     zero (or mean-ablate) heads, skip or replace blocks: `ablate_heads`, `skip_layers`,
                  `replace_block`, `prune_from_end`, `remove_and_restore`, `head_layout`, `parse_head`
+    experts      mixture-of-experts expert ablation: `ablate_experts` (optionally renormalising), `moe_layout`
     patching     activation patching (one generic loop plus setters) and attribution patching:
                  `patch`, `act_patch`, `attribution_patch`, metrics `logit_diff`, `answer_prob`, ...
 """
 
 from analysis.interventions.ablation import (ablate_heads, head_layout, parse_head, prune_from_end,
                                              remove_and_restore, replace_block, skip_layers)
+from analysis.interventions.experts import ablate_experts, moe_layout
 from analysis.interventions.knockout import (decay_norms, decay_split, feature_knockout, feature_plan,
                                              knockout)
 from analysis.interventions.patching import (act_patch, answer_prob, attribution_patch, compare_attribution,
@@ -18,7 +20,7 @@ from analysis.interventions.patching import (act_patch, answer_prob, attribution
 
 __all__ = [
     "ablate_heads", "head_layout", "parse_head", "prune_from_end", "remove_and_restore", "replace_block",
-    "skip_layers", "decay_norms", "decay_split", "feature_knockout", "feature_plan", "knockout",
+    "skip_layers", "ablate_experts", "moe_layout", "decay_norms", "decay_split", "feature_knockout", "feature_plan", "knockout",
     "act_patch", "answer_prob", "attribution_patch", "compare_attribution", "head_patch", "layer_inputs",
     "logit_diff", "normalised_score", "output_patch", "patch", "resid_patch", "run_patching", "ssm_state_patch",
 ]

@@ -185,7 +185,9 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
     Args:
         model: a hooked model. sources, targets: positions shared by the batch (negative ok) or bool
             masks [batch pos]. layers: block indices (negative ok); every attention module and SSM
-            mixer of those blocks is cut (Zamba2: the Mamba-2 mixer and the shared attention).
+            mixer of those blocks is cut (Zamba2: the Mamba-2 mixer and the shared attention;
+            Falcon-H1: both parallel branches). A block with neither (NemotronH's MLP and MoE
+            layers) moves nothing between positions: there is nothing to cut in it.
         channels: SSM channels / heads to cut (indices or a bool mask over c), or a dict
             {layer: channels} for per-layer sets (feature knockout); None = all. Attention layers
             always cut every head.
@@ -205,9 +207,7 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
     hooks: list[tuple[str, Any]] = []
     names = set(model.hook_dict)
     for layer in layers:
-        attn_sites, ssm_sites = knockout_sites(model, layer, names)
-        if not attn_sites and not ssm_sites:
-            raise ValueError(f"block {layer} has no attention or SSM mixer to knock out")
+        attn_sites, ssm_sites = knockout_sites(model, layer, names)  # none: an MLP-only block (NemotronH)
         for site in attn_sites:
             hooks += _attention_hooks(names, site, sources, targets, attention)
         for site in ssm_sites:

@@ -1,0 +1,92 @@
+"""Expert ablation for mixture-of-experts MLPs (hooked/models/moe.py): the expert analogue of ablate_heads.
+
+Glossary
+    expert spec    (layer, e) for the MoE at blocks.{layer}.mlp, or (module prefix, e), e.g. ("blocks.3.mlp", 5)
+    moe_layout     {prefix: number of experts} of every MoE in the model, in forward order
+    renormalise    after zeroing, scale each token's remaining weights so that they sum to what all its
+                   weights summed to (a router that renormalises over its top k, as Granite 4's, would
+                   have given the remaining experts these weights had it chosen only them); a token whose
+                   every chosen expert is ablated keeps zero
+
+Zeroing an expert's routing weight wherever it was chosen (renormalise=False) equals zeroing that
+expert's down-projection: its output no longer reaches the residual, and nothing else changes.
+The routing itself (which experts are chosen) is left as the router made it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from analysis.interventions.ablation import attached
+
+ExpertSpec = tuple[Any, int]
+
+
+def moe_layout(model: Any) -> dict[str, int]:
+    """{"blocks.{l}.mlp": n_experts} for every MoE (a module with hook_chosen and hook_routing_weights)."""
+    out = {}
+    for name in model.hook_dict:
+        if name.endswith(".hook_routing_weights"):
+            prefix = name[: -len(".hook_routing_weights")]
+            out[prefix] = int(model.get_submodule(prefix).n_experts)
+    return out
+
+
+def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list[int]]:
+    """{MoE prefix: sorted expert ids}; (layer, e) means blocks.{layer}.mlp."""
+    layout = moe_layout(model)
+    out: dict[str, set[int]] = {}
+    for spec in experts:
+        if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
+            raise ValueError(f"an expert is (layer, e) or (module, e), got {spec!r}")
+        where, e = spec
+        if isinstance(where, str):
+            prefix = where
+        else:
+            layer = int(where) + (model.cfg.n_layers if int(where) < 0 else 0)
+            prefix = f"blocks.{layer}.mlp"
+        if prefix not in layout:
+            known = ", ".join(layout) or "none"
+            raise ValueError(f"{prefix!r} is not a mixture-of-experts MLP; the model's MoE layers: {known}")
+        n = layout[prefix]
+        if not -n <= int(e) < n:
+            raise ValueError(f"expert {e} is outside {prefix!r}'s {n} experts")
+        out.setdefault(prefix, set()).add(int(e) % n)
+    return {p: sorted(es) for p, es in out.items()}
+
+
+def _hooks(prefix: str, experts: list[int], renormalise: bool) -> list:
+    seen: dict[str, Tensor] = {}
+
+    def on_chosen(chosen: Tensor, hook: Any) -> None:
+        seen["chosen"] = chosen
+
+    def on_weights(weights: Tensor, hook: Any) -> Tensor:
+        ids = torch.as_tensor(experts, device=weights.device)
+        cut = torch.isin(seen.pop("chosen"), ids)
+        kept = weights.masked_fill(cut, 0.0)
+        if not renormalise:
+            return kept
+        total, left = weights.sum(-1, keepdim=True), kept.sum(-1, keepdim=True)
+        return torch.where(left != 0, kept * (total / torch.where(left != 0, left, 1.0)), kept)
+
+    return [(f"{prefix}.hook_chosen", on_chosen, False), (f"{prefix}.hook_routing_weights", on_weights, False)]
+
+
+@contextlib.contextmanager
+def ablate_experts(model: Any, experts: Iterable[ExpertSpec], renormalise: bool = False) -> Iterator[Any]:
+    """Zero the listed experts' routing weights wherever they are chosen; hooks removed on exit.
+
+    renormalise=False equals zeroing the experts' down_proj; renormalise=True rescales each token's
+    remaining weights to the total it had (module docstring).
+    """
+    hooks = []
+    for prefix, ids in resolve_experts(model, experts).items():
+        hooks += _hooks(prefix, ids, renormalise)
+    with attached(model, hooks):
+        yield model
