@@ -7,7 +7,8 @@ Glossary of HF config fields (GraniteMoeHybridConfig) and ours:
     num_experts_per_tok -> top_k, intermediate_size -> d_mlp, shared_intermediate_size -> d_shared,
     embedding_multiplier, residual_multiplier, attention_multiplier, 1 / logits_scaling -> logit_multiplier.
 
-Key layout (HF 5.x in memory): `model.layers.{l}.{input_layernorm,post_attention_layernorm}.weight`,
+Key layout (HF 5.x in memory; checkpoints on disk name the experts `block_sparse_moe.input_linear` /
+`output_linear` and the router `router.layer`, seen under these names through `adapt`): `model.layers.{l}.{input_layernorm,post_attention_layernorm}.weight`,
 `mamba.*` or `self_attn.*`, `shared_mlp.input_linear.weight` [2 d_shared d_model] (gate rows first,
 then up: split into our gate_proj / up_proj), `shared_mlp.output_linear.weight`, and with experts
 `block_sparse_moe.router.weight`, `block_sparse_moe.experts.gate_up_proj` [E 2F d_model] (split
@@ -20,6 +21,7 @@ from typing import Any
 
 from hooked.models.granitemoehybrid import GraniteMoeHybridConfig, HookedGraniteMoeHybrid
 from loaders.bamba import attention_keys, dt_limit_from_hf, mamba2_keys, rope_fields
+from loaders.checkpoint_view import expert_view
 from loaders.registry import Architecture, Key, register
 
 LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
@@ -114,5 +116,9 @@ GRANITE_MOE_HYBRID = register(
         config_from_hf=config_from_hf,
         build=HookedGraniteMoeHybrid,
         key_map=key_map,
+        adapt=expert_view(renames=[  # the original GraniteMoe names (what save_pretrained writes)
+            (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),
+            (r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
+            (r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight")]),
     )
 )

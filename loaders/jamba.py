@@ -10,7 +10,8 @@ rms_norm_eps -> eps, tie_word_embeddings -> tied.
 Key layout: `model.layers.{l}.{input_layernorm,pre_ff_layernorm}.weight`; Mamba layers
 `mamba.{in_proj,x_proj,dt_proj,out_proj}.*`, `mamba.conv1d.*` (weight squeezed), `mamba.A_log`, `mamba.D`,
 `mamba.{dt,b,c}_layernorm.weight`; attention `self_attn.{q,k,v,o}_proj.weight`; `feed_forward.
-{gate,up,down}_proj.weight` or `feed_forward.router.weight` + `feed_forward.experts.{gate_up_proj,down_proj}`.
+{gate,up,down}_proj.weight` or `feed_forward.router.weight` + `feed_forward.experts.{gate_up_proj,down_proj}` (checkpoints on disk hold
+`experts.{i}.{gate,up,down}_proj.weight`: `adapt` stacks them).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from hooked.models.jamba import HookedJamba, JambaConfig
 from loaders.bamba import attention_keys, gated_mlp_keys, squeeze_conv
 from loaders.granitemoehybrid import stacked_experts_keys
+from loaders.checkpoint_view import expert_view
 from loaders.registry import Architecture, Key, register
 
 
@@ -87,5 +89,6 @@ JAMBA = register(
         config_from_hf=config_from_hf,
         build=HookedJamba,
         key_map=key_map,
+        adapt=expert_view(stacks={"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
     )
 )

@@ -291,6 +291,8 @@ def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dt
     except ValueError as e:  # the config's own checks (heads dividing d_model, unsupported options)
         raise e if isinstance(e, ConfigError) else ConfigError(f"{origin}: {e}") from None
     check_model_config(cfg, origin, arch.name)
+    if getattr(arch, "adapt", None) is not None:  # e.g. per-expert tensors stacked (loaders/checkpoint_view.py)
+        source = arch.adapt(source)
     dtype = dtype or checkpoint_dtype(hf_config, source)
     with params_on_meta():
         try:

@@ -13,7 +13,8 @@ Refused: moe_latent_size (latent expert projections), mamba_hidden_act other tha
 Key layout: `model.embeddings.weight`, `model.layers.{l}.norm.weight`, `model.layers.{l}.mixer.*`
 (Mamba-2, attention q/k/v/o, MLP up/down, or MoE `gate.weight`, `gate.e_score_correction_bias`,
 `experts.up_proj` [E F m], `experts.down_proj` [E m F], `shared_experts.{up,down}_proj.weight`),
-`model.norm_f.weight`, `lm_head.weight`.
+`model.norm_f.weight`, `lm_head.weight`. Checkpoints on disk say `backbone.` for `model.` and keep one
+tensor per expert (`experts.{i}.{up,down}_proj.weight`): `adapt` presents them stacked.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from hooked.models.nemotron_h import HookedNemotronH, NemotronHConfig
 from loaders.bamba import attention_keys, mamba2_keys
 from loaders.granitemoehybrid import stacked_experts_keys
+from loaders.checkpoint_view import expert_view
 from loaders.registry import Architecture, Key, register
 
 LAYER_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
@@ -69,8 +71,7 @@ def mlp_keys(ours: str, theirs: str, bias: bool) -> dict[str, Key]:
 
 
 def key_map(cfg: NemotronHConfig) -> dict[str, Key]:
-    keys = {"embed.weight": Key.of("model.embeddings.weight", "backbone.embeddings.weight"),
-            "ln_final.weight": Key.of("model.norm_f.weight", "backbone.norm_f.weight")}
+    keys = {"embed.weight": Key.of("model.embeddings.weight"), "ln_final.weight": Key.of("model.norm_f.weight")}
     for layer, kind in enumerate(cfg.layer_types):
         ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
         keys[ours + "ln1.weight"] = Key.of(theirs + "norm.weight")
@@ -99,5 +100,7 @@ NEMOTRON_H = register(
         config_from_hf=config_from_hf,
         build=HookedNemotronH,
         key_map=key_map,
+        adapt=expert_view(renames=[(r"^backbone\.", "model.")],  # checkpoints: backbone.*, experts.{i}.*
+                          stacks={"up_proj": ("up_proj",), "down_proj": ("down_proj",)}),
     )
 )

@@ -38,6 +38,7 @@ class Architecture:
     build: Callable[[Any], Any]
     key_map: Callable[[Any], dict[str, Key]]
     ignore: tuple[str, ...] = ()  # regexes of checkpoint names HF itself does not load (not "unexpected")
+    adapt: Callable[[Any], Any] | None = None  # source -> source: an original layout seen as the key map's
 
 
 REGISTRY: dict[str, Architecture] = {}

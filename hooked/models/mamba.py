@@ -160,7 +160,7 @@ class MambaMixer(nn.Module):
             in_ = in_ * keep  # a padded position feeds the conv zeros, as causal padding does
         in_ = self.hook_in(in_)
         gate = self.hook_gate(gate)
-        conv = causal_conv1d(in_, self.conv_weight, self.conv_bias)
+        conv = causal_conv1d(in_, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
         conv = self.hook_conv(conv)
         ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
         ssm_in = self.hook_ssm_in(ssm_in)

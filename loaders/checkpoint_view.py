@@ -1,0 +1,93 @@
+"""Original checkpoint layouts seen as transformers 5.x's in-memory layout, so one key map serves both.
+
+Glossary
+    in-memory layout   what `hf_model.state_dict()` holds in transformers 5.x (what `from_hf` reads):
+                       experts stacked into 3-D tensors (`experts.gate_up_proj` [E 2F m], `experts.down_proj`)
+    original layout    what checkpoints on disk hold (and `save_pretrained` writes back): per-expert
+                       tensors (`experts.{i}.gate_proj.weight`, ...) or older names (`backbone.`,
+                       Granite's `block_sparse_moe.input_linear.weight`)
+    renames            (regex, replacement) applied to every checkpoint name, in order
+    stacks             {target suffix: parts}: `<prefix>.experts.{i}.<part>.weight` of every expert i,
+                       the parts concatenated on dim 0 per expert, then stacked over experts, become
+                       `<prefix>.experts.<target suffix>` (HF's MergeModulelist + Concatenate)
+
+`expert_view(renames, stacks)` is an Architecture's `adapt`: a source without any such name passes
+through unchanged; otherwise a lazy view is returned (tensors read and stacked when the loader asks).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loaders.safetensors_io import MappingSource
+
+EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<i>\d+)\.(?P<part>\w+)\.weight$")
+
+
+class _View(Mapping):
+    def __init__(self, source: Any, plain: dict[str, str], stacked: dict[str, list[list[str]]]) -> None:
+        self.source, self.plain, self.stacked = source, plain, stacked
+        self.dtype = next((source.dtype(n) for n in source.keys() if (source.dtype(n) or torch.int64).is_floating_point),
+                          None)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.plain:
+            return self.source.read(self.plain[name])
+        return torch.stack([torch.cat([self.source.read(p) for p in parts]) for parts in self.stacked[name]])
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.plain
+        yield from self.stacked
+
+    def __len__(self) -> int:
+        return len(self.plain) + len(self.stacked)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.plain:
+            return tuple(self.source.shape(self.plain[name]))
+        per = self.stacked[name]
+        first = [tuple(self.source.shape(p)) for p in per[0]]
+        return (len(per), sum(s[0] for s in first), *first[0][1:])
+
+
+def expert_view(renames: Sequence[tuple[str, str]] = (),
+                stacks: Mapping[str, Sequence[str]] | None = None) -> Callable[[Any], Any]:
+    """The `adapt` function of an Architecture (module docstring)."""
+    stacks = dict(stacks or {})
+    patterns = [(re.compile(p), r) for p, r in renames]
+
+    def rename(name: str) -> str:
+        for pattern, repl in patterns:
+            name = pattern.sub(repl, name)
+        return name
+
+    def adapt(source: Any) -> Any:
+        names = list(source.keys())
+        experts = {n: m for n in names if stacks and (m := EXPERT.match(rename(n)))}
+        if not experts and all(rename(n) == n for n in names):
+            return source
+        plain = {rename(n): n for n in names if n not in experts}
+        by_prefix: dict[str, dict[int, dict[str, str]]] = {}
+        for n, m in experts.items():
+            by_prefix.setdefault(m["prefix"], {}).setdefault(int(m["i"]), {})[m["part"]] = n
+        stacked: dict[str, list[list[str]]] = {}
+        for prefix, per_expert in by_prefix.items():
+            ids = sorted(per_expert)
+            if ids != list(range(len(ids))):
+                raise ValueError(f"{prefix}: experts {ids} are not numbered 0..{len(ids) - 1}")
+            for target, parts in stacks.items():
+                if all(p in per_expert[0] for p in parts):
+                    stacked[f"{prefix}.{target}"] = [[per_expert[i][p] for p in parts] for i in ids]
+            used = {p for target, parts in stacks.items() for p in parts if f"{prefix}.{target}" in stacked}
+            for i in ids:  # parts no target took stay visible (and are reported as unexpected)
+                plain.update({f"{prefix}.{i}.{p}.weight": n for p, n in per_expert[i].items() if p not in used})
+        view = _View(source, plain, stacked)
+        return MappingSource(view, origin=getattr(source, "origin", "checkpoint"),
+                             shapes={n: view.shape(n) for n in view})
+
+    return adapt
