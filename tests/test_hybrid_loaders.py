@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from analysis.cli import hook_shapes, main
-from loaders import from_pretrained
+from loaders import from_hf as from_hf_, from_pretrained
 from loaders.checkpoint_view import expert_view
 from loaders.safetensors_io import MappingSource
 from tests.hybrid_checks import check_against_hf
@@ -85,3 +85,13 @@ def test_expert_view_refuses_gaps_and_passes_other_sources_through():
     view = expert_view(stacks={"gate_up_proj": ("gate_proj", "up_proj")})(both)
     assert view.keys() == ["m.experts.gate_up_proj"] and view.shape("m.experts.gate_up_proj") == (3, 4, 3)
     assert torch.equal(view.read("m.experts.gate_up_proj")[2], torch.full((4, 3), 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_parity_gpu_bfloat16(name):
+    hf, _ = family(name)
+    hf = hf.to("cuda", torch.bfloat16)
+    model = from_hf_(hf)
+    tokens = torch.randint(0, 128, (2, 21), device="cuda")
+    check_against_hf(hf, model, tokens, rel=2e-2)
