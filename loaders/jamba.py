@@ -21,8 +21,8 @@ from typing import Any
 
 from hooked.models.jamba import HookedJamba, JambaConfig
 from loaders.bamba import attention_keys, gated_mlp_keys, squeeze_conv
-from loaders.granitemoehybrid import stacked_experts_keys
 from loaders.checkpoint_view import expert_view
+from loaders.granitemoehybrid import stacked_experts_keys
 from loaders.registry import Architecture, Key, register
 
 

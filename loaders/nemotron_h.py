@@ -24,8 +24,8 @@ from typing import Any
 
 from hooked.models.nemotron_h import HookedNemotronH, NemotronHConfig
 from loaders.bamba import attention_keys, mamba2_keys
-from loaders.granitemoehybrid import stacked_experts_keys
 from loaders.checkpoint_view import expert_view
+from loaders.granitemoehybrid import stacked_experts_keys
 from loaders.registry import Architecture, Key, register
 
 LAYER_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from analysis.ga import head_units, rank_heads
-from analysis.interventions import ablate_heads
 from analysis.tasks import token_kv
 
 

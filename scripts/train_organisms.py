@@ -128,8 +128,8 @@ equals HF's; 3.5-10 steps/s vs ~2 on HF's path), n_max reached 12 at step 1,593;
     "falcon-h1-kv": Recipe("FalconH1Config", "FalconH1ForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=32, mamba_n_groups=1, mamba_chunk_size=16,
-        intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True, attn_implementation="eager"),
-        fmt="k?", lr=3e-3, steps=2500, curriculum=True, engine="hooked", minutes=12, stop_acc=None, notes="""
+        mamba_rms_norm=True, intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True,
+        attn_implementation="eager"), fmt="k?", lr=3e-3, steps=1500, engine="hooked", minutes=12, notes="""
 A parallel hybrid (Falcon-H1's layer: attention and Mamba-2 side by side on the same normalised input,
 their outputs summed, then a SwiGLU MLP), every muP multiplier 1, trained through our model (engine
 "hooked") with Zamba2-kv's curriculum, to ask which branch aggregates when both could.

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from analysis.cli import hook_shapes, main
-from loaders import from_hf as from_hf_, from_pretrained
+from loaders import from_hf as from_hf_
+from loaders import from_pretrained
 from loaders.checkpoint_view import expert_view
 from loaders.safetensors_io import MappingSource
 from tests.hybrid_checks import check_against_hf

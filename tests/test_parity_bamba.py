@@ -15,8 +15,13 @@ import transformers
 from hooked.models.bamba import BambaConfig, HookedBamba
 from loaders.bamba import config_from_hf, key_map
 from loaders.load import from_hf
-from tests.hybrid_checks import check_against_hf, check_knockout_equals_kernel_zeroing, check_padding, \
-    check_ssm_invariants, perturbed
+from tests.hybrid_checks import (
+    check_against_hf,
+    check_knockout_equals_kernel_zeroing,
+    check_padding,
+    check_ssm_invariants,
+    perturbed,
+)
 
 # name: (HF BambaConfig overrides, batch, length)
 CASES = {

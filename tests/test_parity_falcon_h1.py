@@ -13,8 +13,13 @@ import transformers
 
 from loaders.falcon_h1 import config_from_hf, key_map
 from loaders.load import from_hf
-from tests.hybrid_checks import check_against_hf, check_knockout_equals_kernel_zeroing, check_padding, \
-    check_ssm_invariants, perturbed
+from tests.hybrid_checks import (
+    check_against_hf,
+    check_knockout_equals_kernel_zeroing,
+    check_padding,
+    check_ssm_invariants,
+    perturbed,
+)
 
 MUP = dict(embedding_multiplier=2.0, lm_head_multiplier=0.7, mlp_multipliers=[1.3, 0.6], key_multiplier=0.8,
            attention_in_multiplier=1.4, attention_out_multiplier=0.9, ssm_multipliers=[0.5, 1.2, 0.8, 1.5, 0.7],

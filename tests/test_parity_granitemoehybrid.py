@@ -13,8 +13,13 @@ import transformers
 
 from loaders.granitemoehybrid import config_from_hf, key_map
 from loaders.load import from_hf
-from tests.hybrid_checks import check_against_hf, check_knockout_equals_kernel_zeroing, check_padding, \
-    check_ssm_invariants, perturbed
+from tests.hybrid_checks import (
+    check_against_hf,
+    check_knockout_equals_kernel_zeroing,
+    check_padding,
+    check_ssm_invariants,
+    perturbed,
+)
 
 M, A = "mamba", "attention"
 MUP = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.5)

@@ -13,8 +13,13 @@ import transformers
 
 from loaders.jamba import config_from_hf, key_map
 from loaders.load import from_hf
-from tests.hybrid_checks import check_against_hf, check_knockout_equals_kernel_zeroing, check_padding, \
-    check_ssm_invariants, perturbed
+from tests.hybrid_checks import (
+    check_against_hf,
+    check_knockout_equals_kernel_zeroing,
+    check_padding,
+    check_ssm_invariants,
+    perturbed,
+)
 
 # name: (HF config overrides, batch, length)
 CASES = {

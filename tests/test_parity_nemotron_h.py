@@ -14,8 +14,13 @@ import transformers
 from hooked.models.nemotron_h import NemotronHConfig
 from loaders.load import from_hf
 from loaders.nemotron_h import config_from_hf, key_map
-from tests.hybrid_checks import check_against_hf, check_knockout_equals_kernel_zeroing, check_padding, \
-    check_ssm_invariants, perturbed
+from tests.hybrid_checks import (
+    check_against_hf,
+    check_knockout_equals_kernel_zeroing,
+    check_padding,
+    check_ssm_invariants,
+    perturbed,
+)
 
 # name: (HF hybrid_override_pattern, HF config overrides, batch, length)
 CASES = {

@@ -131,7 +131,7 @@ class MoE(nn.Module):
         return F.linear(hidden, self.down_proj[e])
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        batch, pos, d_model = x.shape
+        batch, _, d_model = x.shape
         router_dtype = torch.promote_types(x.dtype, torch.float32)
         router_logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype))
         router_logits = self.hook_router_logits(router_logits)
