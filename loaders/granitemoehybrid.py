@@ -62,7 +62,7 @@ def config_from_hf(hf: dict[str, Any]) -> GraniteMoeHybridConfig:
         n_attn_heads=n_attn_heads, n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
         d_attn_head=d_model // n_attn_heads, use_rope=pos == "rope", **rope,
         attention_bias=bool(hf.get("attention_bias", False)),
-        n_experts=int(hf.get("num_local_experts") or 0), top_k=int(hf.get("num_experts_per_tok", 2)),
+        n_experts=int(hf.get("num_local_experts") or 0) or None, top_k=int(hf.get("num_experts_per_tok", 2)),
         d_mlp=int(hf["intermediate_size"]), d_shared=int(hf.get("shared_intermediate_size", 1024)),
         act_fn=hf.get("hidden_act", "silu"),
         embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),

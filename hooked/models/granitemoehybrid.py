@@ -8,8 +8,9 @@ Glossary (TransformerLens / SSM names; HF GraniteMoeHybridConfig names in bracke
         [mamba_chunk_size], dt_limit [time_step_limit], conv_bias, proj_bias [mamba_conv_bias, mamba_proj_bias]
     attention layers: n_attn_heads, n_attn_kv_heads, d_attn_head = d_model / n_attn_heads,
         rotary [position_embedding_type == "rope"], attention_bias
-    MLP: n_experts [num_local_experts] (0: dense), top_k [num_experts_per_tok], d_mlp [intermediate_size,
-        one expert's width], d_shared [shared_intermediate_size, the always-on SwiGLU "shared_mlp"]
+    MLP: n_experts [num_local_experts] (None for HF's 0: dense), top_k [num_experts_per_tok],
+        d_mlp [intermediate_size, one expert's width], d_shared [shared_intermediate_size, the always-on
+        SwiGLU "shared_mlp"]
     multipliers (muP): embedding_multiplier; residual_multiplier on every sublayer's output;
         attention_multiplier = the attention scale (replaces d_head^-1/2); logit_multiplier = 1 / logits_scaling
 
@@ -65,7 +66,7 @@ class GraniteMoeHybridConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     attention_bias: bool = False
-    n_experts: int = 0  # 0: dense MLPs (the shared MLP only)
+    n_experts: int | None = None  # None: dense MLPs (the shared MLP only)
     top_k: int = 2
     d_mlp: int = 1024  # one expert's hidden width
     d_shared: int = 1024  # the shared MLP's hidden width
