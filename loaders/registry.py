@@ -5,7 +5,9 @@ with three pure functions:
     config_from_hf(hf_config: dict) -> the model's frozen config
     build(cfg) -> the hooked model (random or empty weights)
     key_map(cfg) -> {our parameter name: Key(checkpoint names, transform)}
-A parameter shared with another (tied embeddings) is left out of the key map.
+A parameter shared with another (tied embeddings) is left out of the key map. An optional
+`adapt(source) -> source` presents a checkpoint's original layout under the key map's names
+(loaders/checkpoint_view.py: per-expert MoE tensors stacked, old prefixes renamed).
 """
 
 from __future__ import annotations
