@@ -129,10 +129,16 @@ equals HF's; 3.5-10 steps/s vs ~2 on HF's path), n_max reached 12 at step 1,593;
         _COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=32, mamba_n_groups=1, mamba_chunk_size=16,
         mamba_rms_norm=True, intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True,
-        attn_implementation="eager"), fmt="k?", lr=3e-3, steps=1500, engine="hooked", minutes=12, notes="""
+        attn_implementation="eager"), fmt="k?", lr=3e-3, steps=5200, engine="hooked", minutes=46, notes="""
 A parallel hybrid (Falcon-H1's layer: attention and Mamba-2 side by side on the same normalised input,
 their outputs summed, then a SwiGLU MLP), every muP multiplier 1, trained through our model (engine
-"hooked") with Zamba2-kv's curriculum, to ask which branch aggregates when both could.
+"hooked"), to ask which branch aggregates when both could.
+What it took (1 thread, machine load ~9): with Zamba2-kv's curriculum (n <= 3 first) and no norm
+before out_proj (HF's default mamba_rms_norm=False), 1,500 steps stayed on the elimination plateau
+(0.75 at n = 2, 0.62 at n = 3). This recipe (gated RMSNorm, n uniform in [2, 12] as Mamba-2-kv) sat
+near 0.35 at n ~ 9 until step ~3,300, then left the plateau (0.9 at n = 6 by step 3,950). The run was
+stopped and resumed with larger budgets (12, then 35, then 46 minutes); the result is what one
+uninterrupted run of this recipe gives, as the state (model, optimizer, data generator) is restored.
 """),
     "mamba-kv": Recipe("MambaConfig", "MambaForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
