@@ -9,7 +9,9 @@ Glossary
                   row-normalised |kernel| weight on it (per head, mean over prompts), and how often it
                   is the head's largest newline entry
     edge cut      the query's reads of every newline removed in ONE branch of one layer: attention by
-                  zeroing those pattern entries, SSM by zeroing those kernel entries (exact: y += (K' - K) u)
+                  zeroing those pattern entries, SSM by zeroing those kernel entries (exact: y += (K' - K) u);
+                  context cut: the reads of every context token (bos .. last newline), at `?` or at the key
+    roles         key, colon, value, newline of the queried pair: where the reading heads look
 
     python scripts/branch_report.py organism/falcon-h1-kv --n 8 --samples 300 --out docs/results/organisms/falcon_h1_kv
 writes summary.json and prints the tables the report quotes.
@@ -49,24 +51,43 @@ def cut_reads(newlines: torch.Tensor) -> Any:
     return fn
 
 
-def read_mass(model: Any, p: token_kv.KVPrompts) -> dict[str, dict[str, float]]:
+ROLES = {"key": -3, "colon": -2, "value": -1, "newline": 0}  # offsets from each pair's newline
+
+
+def read_mass(model: Any, p: token_kv.KVPrompts, row: int = -1) -> dict[str, dict[str, float]]:
+    """Per head, at query row `row` (-1: the last token, -2: the queried key): the normalised |weight| on
+    each role of the queried pair, and how often that role of the queried pair beats the same role of
+    every other pair (top)."""
     nl = torch.tensor(p.pair_newlines())
-    target = nl[p.answer]
-    rows = torch.arange(len(target))
+    rows = torch.arange(p.tokens.shape[0])
     names = [n for n in model.hook_dict if n.endswith(("attn.hook_pattern", "mixer.hook_kernel"))]
     with torch.no_grad():
         _, cache = model.run_with_cache(p.tokens, names_filter=names)
     out = {}
     for name in names:
-        w = cache[name][:, :, -1, :].abs()  # [b h k]
+        w = cache[name][:, :, row, :].abs()  # [b h k]
         w = w / w.sum(-1, keepdim=True)
-        on_target = w[rows, :, target]  # [b h]
-        best = w[:, :, nl].argmax(-1)  # [b h] index into newlines
         prefix = name.rsplit(".", 1)[0]
         for h in range(w.shape[1]):
-            out[f"{prefix}:{h}"] = {"mass": on_target[:, h].mean().item(),
-                                    "top_newline": (best[:, h] == p.answer).float().mean().item()}
+            entry = {}
+            for role, off in ROLES.items():
+                cols = nl + off
+                entry[role] = w[rows, h, cols[p.answer]].mean().item()
+                entry[f"top_{role}"] = (w[:, h, cols].argmax(-1) == p.answer).float().mean().item()
+            out[f"{prefix}:{h}"] = entry
     return out
+
+
+def cut_segment(model: Any, p: token_kv.KVPrompts, sites: list[str], row: int = -1) -> float:
+    """Accuracy when the query row's reads of EVERY context token (bos to the last newline) are removed
+    in `sites` (attention patterns / SSM kernels)."""
+    last = p.pair_newlines()[-1]
+    cols = torch.arange(0, last + 1)
+    def fn(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        t = t.clone()
+        t[..., row, cols] = 0
+        return t
+    return accuracy_with(model, p, [(s, fn) for s in sites])
 
 
 def main() -> None:
@@ -101,15 +122,27 @@ def main() -> None:
     cuts["all mixers"] = accuracy_with(model, p, [(f"blocks.{l}.mixer.hook_kernel", cut_reads(nl))
                                                   for l in range(n_layers)])
     summary["query_reads_cut"] = cuts
-    summary["read_mass"] = read_mass(model, token_kv.prompts(a.n, 200, seed=7, fmt="k?"))
+    context = {}
+    for l in range(n_layers):
+        for b, hook in (("attn", "attn.hook_pattern"), ("mixer", "mixer.hook_kernel")):
+            for row, what in ((-1, "?"), (-2, "key")):
+                context[f"L{l} {b} at {what}"] = cut_segment(model, p, [f"blocks.{l}.{hook}"], row)
+    context["all attention at ?"] = cut_segment(model, p, [f"blocks.{l}.attn.hook_pattern" for l in range(n_layers)])
+    context["all mixers at ?"] = cut_segment(model, p, [f"blocks.{l}.mixer.hook_kernel" for l in range(n_layers)])
+    summary["context_reads_cut"] = context
+    mass_prompts = token_kv.prompts(a.n, 200, seed=7, fmt="k?")
+    summary["read_mass"] = read_mass(model, mass_prompts)
+    summary["read_mass_at_key"] = read_mass(model, mass_prompts, row=-2)
     examples = token_kv.examples(a.n, a.rank_samples, seed=200 + a.n, fmt="k?")
     ranking = rank_heads(model, examples, head_units(model), progress=False, pairs_top_k=4)
     summary["ranking"] = ranking.rows
     summary["pairs"] = ranking.pairs
-    for key in ("base", "branch_ablation", "query_reads_cut"):
+    for key in ("base", "branch_ablation", "query_reads_cut", "context_reads_cut"):
         print(key, json.dumps(summary[key], indent=1))
-    top = sorted(summary["read_mass"].items(), key=lambda kv: -kv[1]["mass"])[:8]
-    print("read mass (top 8)", json.dumps(dict(top), indent=1))
+    for key in ("read_mass", "read_mass_at_key"):
+        print(key)
+        for unit, e in summary[key].items():
+            print(f"  {unit:18s} " + " ".join(f"{r} {e[r]:.2f}/{e['top_' + r]:.2f}" for r in ROLES))
     print("ranking (top 8)", [(r["unit"], round(r["drop"], 3)) for r in ranking.rows[:8]])
     print("pairs", [(q["pair"], round(q["drop"], 3), round(q["single_drops"], 3)) for q in ranking.pairs])
     if a.out:

@@ -156,3 +156,16 @@ def test_interventions_and_ga_run_on_every_family(name):
                        progress=False)
     assert result.changes.shape == (2, 1, model.cfg.n_layers) and torch.isfinite(result.changes).all()
     assert kinds
+
+
+def test_parallel_layers_label_their_ssm_heads_apart():
+    from analysis.interventions import parse_head
+
+    _, model = family("falcon_h1")
+    units = head_units(model)
+    labels = [u.label for u in units]
+    assert len(labels) == len(set(labels)) == 2 * (4 + 4)
+    assert "L0H1" in labels and "L0M1" in labels
+    by_label = {u.label: u for u in units}
+    assert by_label["L0M1"].module == "blocks.0.mixer" and by_label["L0H1"].module == "blocks.0.attn"
+    assert parse_head("L0M1") == ("blocks.0.mixer", 1) and parse_head("L0H1") == (0, 1)

@@ -4,7 +4,8 @@ Choices are scored by `analysis.tasks.scoring` (summed log-probability of each c
 
 Glossary
     unit            what `rank_heads` ablates at once: an attention head, a Zamba2 shared head of
-                    one invocation ("L5SH3"), a Mamba-2 head, or a group of Mamba-1 channels
+                    one invocation ("L5SH3"), a Mamba-2 head ("L0M3" where the layer also has
+                    attention, Falcon-H1), or a group of Mamba-1 channels
                     ("L2C0-63"): single channels are too many and too redundant to rank one by one;
                     or a mixture-of-experts expert ("L3E5", `expert_units`, zero-ablated by
                     `ablate_experts`: pass `head_units(model) + expert_units(model)` as units).
@@ -75,9 +76,12 @@ def expert_units(model: Any) -> list[Unit]:
 def head_units(model: Any, channel_group: int | None = None) -> list[Unit]:
     """Every head of every layer; Mamba-1 channels in groups of `channel_group` (default d_inner/16)."""
     units = []
-    for m in head_layout(model).values():
+    layout = head_layout(model)
+    for m in layout.values():
+        # a layer with attention AND a mixer side by side (Falcon-H1): its SSM heads are "L0M3"
+        tag = "M" if m.kind == "ssm" and f"blocks.{m.layer}.attn" in layout else m.tag
         if m.width > 1 or m.kind == "attn":
-            units += [Unit(f"L{m.layer}{m.tag}{h}", m.layer, m.prefix, (h,)) for h in range(m.n_heads)]
+            units += [Unit(f"L{m.layer}{tag}{h}", m.layer, m.prefix, (h,)) for h in range(m.n_heads)]
             continue
         size = channel_group or max(1, m.n_heads // 16)
         for a in range(0, m.n_heads, size):
@@ -97,8 +101,9 @@ class HeadRanking:
         return [r["unit"] for r in self.rows[:k]]
 
     def matrix(self, key: str = "drop", n_layers: int | None = None) -> Tensor:
-        """[layer, head] of `key` for the layers' own heads (NaN elsewhere; Zamba2 shared heads and experts left out)."""
-        own = [r for r in self.rows if "SH" not in r["unit"] and r.get("kind", "head") == "head"]
+        """[layer, head] of `key` for the layers' own heads (NaN elsewhere; Zamba2 shared heads, Falcon-H1's
+        parallel SSM heads ("L0M3") and experts left out)."""
+        own = [r for r in self.rows if "SH" not in r["unit"] and "M" not in r["unit"] and r.get("kind", "head") == "head"]
         layers = n_layers or (max(r["layer"] for r in own) + 1)
         width = max(r["index"] for r in own) + 1
         out = torch.full((layers, width), float("nan"))

@@ -273,9 +273,9 @@ def _check_block(model: Any, block: Any, layer: int) -> None:
 
 
 def parse_head(label: str) -> HeadSpec:
-    """Parse "L3H5" -> (3, 5) and "L5SH3" -> ("blocks.5.shared.attn", 3)."""
-    m = re.fullmatch(r"L(\d+)(S?)H(\d+)", label.strip())
+    """Parse "L3H5" -> (3, 5), "L5SH3" -> ("blocks.5.shared.attn", 3), "L0M3" -> ("blocks.0.mixer", 3)."""
+    m = re.fullmatch(r"L(\d+)(SH|H|M)(\d+)", label.strip())
     if m is None:
-        raise ValueError(f"a head label looks like L3H5 or L5SH3, got {label!r}")
-    layer, shared, h = int(m.group(1)), m.group(2), int(m.group(3))
-    return (f"blocks.{layer}.shared.attn", h) if shared else (layer, h)
+        raise ValueError(f"a head label looks like L3H5, L5SH3 or L0M3, got {label!r}")
+    layer, tag, h = int(m.group(1)), m.group(2), int(m.group(3))
+    return {"SH": (f"blocks.{layer}.shared.attn", h), "M": (f"blocks.{layer}.mixer", h)}.get(tag, (layer, h))
