@@ -90,6 +90,31 @@ def cut_segment(model: Any, p: token_kv.KVPrompts, sites: list[str], row: int = 
     return accuracy_with(model, p, [(s, fn) for s in sites])
 
 
+def gather_cuts(model: Any, p: token_kv.KVPrompts) -> dict[str, float]:
+    """Accuracy when every value token stops reading every key token (edges value_j <- key_i, i <= j) in
+    layer 0: in the attention pattern only, the SSM kernel only, or both plus the conv taps (knockout)."""
+    from analysis.interventions import knockout
+
+    nl = torch.tensor(p.pair_newlines())
+    values, keys = nl - 1, nl - 3
+    def fn(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        t = t.clone()
+        t[..., values[:, None], keys[None, :]] = 0  # upper triangle is zero already
+        return t
+    batch, pos = p.tokens.shape
+    tgt = torch.zeros(batch, pos, dtype=torch.bool)
+    tgt[:, values] = True
+    src = torch.zeros(batch, pos, dtype=torch.bool)
+    src[:, keys] = True
+    out = {"L0 attn pattern": accuracy_with(model, p, [("blocks.0.attn.hook_pattern", fn)]),
+           "L0 mixer kernel": accuracy_with(model, p, [("blocks.0.mixer.hook_kernel", fn)])}
+    with knockout(model, src, tgt, [0], attention="pattern", cut_conv=True):
+        out["L0 both + conv (knockout)"] = accuracy_with(model, p, [])
+    with knockout(model, src, tgt, [0], attention="pattern", cut_conv=False):
+        out["L0 both, no conv cut (knockout)"] = accuracy_with(model, p, [])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", default="organism/falcon-h1-kv", nargs="?")
@@ -130,6 +155,7 @@ def main() -> None:
     context["all attention at ?"] = cut_segment(model, p, [f"blocks.{l}.attn.hook_pattern" for l in range(n_layers)])
     context["all mixers at ?"] = cut_segment(model, p, [f"blocks.{l}.mixer.hook_kernel" for l in range(n_layers)])
     summary["context_reads_cut"] = context
+    summary["gather_cut"] = gather_cuts(model, p)
     mass_prompts = token_kv.prompts(a.n, 200, seed=7, fmt="k?")
     summary["read_mass"] = read_mass(model, mass_prompts)
     summary["read_mass_at_key"] = read_mass(model, mass_prompts, row=-2)
@@ -137,7 +163,7 @@ def main() -> None:
     ranking = rank_heads(model, examples, head_units(model), progress=False, pairs_top_k=4)
     summary["ranking"] = ranking.rows
     summary["pairs"] = ranking.pairs
-    for key in ("base", "branch_ablation", "query_reads_cut", "context_reads_cut"):
+    for key in ("base", "branch_ablation", "query_reads_cut", "context_reads_cut", "gather_cut"):
         print(key, json.dumps(summary[key], indent=1))
     for key in ("read_mass", "read_mass_at_key"):
         print(key)
