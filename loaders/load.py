@@ -18,6 +18,10 @@ Glossary
                  its buffers real; `materialise` then allocates each parameter once in the final
                  dtype and device (like `to_empty`, keeping ties), and tensors are read into them one
                  at a time, straight from the file when no conversion is needed: peak memory ~1x
+    file-backed  with `mmap=True`, a parameter that needs no conversion (stored in the load's dtype,
+                 no transform in its Key, device cpu, aligned in the file) is not allocated or read:
+                 it is the checkpoint's bytes under a private memory map (loaders/safetensors_io.py,
+                 "mapped"), paged in when first used. In-place edits stay in this process
 
 A failed load raises before the model is returned; no half-loaded model ever escapes.
 """
@@ -79,7 +83,8 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------------------------- entry points
 def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                     allow_pickle: bool = False, revision: str | None = None, device_map: str | dict | None = None,
-                    max_memory: dict | None = None, offload_folder: str | Path | None = None) -> Any:
+                    max_memory: dict | None = None, offload_folder: str | Path | None = None,
+                    mmap: bool = False) -> Any:
     """A hooked model from a checkpoint, with `model.tokenizer` set when the checkpoint has one.
 
     Args:
@@ -96,18 +101,30 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
             blocks are never split. Replaces `device`.
         max_memory: {device: bytes or "10GiB"} for the planners; what does not fit goes to disk.
         offload_folder: where disk-offloaded weights are written (needed when the map uses "disk").
+        mmap: CPU loads of safetensors only: each parameter stored in the load's dtype and layout is
+            a private (copy-on-write) memory map of the checkpoint file instead of a copy, so the
+            load reads nothing and pages are read when first used (what HF's from_pretrained does);
+            edits to the weights stay in this process. The files must then not be rewritten in place
+            or truncated while the model lives (the weights would change, or the process die with
+            SIGBUS): replace them by writing a new file and renaming it. Conversions (another dtype,
+            fused or permuted layouts, GGUF, pickles) are still read into memory. Off by default.
     Raises:
         CheckpointError (a ValueError): missing, unexpected or mis-shaped tensors, all listed.
         CheckpointFileError (a ValueError): a truncated or corrupt file, named.
-        ValueError: unknown architecture; pickled weights without allow_pickle.
+        ValueError: unknown architecture; pickled weights without allow_pickle; mmap=True with
+            device_map= or a device other than cpu.
         FileNotFoundError: nothing at that path, or a repo id neither cached nor downloadable.
     """
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder} \
         if device_map is not None else {}
+    if mmap and (device_map is not None or torch.device(device).type != "cpu"):
+        where = f"device_map={device_map!r}" if device_map is not None else f"device={str(device)!r}"
+        raise ValueError(f"mmap=True maps checkpoint files into CPU memory; it cannot be combined with {where} "
+                         f"(load with mmap=False, or on device='cpu' without a device_map)")
     if path.is_file():
-        return load_gguf(path, dtype=dtype, device=device, **placement)
-    return load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle, **placement)
+        return load_gguf(path, dtype=dtype, device=device, mmap=mmap, **placement)
+    return load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle, mmap=mmap, **placement)
 
 
 def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
@@ -172,7 +189,7 @@ def _share(model: nn.Module, hf_config: dict[str, Any], source: Any, origin: str
 
 
 def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-             allow_pickle: bool = False, **placement: Any) -> Any:
+             allow_pickle: bool = False, mmap: bool = False, **placement: Any) -> Any:
     """Load a checkpoint directory: config.json plus safetensors (or, opted in, pickles), and its tokenizer."""
     d = Path(directory)
     if not (d / "config.json").is_file():
@@ -182,14 +199,15 @@ def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device:
         source = SafetensorsCheckpoint.from_dir(d)
     else:
         source = _pickle_source(d, allow_pickle)
-    model = build_from_source(hf_config, source, dtype=dtype, device=device, **placement)
+    model = build_from_source(hf_config, source, dtype=dtype, device=device, mmap=mmap, **placement)
     model.tokenizer = load_tokenizer(d)
     return model
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-              **placement: Any) -> Any:
-    """Load a GGUF file (dequantized to float32 unless `dtype` says otherwise) with its tokenizer."""
+              mmap: bool = False, **placement: Any) -> Any:
+    """Load a GGUF file (dequantized to float32 unless `dtype` says otherwise) with its tokenizer.
+    `mmap` is accepted and has no effect: every GGUF tensor is converted, so read into memory."""
     from loaders.gguf import read_gguf
 
     path = Path(path)
@@ -274,9 +292,10 @@ def _pickle_source(d: Path, allow_pickle: bool) -> MappingSource:
 
 # ------------------------------------------------------------------------------------------- core
 def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dtype | None,
-                      device: str | torch.device, **placement: Any) -> Any:
+                      device: str | torch.device, mmap: bool = False, **placement: Any) -> Any:
     """Build the architecture's model on meta, check the whole plan, then materialise and fill it
-    (or, given `device_map=`, place it over devices: loaders/dispatch.py)."""
+    (or, given `device_map=`, place it over devices: loaders/dispatch.py). `mmap=True`: parameters
+    that need no conversion are file-backed (`map_weights`), the others read."""
     origin = getattr(source, "origin", "checkpoint")
     check_hf_config(hf_config, origin)
     if dtype is not None:
@@ -304,8 +323,10 @@ def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dt
         from loaders.dispatch import dispatch_from_source
 
         return dispatch_from_source(model, plan, source, arch, fill=copy_weights, dtype=dtype, **placement)
-    materialise(model, dtype=dtype, device=torch.device(device))
-    copy_weights(model, plan, source, arch)
+    device = torch.device(device)
+    mapped = map_weights(model, plan, source, dtype) if mmap and device.type == "cpu" else {}
+    materialise(model, dtype=dtype, device=device, given=mapped)
+    copy_weights(model, {n: v for n, v in plan.items() if n not in mapped}, source, arch)
     return model.eval()
 
 
@@ -420,10 +441,32 @@ class _SkipInitOnMeta(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def materialise(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def map_weights(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any,
+                dtype: torch.dtype) -> dict[str, Tensor]:
+    """{our parameter: its file-backed tensor} for every planned parameter that needs no conversion:
+    no transform, stored in the parameter's dtype, and mappable by the source (`source.map`; aligned)."""
+    if not hasattr(source, "map"):
+        return {}
+    params = dict(model.named_parameters())
+    mapped = {}
+    for name, (src, key) in plan.items():
+        p_dtype = dtype if params[name].is_floating_point() else params[name].dtype
+        t = source.map(src, p_dtype) if key.transform is None else None
+        if t is not None and t.shape == params[name].shape:
+            mapped[name] = t
+    return mapped
+
+
+def materialise(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                given: dict[str, Tensor] | None = None) -> None:
     """Allocate the meta parameters, uninitialised, in `dtype` on `device` (what `to_empty` does, but
-    keeping tied parameters tied and buffers' values); floating buffers are cast like `.to(dtype)`."""
+    keeping tied parameters tied and buffers' values); floating buffers are cast like `.to(dtype)`.
+    `given` {parameter name: tensor}: those parameters take that tensor instead (file-backed ones)."""
     new: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta, allocated); meta kept alive
+    params = dict(model.named_parameters())
+    for name, t in (given or {}).items():
+        p = params[name]
+        new[id(p)] = (p, nn.Parameter(t, p.requires_grad))
     for m in model.modules():
         for n, p in m._parameters.items():
             if p is None:

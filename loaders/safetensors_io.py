@@ -7,8 +7,14 @@ Glossary
     shard         one file of a sharded checkpoint; `model.safetensors.index.json` maps each tensor
                   name to its shard (`{"weight_map": {name: file}}`)
     TensorSource  what the loader reads from: `keys()`, `shape(name)`, `dtype(name)`, `read(name)`,
-                  `read_into(name, out)`. `SafetensorsCheckpoint` is one; `MappingSource` wraps a
-                  state dict or any lazy name -> tensor mapping (GGUF)
+                  `read_into(name, out)`, optionally `map(name, dtype)`. `SafetensorsCheckpoint` is
+                  one; `MappingSource` wraps a state dict or any lazy name -> tensor mapping (GGUF)
+    mapped        a tensor over a private (copy-on-write, `mmap.ACCESS_COPY`) memory map of its file:
+                  nothing is read until a page is touched, and a page written to (a weight edit) is
+                  copied into the process first, so edits never reach the file. The file itself must
+                  not be rewritten in place or truncated while such a tensor lives: a page not yet
+                  touched then shows the new bytes, and a page past the new end of the file kills the
+                  process (SIGBUS). Replacing the file (write a new one, then rename) is safe
 
 Why not `safe_open(...).get_tensor`: it memory-maps the file, and every page it copies from stays
 resident in the process for as long as the file is open, so loading costs the model plus the file
@@ -20,12 +26,18 @@ without duplicate names, each entry's dtype known, shape non-negative integers, 
 section exactly (sorted by begin: the first at 0, each where the previous ended, the last at the
 end of the file): no overlap, no gap, no truncation. Each failure names the file and the tensor.
 Shard files named by an index must lie inside the checkpoint directory (loaders/checks.py).
+
+`from_pretrained(..., mmap=True)` maps instead of reading (`SafetensorsFile.mapped`): the header is
+validated exactly as above first, and a tensor is mapped only where it needs no conversion and its
+offset in the file is a multiple of its element size (torch kernels assume aligned elements;
+safetensors writers align every tensor, a hand-made file may not); the others are read.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -80,7 +92,8 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        size = self.path.stat().st_size
+        self.size = size = self.path.stat().st_size
+        self._map: mmap.mmap | None = None  # opened by the first `mapped` call
         with open(self.path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -166,6 +179,21 @@ class SafetensorsFile:
         self.read_into(name, out)
         return out
 
+    def mapped(self, name: str) -> Tensor | None:
+        """Tensor `name` over a private memory map of the file (nothing read yet; writes stay in this
+        process), or None when it cannot be mapped: empty, or not aligned to its element size."""
+        info = self.tensors[name]
+        count = math.prod(info.shape)
+        if count == 0 or info.begin % info.dtype.itemsize:
+            return None
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if len(self._map) != self.size:  # changed between the header check and now
+                raise CheckpointFileError(f"{self.path}: the file changed while loading ({self.size} bytes "
+                                          f"checked, {len(self._map)} mapped)")
+        return torch.frombuffer(self._map, dtype=info.dtype, count=count, offset=info.begin).view(info.shape)
+
 
 class SafetensorsCheckpoint:
     """A single `model.safetensors` or a sharded checkpoint behind `model.safetensors.index.json`."""
@@ -236,6 +264,11 @@ class SafetensorsCheckpoint:
             return False
         f.read_into(name, out)
         return True
+
+    def map(self, name: str, dtype: torch.dtype) -> Tensor | None:
+        """Tensor `name` file-backed (`SafetensorsFile.mapped`) when stored in `dtype`; None: read it instead."""
+        f = self._where[name]
+        return f.mapped(name) if f.tensors[name].dtype == dtype else None
 
 
 class MappingSource:
