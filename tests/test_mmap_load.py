@@ -3,7 +3,7 @@
 Glossary
     file-backed  a parameter whose first byte lies in a memory mapping of one of the checkpoint's
                  files, as /proc/self/maps lists it (the test's own oracle; Linux only)
-    copying load the default `from_pretrained(d)`: every tensor read into fresh memory
+    copying load `from_pretrained(d, mmap=False)`, the default: every tensor read into fresh memory
     convertible  a Key with no transform, stored in the load's dtype: the parameters `mmap=True` maps
 
 Checked: for every architecture's tiny checkpoint (single file and sharded) the parameters equal a
@@ -85,7 +85,7 @@ ARCHS = [("llama", "8KB"), ("llama-tied", None), ("gpt2", "8KB"), ("mamba", None
 def test_mapped_load_equals_copying_load(tmp_path, tiny_hf, name, shard):
     hf = tiny_hf(_tiny_configs()[name], perturb=0.02)
     hf.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
-    copied, mapped = from_pretrained(tmp_path), from_pretrained(tmp_path, mmap=True)
+    copied, mapped = from_pretrained(tmp_path, mmap=False), from_pretrained(tmp_path, mmap=True)
     assert_same_parameters(mapped, copied)
     expected = convertible(mapped, tmp_path)
     assert expected, "the test needs parameters that can be mapped"
@@ -99,7 +99,7 @@ def test_mapped_load_equals_copying_load(tmp_path, tiny_hf, name, shard):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_toy_ties_survive_and_transposed_weights_are_read(tmp_path, tied):
     d = save_toy(tmp_path / "toy", ToyHF(tied=tied), shards=3)
-    mapped, copied = from_pretrained(d, mmap=True), from_pretrained(d)
+    mapped, copied = from_pretrained(d, mmap=True), from_pretrained(d, mmap=False)
     assert_same_parameters(mapped, copied)
     assert (mapped.unembed.weight is mapped.embed.weight) == tied
     backed = file_backed(mapped, d)
@@ -126,10 +126,10 @@ def test_in_place_edit_stays_in_the_process(tmp_path, tiny_hf):
 
 def test_copying_load_keeps_weights_when_the_file_is_rewritten_in_place(tmp_path):
     d = save_toy(tmp_path / "toy", ToyHF(seed=0))
-    model = from_pretrained(d)
+    model = from_pretrained(d, mmap=False)
     kept = {n: p.detach().clone() for n, p in model.named_parameters()}
     save_toy(d, ToyHF(seed=1))  # same file, same size, other values, written in place
-    assert not torch.equal(from_pretrained(d).embed.weight, kept["embed.weight"])
+    assert not torch.equal(from_pretrained(d, mmap=False).embed.weight, kept["embed.weight"])
     for n, p in model.named_parameters():
         assert torch.equal(p, kept[n]), n
 
@@ -140,7 +140,7 @@ def test_mapped_load_keeps_weights_when_the_file_is_replaced_by_rename(tmp_path)
     kept = {n: p.detach().clone() for n, p in model.named_parameters()}
     other = save_toy(tmp_path / "other", ToyHF(seed=1))
     os.replace(other / "model.safetensors", d / "model.safetensors")  # the documented safe way
-    assert not torch.equal(from_pretrained(d).embed.weight, kept["embed.weight"])
+    assert not torch.equal(from_pretrained(d, mmap=False).embed.weight, kept["embed.weight"])
     for n, p in model.named_parameters():
         assert torch.equal(p, kept[n]), n
 
@@ -149,7 +149,7 @@ def test_mapped_load_keeps_weights_when_the_file_is_replaced_by_rename(tmp_path)
 def test_other_dtype_is_read_not_mapped(tmp_path, tiny_hf):
     tiny_hf(_tiny_configs()["mamba2"], perturb=0.02).save_pretrained(tmp_path)  # float32 on disk
     mapped = from_pretrained(tmp_path, dtype=torch.bfloat16, mmap=True)
-    copied = from_pretrained(tmp_path, dtype=torch.bfloat16)
+    copied = from_pretrained(tmp_path, dtype=torch.bfloat16, mmap=False)
     assert {p.dtype for p in mapped.parameters()} == {torch.bfloat16}
     assert_same_parameters(mapped, copied)
     assert file_backed(mapped, tmp_path) == set()
@@ -172,7 +172,7 @@ def _write_unaligned(d: Path, state: dict[str, torch.Tensor]) -> None:
 def test_unaligned_tensors_are_read(tmp_path):
     hf = ToyHF(tied=False)
     d = save_toy(tmp_path / "toy", hf)
-    aligned = from_pretrained(d)
+    aligned = from_pretrained(d, mmap=False)
     _write_unaligned(d, hf.checkpoint())
     mapped = from_pretrained(d, mmap=True)
     assert_same_parameters(mapped, aligned)
@@ -187,7 +187,7 @@ def test_gguf_is_read(tmp_path, monkeypatch):
     monkeypatch.setattr(loaders.load, "load_gguf_tokenizer", lambda path: None)  # the tiny file has none
     path = tmp_path / "tiny.gguf"
     write_tiny(path)
-    mapped, copied = from_pretrained(path, mmap=True), from_pretrained(path)
+    mapped, copied = from_pretrained(path, mmap=True), from_pretrained(path, mmap=False)
     assert_same_parameters(mapped, copied)
     tokens = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
@@ -218,4 +218,4 @@ def test_mmap_refused_off_cpu(tmp_path, kwargs, match):
 def test_toy_logits_unchanged(tmp_path):
     d = save_toy(tmp_path / "toy", ToyHF(tied=False), shards=2)
     with torch.no_grad():
-        assert torch.equal(from_pretrained(d, mmap=True)(TOKENS), from_pretrained(d)(TOKENS))
+        assert torch.equal(from_pretrained(d, mmap=True)(TOKENS), from_pretrained(d, mmap=False)(TOKENS))
