@@ -19,7 +19,8 @@ Glossary
                  dtype and device (like `to_empty`, keeping ties), and tensors are read into them one
                  at a time, straight from the file when no conversion is needed: peak memory ~1x
     file-backed  with `mmap=True`, a parameter that needs no conversion (stored in the load's dtype,
-                 no transform in its Key, device cpu, aligned in the file) is not allocated or read:
+                 no transform in its Key or one that only views the tensor contiguously, device cpu,
+                 aligned in the file) is not allocated or read:
                  it is the checkpoint's bytes under a private memory map (loaders/safetensors_io.py,
                  "mapped"), paged in when first used. In-place edits stay in this process
 
@@ -444,17 +445,32 @@ class _SkipInitOnMeta(TorchFunctionMode):
 def map_weights(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any,
                 dtype: torch.dtype) -> dict[str, Tensor]:
     """{our parameter: its file-backed tensor} for every planned parameter that needs no conversion:
-    no transform, stored in the parameter's dtype, and mappable by the source (`source.map`; aligned)."""
+    stored in the parameter's dtype, mappable by the source (`source.map`: aligned), and either no
+    transform or one that gives a contiguous view (a squeeze, a slice of whole rows: `_views`)."""
     if not hasattr(source, "map"):
         return {}
     params = dict(model.named_parameters())
     mapped = {}
     for name, (src, key) in plan.items():
         p_dtype = dtype if params[name].is_floating_point() else params[name].dtype
-        t = source.map(src, p_dtype) if key.transform is None else None
+        if key.transform is not None and not _views(key.transform, source.shape(src)):
+            continue
+        t = source.map(src, p_dtype)
+        if t is not None and key.transform is not None:
+            t = key.transform(t)
         if t is not None and t.shape == params[name].shape:
             mapped[name] = t
     return mapped
+
+
+def _views(transform: Callable[[Tensor], Tensor], shape: tuple[int, ...]) -> bool:
+    """Whether `transform` gives a contiguous view of its input (no copy), found on a meta tensor."""
+    probe = torch.empty(shape, device="meta")
+    try:
+        out = transform(probe)
+    except Exception:  # data-dependent: not a view we can tell apart
+        return False
+    return (out is probe or out._base is probe) and out.is_contiguous()
 
 
 def materialise(model: nn.Module, dtype: torch.dtype, device: torch.device,

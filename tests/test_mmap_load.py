@@ -4,7 +4,8 @@ Glossary
     file-backed  a parameter whose first byte lies in a memory mapping of one of the checkpoint's
                  files, as /proc/self/maps lists it (the test's own oracle; Linux only)
     copying load `from_pretrained(d, mmap=False)`, the default: every tensor read into fresh memory
-    convertible  a Key with no transform, stored in the load's dtype: the parameters `mmap=True` maps
+    convertible  stored in the load's dtype, with a Key that has no transform or one whose result on a
+                 real tensor shares its storage and is contiguous: the parameters `mmap=True` maps
 
 Checked: for every architecture's tiny checkpoint (single file and sharded) the parameters equal a
 copying load's bit for bit, exactly the convertible ones are file-backed and the others are not, and
@@ -55,14 +56,25 @@ def file_backed(model: torch.nn.Module, directory: Path) -> set[str]:
 
 
 def convertible(model: torch.nn.Module, directory: Path) -> set[str]:
-    """The parameters mmap=True should map: no transform in their Key (the checkpoint's dtype is the load's)."""
-    config = json.loads((directory / "config.json").read_text())
-    arch = find_architecture(config)
+    """The parameters mmap=True should map (the checkpoint's dtype is the load's): no transform, or one
+    that returns a contiguous tensor over its input's own storage."""
     from loaders.load import read_config
+    from loaders.safetensors_io import SafetensorsCheckpoint
 
+    arch = find_architecture(json.loads((directory / "config.json").read_text()))
     key_map = arch.key_map(arch.config_from_hf(read_config(directory)))
-    names = {n for n, _ in model.named_parameters()}
-    return {n for n in names if key_map[n].transform is None}
+    ckpt = SafetensorsCheckpoint.from_dir(directory)
+    out = set()
+    for name, _ in model.named_parameters():
+        key = key_map[name]
+        if key.transform is None:
+            out.add(name)
+            continue
+        x = torch.zeros(ckpt.shape(next(n for n in key.names if n in ckpt.keys())))
+        y = key.transform(x)
+        if y.is_contiguous() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            out.add(name)
+    return out
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
