@@ -26,12 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from test_loaders import TOKENS, ToyHF, _tiny_configs, save_toy  # registers the toy architecture
 
 from loaders import CheckpointFileError, from_pretrained
 from loaders.registry import find_architecture
-
-from test_loaders import TOKENS, ToyHF, _tiny_configs, save_toy  # registers the toy architecture
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")
 
@@ -70,7 +68,7 @@ def convertible(model: torch.nn.Module, directory: Path) -> set[str]:
         if key.transform is None:
             out.add(name)
             continue
-        x = torch.zeros(ckpt.shape(next(n for n in key.names if n in ckpt.keys())))
+        x = torch.zeros(ckpt.shape(next(n for n in key.names if n in set(ckpt.keys()))))
         y = key.transform(x)
         if y.is_contiguous() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             out.add(name)
@@ -84,8 +82,8 @@ def file_hashes(directory: Path) -> dict[str, str]:
 def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
-    for n in pa:
-        assert pa[n].dtype == pb[n].dtype and torch.equal(pa[n], pb[n]), n
+    for n, p in pa.items():
+        assert p.dtype == pb[n].dtype and torch.equal(p, pb[n]), n
 
 
 # ------------------------------------------------------------------------- every architecture
@@ -218,8 +216,8 @@ def test_bad_file_refused_before_mapping(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(device_map={"": "cpu"}), "device_map"),
-    (dict(device="meta"), "device='meta'"),
+    ({"device_map": {"": "cpu"}}, "device_map"),
+    ({"device": "meta"}, "device='meta'"),
 ])
 def test_mmap_refused_off_cpu(tmp_path, kwargs, match):
     d = save_toy(tmp_path / "toy", ToyHF())
