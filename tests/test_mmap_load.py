@@ -7,8 +7,8 @@ Glossary
     convertible  stored in the load's dtype, with a Key that has no transform or one whose result on a
                  real tensor shares its storage and is contiguous: the parameters `mmap=True` maps
 
-Checked: for every architecture's tiny checkpoint (single file and sharded) the parameters equal a
-copying load's bit for bit, exactly the convertible ones are file-backed and the others are not, and
+Checked: for every architecture's tiny checkpoint (single file and sharded; the hybrid families too)
+the parameters equal a copying load's bit for bit, exactly the convertible ones are file-backed and the others are not, and
 the logits are identical; an in-place edit changes the model but not the file; a checkpoint loaded in
 another dtype, a hand-made file whose tensors are not aligned, and a GGUF file are read (nothing
 mapped) and equal the copying load; a bad file is refused before anything is mapped; mmap=True with
@@ -102,6 +102,30 @@ def test_mapped_load_equals_copying_load(tmp_path, tiny_hf, name, shard):
     assert file_backed(mapped, tmp_path) == expected
     assert file_backed(copied, tmp_path) == set()
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(mapped(tokens), copied(tokens))
+
+
+@pytest.mark.parametrize("name", ["bamba", "granite", "falcon_h1", "nemotron_h", "jamba"])
+def test_hybrid_family_mapped_load_equals_copying_load(tmp_path, name):
+    """Families whose original layout is adapted (renamed, per-expert tensors stacked: a lazy view)
+    are read; the others are mapped, exactly the convertible parameters."""
+    from test_hybrid_analysis import FAMILIES, family
+
+    from loaders.safetensors_io import SafetensorsCheckpoint
+
+    if name not in FAMILIES:
+        pytest.skip(f"{name} is not among the hybrid families on this branch")
+    hf, _ = family(name)
+    hf.save_pretrained(tmp_path)
+    copied, mapped = from_pretrained(tmp_path, mmap=False), from_pretrained(tmp_path, mmap=True)
+    assert_same_parameters(mapped, copied)
+    arch = find_architecture(json.loads((tmp_path / "config.json").read_text()))
+    source = SafetensorsCheckpoint.from_dir(tmp_path)
+    adapted = getattr(arch, "adapt", None) is not None and arch.adapt(source) is not source
+    assert file_backed(mapped, tmp_path) == (set() if adapted else convertible(mapped, tmp_path))
+    assert file_backed(copied, tmp_path) == set()
+    tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(mapped(tokens), copied(tokens))
 
