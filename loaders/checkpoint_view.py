@@ -47,6 +47,12 @@ class _View(Mapping):
     def __len__(self) -> int:
         return len(self.plain) + len(self.stacked)
 
+    def map(self, name: str, dtype: torch.dtype) -> Tensor | None:
+        """A renamed tensor file-backed (the source's `map`, for `mmap=True`); stacked ones are read: None."""
+        if name not in self.plain or not hasattr(self.source, "map"):
+            return None
+        return self.source.map(self.plain[name], dtype)
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self.plain:
             return tuple(self.source.shape(self.plain[name]))

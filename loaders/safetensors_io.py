@@ -297,6 +297,10 @@ class MappingSource:
     def read_into(self, name: str, out: Tensor) -> bool:
         return False
 
+    def map(self, name: str, dtype: torch.dtype) -> Tensor | None:
+        """File-backed tensor `name` when the mapping offers one (a renaming view over a checkpoint), else None."""
+        return self.tensors.map(name, dtype) if hasattr(self.tensors, "map") else None
+
     def identity(self, name: str) -> tuple | None:
         """Equal for two names holding the very same tensor (HF's tied weights); None for lazy tensors."""
         if self._shapes is not None:
