@@ -108,7 +108,8 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
             edits to the weights stay in this process. The files must then not be rewritten in place
             or truncated while the model lives (the weights would change, or the process die with
             SIGBUS): replace them by writing a new file and renaming it. Conversions (another dtype,
-            fused or permuted layouts, GGUF, pickles) are still read into memory. Off by default.
+            transposed or fused layouts, experts stacked from per-expert tensors, GGUF, pickles)
+            are still read into memory. Off by default (a copy cannot change under the model).
     Raises:
         CheckpointError (a ValueError): missing, unexpected or mis-shaped tensors, all listed.
         CheckpointFileError (a ValueError): a truncated or corrupt file, named.
