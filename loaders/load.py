@@ -107,7 +107,8 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
             load reads nothing and pages are read when first used (what HF's from_pretrained does);
             edits to the weights stay in this process. The files must then not be rewritten in place
             or truncated while the model lives (the weights would change, or the process die with
-            SIGBUS): replace them by writing a new file and renaming it. Conversions (another dtype,
+            SIGBUS); replacing them is safe (a new file renamed over them; safetensors' save_file and
+            save_pretrained make a new file). Conversions (another dtype,
             transposed or fused layouts, experts stacked from per-expert tensors, GGUF, pickles)
             are still read into memory. Off by default (a copy cannot change under the model).
     Raises:

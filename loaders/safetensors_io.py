@@ -14,7 +14,8 @@ Glossary
                   copied into the process first, so edits never reach the file. The file itself must
                   not be rewritten in place or truncated while such a tensor lives: a page not yet
                   touched then shows the new bytes, and a page past the new end of the file kills the
-                  process (SIGBUS). Replacing the file (write a new one, then rename) is safe
+                  process (SIGBUS). Replacing the file is safe: a new file renamed over it, or
+                  safetensors' `save_file` (and so `save_pretrained`), which makes a new file
 
 Why not `safe_open(...).get_tensor`: it memory-maps the file, and every page it copies from stays
 resident in the process for as long as the file is open, so loading costs the model plus the file
