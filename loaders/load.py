@@ -18,7 +18,7 @@ Glossary
                  its buffers real; `materialise` then allocates each parameter once in the final
                  dtype and device (like `to_empty`, keeping ties), and tensors are read into them one
                  at a time, straight from the file when no conversion is needed: peak memory ~1x
-    file-backed  with `mmap=True`, a parameter that needs no conversion (stored in the load's dtype,
+    file-backed  with `mmap=True` (the default on CPU without a device_map), a parameter that needs no conversion (stored in the load's dtype,
                  no transform in its Key or one that only views the tensor contiguously, device cpu,
                  aligned in the file) is not allocated or read:
                  it is the checkpoint's bytes under a private memory map (loaders/safetensors_io.py,
@@ -85,7 +85,7 @@ class CheckpointError(ValueError):
 def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                     allow_pickle: bool = False, revision: str | None = None, device_map: str | dict | None = None,
                     max_memory: dict | None = None, offload_folder: str | Path | None = None,
-                    mmap: bool = False) -> Any:
+                    mmap: bool | None = None) -> Any:
     """A hooked model from a checkpoint, with `model.tokenizer` set when the checkpoint has one.
 
     Args:
@@ -110,7 +110,9 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
             SIGBUS); replacing them is safe (a new file renamed over them; safetensors' save_file and
             save_pretrained make a new file). Conversions (another dtype,
             transposed or fused layouts, experts stacked from per-expert tensors, GGUF, pickles)
-            are still read into memory. Off by default (a copy cannot change under the model).
+            are still read into memory. Default (None): on for CPU loads without a device_map, as
+            HF's from_pretrained maps its files; off otherwise. mmap=False always copies (a copy
+            cannot change under the model).
     Raises:
         CheckpointError (a ValueError): missing, unexpected or mis-shaped tensors, all listed.
         CheckpointFileError (a ValueError): a truncated or corrupt file, named.
@@ -121,7 +123,9 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder} \
         if device_map is not None else {}
-    if mmap and (device_map is not None or torch.device(device).type != "cpu"):
+    if mmap is None:
+        mmap = device_map is None and torch.device(device).type == "cpu"
+    elif mmap and (device_map is not None or torch.device(device).type != "cpu"):
         where = f"device_map={device_map!r}" if device_map is not None else f"device={str(device)!r}"
         raise ValueError(f"mmap=True maps checkpoint files into CPU memory; it cannot be combined with {where} "
                          f"(load with mmap=False, or on device='cpu' without a device_map)")
