@@ -66,7 +66,7 @@ def test_hooks_lists_every_hook_with_its_shape(which, request, capsys):
     assert main(["hooks", str(d)]) == 0
     rows = _table(capsys.readouterr().out)
     model = from_pretrained(d)
-    _, cache = model.run_with_cache(prompt_tokens(model, "The capital of France is"))
+    _, cache = model.run_with_cache(prompt_tokens(model, "The capital of France is"), incl_lazy=True)
     assert list(rows) == list(model.hook_dict)  # every hook, in forward order
     for name, (shape, dtype) in rows.items():
         assert shape == str(list(cache[name].shape)), name

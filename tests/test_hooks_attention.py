@@ -15,6 +15,7 @@ import torch
 import transformers
 from torch import Tensor
 
+from hooked.cache_budget import size_laws
 from hooked.models.attention import Attention
 from loaders.load import from_hf
 
@@ -89,7 +90,7 @@ def test_identity_hooks_and_full_cache_leave_logits_bit_identical(pair, batch) -
     _, model, _ = pair
     plain = model(*batch)
     hooked = model.run_with_hooks(*batch, fwd_hooks=[(lambda name: True, lambda x, hook: x)])
-    cached, cache = model.run_with_cache(*batch)
+    cached, cache = model.run_with_cache(*batch, incl_lazy=True)
     assert torch.equal(plain, hooked) and torch.equal(plain, cached)
     assert len(cache) == len(model.hook_dict)
 
@@ -114,6 +115,7 @@ def test_hook_result_is_computed_only_when_hooked(pair, batch, monkeypatch) -> N
     original = Attention.head_results
     monkeypatch.setattr(Attention, "head_results", lambda self, z: calls.append(1) or original(self, z))
     model.hook_dict  # record the forward order first (that run counts every hook as active)
+    size_laws(model)  # and the cache's size laws (two tiny runs with every hook active)
     calls.clear()
     model(*batch)
     model.run_with_cache(*batch, names_filter=lambda n: not n.endswith("hook_result"))
@@ -126,7 +128,7 @@ def test_hook_result_is_computed_only_when_hooked(pair, batch, monkeypatch) -> N
 
 def test_head_results_sum_to_attn_out(pair, batch, assert_rel_close) -> None:
     _, model, _ = pair
-    _, cache = model.run_with_cache(*batch)
+    _, cache = model.run_with_cache(*batch, incl_lazy=True)
     for l, block in enumerate(model.blocks):
         bias = block.attn.o_proj.bias if block.attn.o_proj.bias is not None else 0.0
         assert_rel_close(cache["result", l].sum(2) + bias, cache["attn_out", l], 1e-6, f"layer {l}")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hooked.models.mamba2 as mamba2_module
+from hooked.cache_budget import size_laws
 from hooked.models.mamba2 import HookedMamba2, Mamba2Config, Mamba2Mixer
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -148,7 +149,7 @@ def test_identity_hooks_keep_logits_bit_identical(identity):
     with torch.no_grad():
         plain = model(tokens)
         hooked = model.run_with_hooks(tokens, fwd_hooks=[(lambda n: True, fn)])
-        _, cache = model.run_with_cache(tokens)
+        _, cache = model.run_with_cache(tokens, incl_lazy=True)
     assert torch.equal(plain, hooked)
     assert len(cache) == len(model.hook_dict)
 
@@ -186,6 +187,7 @@ def test_lazy_quantities_not_built_without_hooks(monkeypatch):
     model = make_model(dtype=torch.float32)
     tokens = tokens_for()
     model.hook_dict  # records the hook order once (a run with every hook active) before counting
+    size_laws(model)  # and the cache's size laws (two tiny runs with every hook active)
     calls = count_calls(monkeypatch, LAZY_FUNCS)
     recorder = ShapeRecorder()
     with torch.no_grad(), recorder:
@@ -203,6 +205,7 @@ def test_lazy_quantities_not_built_without_hooks(monkeypatch):
 ])
 def test_one_lazy_hook_builds_only_its_quantity(monkeypatch, hook, expected):
     model = make_model(dtype=torch.float32)
+    size_laws(model)  # and the cache's size laws (two tiny runs with every hook active)
     model.hook_dict  # records the hook order once (a run with every hook active) before counting
     calls = count_calls(monkeypatch, LAZY_FUNCS)
     with torch.no_grad():
@@ -214,7 +217,7 @@ def test_one_lazy_hook_builds_only_its_quantity(monkeypatch, hook, expected):
 def test_cached_quantities_equal_brute_force():
     model = make_model()
     tokens = tokens_for()
-    _, cache = model.run_with_cache(tokens)
+    _, cache = model.run_with_cache(tokens, incl_lazy=True)
     for layer in range(CFG.n_layers):
         ref = brute_mixer(model.blocks[layer].mixer, cache[f"blocks.{layer}.ln1.hook_normalized"])
         pre = f"blocks.{layer}.mixer."

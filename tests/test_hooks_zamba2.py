@@ -104,7 +104,7 @@ def test_identity_hooks_keep_logits_bit_identical(identity):
     with torch.no_grad():
         plain = model(tokens)
         hooked = model.run_with_hooks(tokens, fwd_hooks=[(lambda n: True, fn)])
-        cached, cache = model.run_with_cache(tokens)
+        cached, cache = model.run_with_cache(tokens, incl_lazy=True)
     assert torch.equal(plain, hooked) and torch.equal(plain, cached)
     assert len(cache) == len(model.hook_dict)
 
@@ -139,7 +139,7 @@ def test_invocations_share_weights_not_adapters(dtype):
 
 def test_invocation_reads_hidden_and_embedding_and_feeds_the_mixer_input():
     model = make_model()
-    _, cache = model.run_with_cache(tokens_for())
+    _, cache = model.run_with_cache(tokens_for(), incl_lazy=True)
     for layer in CFG.hybrid_layer_ids:
         pre = f"blocks.{layer}."
         assert cache["pattern", layer] is cache[pre + "shared.attn.hook_pattern"]  # the cache's shorthand
@@ -170,9 +170,9 @@ def _uniform_causal(pattern: torch.Tensor) -> torch.Tensor:
 def test_pattern_edit_at_one_invocation_acts_there_only():
     model, tokens = make_model(), tokens_for()
     edited_name = "blocks.4.shared.attn.hook_pattern"  # block 0, also invoked at layer 1
-    _, clean = model.run_with_cache(tokens)
+    _, clean = model.run_with_cache(tokens, incl_lazy=True)
     with model.hooks([(edited_name, lambda p, hook: _uniform_causal(p))]):
-        _, edited = model.run_with_cache(tokens)
+        _, edited = model.run_with_cache(tokens, incl_lazy=True)
     order = list(model.hook_dict)
     at = order.index(edited_name)
     for name in order[:at]:  # everything before, block 0's first invocation included, is untouched

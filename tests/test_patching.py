@@ -157,7 +157,7 @@ def test_helpers_pick_the_documented_hooks():
     clean, corrupted = _pair(n=3)
     metric = answer_prob(1)
     with torch.no_grad():
-        _, cache = model.run_with_cache(clean)
+        _, cache = model.run_with_cache(clean, incl_lazy=True)
         pairs = [(head_patch(model, corrupted, cache, metric), "blocks.{layer}.attn.hook_z", ("layer", "head")),
                  (head_patch(model, corrupted, cache, metric, by_pos=True, hook="result"),
                   "blocks.{layer}.attn.hook_result", ("layer", "pos", "head")),

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         self.hook_attn_scores = HookPoint()  # [batch n_heads q_pos k_pos]
         self.hook_pattern = HookPoint()  # [batch n_heads q_pos k_pos]
         self.hook_z = HookPoint()  # [batch pos n_heads d_head]
-        self.hook_result = HookPoint()  # [batch pos n_heads d_out]
+        self.hook_result = HookPoint(lazy=True)  # [batch pos n_heads d_out]
 
     def forward(self, x: Float[Tensor, "batch pos d_in"], ctx: Context) -> Float[Tensor, "batch pos d_out"]:
         q = rearrange(self.q_proj(x), "batch pos (n_heads d_head) -> batch pos n_heads d_head", d_head=self.d_head)

@@ -114,6 +114,13 @@ class HookedModel(HookedRootModule):
         value = int(value)
         return value + n if value < 0 else value
 
+    def _batch_pos(self, args: tuple, kwargs: dict) -> tuple[int, int] | None:
+        """(batch, pos) of a forward's input (text too), for run_with_cache's size check."""
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(x, (str, list)) and self.tokenizer is not None:
+            return tuple(self.tokenize(x)[0].shape)
+        return super()._batch_pos(args, kwargs)
+
     # ------------------------------------------------------------------------------- checking
     def check_tokens(self, tokens: Any) -> Int[Tensor, "batch pos"]:
         if not torch.is_tensor(tokens):

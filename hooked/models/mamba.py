@@ -127,14 +127,14 @@ class MambaMixer(nn.Module):
         self.hook_dt = HookPoint()  # [batch pos d_inner]
         self.hook_B = HookPoint()  # [batch pos d_state]
         self.hook_C = HookPoint()  # [batch pos d_state]
-        self.hook_A_bar = HookPoint()  # [batch pos d_inner d_state], lazy
-        self.hook_B_bar = HookPoint()  # [batch pos d_inner d_state], lazy
-        self.hook_h = HookPoint()  # [batch pos d_inner d_state], lazy
-        self.hook_kernel = HookPoint()  # [batch d_inner q_pos k_pos], lazy
+        self.hook_A_bar = HookPoint(lazy=True)  # [batch pos d_inner d_state], lazy
+        self.hook_B_bar = HookPoint(lazy=True)  # [batch pos d_inner d_state], lazy
+        self.hook_h = HookPoint(lazy=True)  # [batch pos d_inner d_state], lazy
+        self.hook_kernel = HookPoint(lazy=True)  # [batch d_inner q_pos k_pos], lazy
         self.hook_y = HookPoint()  # [batch pos d_inner]
         self.hook_ssm_out = HookPoint()  # [batch pos d_inner]
         self.hook_gated = HookPoint()  # [batch pos d_inner]
-        self.hook_head_out = HookPoint()  # [batch pos d_inner d_model], lazy
+        self.hook_head_out = HookPoint(lazy=True)  # [batch pos d_inner d_model], lazy
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -158,14 +158,14 @@ class Mamba2Mixer(nn.Module):
         self.hook_dt = HookPoint()  # [batch pos n_heads]  after softplus and clamp
         self.hook_B = HookPoint()  # [batch pos n_groups d_state]
         self.hook_C = HookPoint()  # [batch pos n_groups d_state]
-        self.hook_A_bar = HookPoint()  # [batch pos n_heads]  exp(dt A), lazy
-        self.hook_B_bar = HookPoint()  # [batch pos n_heads d_state]  dt B, lazy
-        self.hook_h = HookPoint()  # [batch pos n_heads d_head d_state]  state after pos, lazy
-        self.hook_kernel = HookPoint()  # [batch n_heads q_pos k_pos]  lazy
+        self.hook_A_bar = HookPoint(lazy=True)  # [batch pos n_heads]  exp(dt A), lazy
+        self.hook_B_bar = HookPoint(lazy=True)  # [batch pos n_heads d_state]  dt B, lazy
+        self.hook_h = HookPoint(lazy=True)  # [batch pos n_heads d_head d_state]  state after pos, lazy
+        self.hook_kernel = HookPoint(lazy=True)  # [batch n_heads q_pos k_pos]  lazy
         self.hook_y = HookPoint()  # [batch pos n_heads d_head]  C . h
         self.hook_ssm_out = HookPoint()  # [batch pos n_heads d_head]  y + D u
         self.hook_gated = HookPoint()  # [batch pos d_inner]  gated RMSNorm output
-        self.hook_head_out = HookPoint()  # [batch pos n_heads d_model]  each head's write, lazy
+        self.hook_head_out = HookPoint(lazy=True)  # [batch pos n_heads d_model]  each head's write, lazy
 
     @classmethod
     def from_config(cls, cfg: Mamba2Config) -> "Mamba2Mixer":

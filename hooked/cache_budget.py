@@ -1,0 +1,126 @@
+"""The size of a cache before it is built, and the memory budget it must fit.
+
+Glossary
+    lazy hook    a `HookPoint(lazy=True)`: its quantity is built only when something listens
+                 (hook_result, hook_A_bar, hook_B_bar, hook_h, hook_kernel, hook_head_out). A bare
+                 `run_with_cache()` leaves lazy hooks out; a filter that selects them, or
+                 `incl_lazy=True`, takes them.
+    size law     bytes of one hook as a function of (batch, pos): batch * (a * pos^2 + b * pos),
+                 fitted per hook from two recording runs of batch 1 at pos 2 and 3 (every hook
+                 active, so lazy quantities are built at that tiny size; the run at pos 2 is the
+                 one that records the hooks' forward order). Exact for every hook
+                 whose shape is batch x at most two pos axes x fixed widths, which is every hook
+                 the models have; it is measured, so a new family needs no declaration.
+    budget       `max_cache_bytes`; by default `CACHE_BUDGET_FRACTION` of the memory available on
+                 the model's device when the run starts (CPU: MemAvailable of /proc/meminfo; CUDA:
+                 the device's free memory). Override it per call (`max_cache_bytes=`) or here.
+
+`check_cache_budget` raises `CacheBudgetError` before anything is built, listing the hooks (grouped
+over layers), their sizes, and a filter that would fit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+CACHE_BUDGET_FRACTION = 0.5  # of the memory available on the model's device
+
+
+class CacheBudgetError(MemoryError):
+    """A run_with_cache request whose estimated size is past the budget; raised before the forward."""
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on `device` now (CPU: MemAvailable, else free physical pages)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def default_budget(model: Any) -> int:
+    return int(CACHE_BUDGET_FRACTION * available_bytes(model._device()))
+
+
+def size_laws(model: Any) -> dict[str, tuple[float, float]]:
+    """{hook name: (a, b)} with bytes = batch * (a * pos^2 + b * pos); measured once per model."""
+    model.hook_dict  # the forward-order recording run is the one at pos 2
+    at2, at3 = model._record_run(2), model._record_run(3)  # each run once per model and dtype
+    laws = {}
+    for name in at2:
+        n2, n3 = at2[name], at3.get(name, at2[name])
+        a = max((n3 - 1.5 * n2) / 3.0, 0.0)  # n2 = 4a + 2b, n3 = 9a + 3b
+        laws[name] = (a, max((n2 - 4 * a) / 2.0, 0.0))
+    return laws
+
+
+def estimate_cache_bytes(model: Any, names: list[str], batch: int, pos: int) -> dict[str, int]:
+    """Estimated bytes of each named hook's activation for a [batch, pos] input."""
+    laws = size_laws(model)
+    return {n: int(batch * (laws[n][0] * pos * pos + laws[n][1] * pos)) for n in names if n in laws}
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def _group(name: str) -> str:
+    return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name)
+
+
+def check_cache_budget(model: Any, names: list[str], batch: int, pos: int, max_bytes: int | None = None) -> int:
+    """The estimated cache size in bytes; raises CacheBudgetError (before any forward) past the budget."""
+    sizes = estimate_cache_bytes(model, names, batch, pos)
+    total = sum(sizes.values())
+    budget = default_budget(model) if max_bytes is None else int(max_bytes)
+    if total <= budget:
+        return total
+    groups: dict[str, list[int]] = {}
+    for n, b in sizes.items():
+        groups.setdefault(_group(n), []).append(b)
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    points = model.hook_dict
+    lines = [f"  {g:<40} {len(bs):>3} x {_gib(max(bs)):>10} = {_gib(sum(bs)):>10}"
+             + ("  (lazy)" if any(points[n].lazy for n in sizes if _group(n) == g) else "")
+             for g, bs in rows[:12]]
+    if len(rows) > 12:
+        lines.append(f"  ... and {len(rows) - 12} more groups totalling {_gib(sum(sum(bs) for _, bs in rows[12:]))}")
+    where = "max_cache_bytes" if max_bytes is not None else (
+        f"the default budget, CACHE_BUDGET_FRACTION={CACHE_BUDGET_FRACTION} of the memory available now; "
+        "pass max_cache_bytes= to change it")
+    msg = [f"run_with_cache on [{batch}, {pos}] tokens would cache {_gib(total)} in {len(sizes)} hooks, "
+           f"over the budget of {_gib(budget)} ({where}). Largest hooks (count x each = total):", *lines]
+    msg.append(_fitting_filter(sizes, budget))
+    if any(n.endswith("hook_kernel") for n in sizes):
+        msg.append("hook_kernel is [batch, channels, pos, pos]: for a few target positions, compute kernel "
+                   "rows (or columns) with the kernel-row functions in hooked.ops instead of the whole kernel.")
+    raise CacheBudgetError("\n".join(msg))
+
+
+def _fitting_filter(sizes: dict[str, int], budget: int) -> str:
+    """A names_filter leaving out the largest hook kinds (by last name component) until the rest fits."""
+    by_kind: dict[str, int] = {}
+    for n, b in sizes.items():
+        by_kind[n.rsplit(".", 1)[-1]] = by_kind.get(n.rsplit(".", 1)[-1], 0) + b
+    dropped: list[str] = []
+    left = sum(sizes.values())
+    for kind, b in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        if left <= budget:
+            break
+        dropped.append(kind)
+        left -= b
+    if left > budget or len(dropped) == len(by_kind):
+        return ("No filter by hook kind fits: cache fewer layers (names_filter=lambda name: "
+                "name.startswith('blocks.0.')), or run fewer tokens or a smaller batch.")
+    return (f"A filter that fits ({_gib(left)}): your selection without the names ending in {tuple(dropped)!r}, "
+            f"e.g. names_filter=lambda name: not name.endswith({tuple(dropped)!r}) when you asked for every hook.")
