@@ -57,17 +57,20 @@ def expected_hooks(cfg, rotary: bool) -> dict[str, tuple[int, ...]]:
     hooks = {"hook_embed": resid} if rotary else {"hook_embed": resid, "hook_pos_embed": resid}
     for l in range(cfg.n_layers):
         p = f"blocks.{l}."
-        hooks |= {p + "hook_resid_pre": resid, p + "ln1.hook_normalized": resid, p + "attn.hook_q": (BATCH, POS, h, dh),
+        hooks |= {p + "hook_resid_pre": resid, p + "hook_attn_in": resid, p + "ln1.hook_scale": (BATCH, POS, 1),
+                  p + "ln1.hook_normalized": resid, p + "attn.hook_q": (BATCH, POS, h, dh),
                   p + "attn.hook_k": (BATCH, POS, kv, dh), p + "attn.hook_v": (BATCH, POS, kv, dh)}
         if rotary:
             hooks |= {p + "attn.hook_rot_q": (BATCH, POS, h, dh), p + "attn.hook_rot_k": (BATCH, POS, kv, dh)}
         hooks |= {p + "attn.hook_attn_scores": (BATCH, h, POS, POS), p + "attn.hook_pattern": (BATCH, h, POS, POS),
                   p + "attn.hook_z": (BATCH, POS, h, dh), p + "attn.hook_result": (BATCH, POS, h, d),
-                  p + "hook_attn_out": resid, p + "hook_resid_mid": resid, p + "ln2.hook_normalized": resid,
+                  p + "hook_attn_out": resid, p + "hook_resid_mid": resid, p + "hook_mlp_in": resid,
+                  p + "ln2.hook_scale": (BATCH, POS, 1), p + "ln2.hook_normalized": resid,
                   p + "mlp.hook_pre": (BATCH, POS, cfg.d_mlp)}
         if rotary:
             hooks |= {p + "mlp.hook_pre_linear": (BATCH, POS, cfg.d_mlp)}
         hooks |= {p + "mlp.hook_post": (BATCH, POS, cfg.d_mlp), p + "hook_mlp_out": resid, p + "hook_resid_post": resid}
+    hooks["ln_final.hook_scale"] = (BATCH, POS, 1)
     hooks["ln_final.hook_normalized"] = resid
     return hooks
 

@@ -42,7 +42,7 @@ MIXER_HOOKS = {
     "hook_gated": "batch pos d_inner",
     "hook_head_out": "batch pos d_inner d_model",
 }
-BLOCK_HOOKS = {"hook_resid_pre": "batch pos d_model", "ln1.hook_normalized": "batch pos d_model",
+BLOCK_HOOKS = {"hook_resid_pre": "batch pos d_model", "ln1.hook_scale": "batch pos 1", "ln1.hook_normalized": "batch pos d_model",
                "hook_mixer_out": "batch pos d_model", "hook_resid_post": "batch pos d_model"}
 LAZY = ["hook_A_bar", "hook_B_bar", "hook_h", "hook_kernel", "hook_head_out"]
 
@@ -61,7 +61,7 @@ def tokens(pos: int = POS, seed: int = 0) -> Tensor:
 
 
 def shape_of(spec: str, cfg: MambaConfig, pos: int) -> tuple[int, ...]:
-    sizes = dict(batch=BATCH, pos=pos, d_inner=cfg.d_inner, d_state=cfg.d_state, d_model=cfg.d_model)
+    sizes = {"batch": BATCH, "pos": pos, "d_inner": cfg.d_inner, "d_state": cfg.d_state, "d_model": cfg.d_model, "1": 1}
     return tuple(sizes[w] for w in spec.split())
 
 
@@ -110,7 +110,8 @@ CLOSE = dict(rtol=1e-10, atol=1e-10)
 def test_every_hook_exists_fires_once_with_documented_shape(config: str) -> None:
     model = make_model(config, torch.float32)
     cfg, pos = model.cfg, 7
-    expected = {"hook_embed": "batch pos d_model", "ln_final.hook_normalized": "batch pos d_model"}
+    expected = {"hook_embed": "batch pos d_model", "ln_final.hook_scale": "batch pos 1",
+                "ln_final.hook_normalized": "batch pos d_model"}
     for layer in range(cfg.n_layers):
         expected.update({f"blocks.{layer}.{n}": s for n, s in BLOCK_HOOKS.items()})
         expected.update({f"blocks.{layer}.mixer.{n}": s for n, s in MIXER_HOOKS.items()})

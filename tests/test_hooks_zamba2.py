@@ -48,11 +48,12 @@ def shared_hooks(cfg: Zamba2Config) -> dict:
     """blocks.{l}.shared.* in forward order, then hook_shared_out."""
     rot = {"attn.hook_rot_q": Q, "attn.hook_rot_k": KV} if cfg.use_mem_rope else {}
     wide = lambda c, b, l: (b, l, 2 * c.d_model)  # noqa: E731
-    hooks = {"hook_in": wide, "ln1.hook_normalized": wide,
+    scale = lambda c, b, l: (b, l, 1)  # noqa: E731
+    hooks = {"hook_in": wide, "ln1.hook_scale": scale, "ln1.hook_normalized": wide,
              "attn.hook_q": Q, "attn.hook_k": KV, "attn.hook_v": KV, **rot, "attn.hook_attn_scores": PATTERN,
              "attn.hook_pattern": PATTERN, "attn.hook_z": Q,
              "attn.hook_result": lambda c, b, l: (b, l, c.n_attn_heads, c.d_model), "hook_attn_out": RESID,
-             "ln2.hook_normalized": RESID, "mlp.hook_pre": MLP, "mlp.hook_pre_linear": MLP, "mlp.hook_post": MLP,
+             "ln2.hook_scale": scale, "ln2.hook_normalized": RESID, "mlp.hook_pre": MLP, "mlp.hook_pre_linear": MLP, "mlp.hook_post": MLP,
              "hook_mlp_out": RESID, "hook_out": RESID}
     return {f"shared.{k}": v for k, v in hooks.items()} | {"hook_shared_out": RESID}
 
@@ -61,10 +62,11 @@ def expected_hooks(cfg: Zamba2Config) -> dict:
     """Every hook name -> shape function, in forward order."""
     names = {"hook_embed": RESID}
     for layer, kind in enumerate(cfg.layer_types):
-        block = {"hook_resid_pre": RESID, **(shared_hooks(cfg) if kind == H else {}), "ln1.hook_normalized": RESID}
+        block = {"hook_resid_pre": RESID, **(shared_hooks(cfg) if kind == H else {}),
+                 "ln1.hook_scale": lambda c, b, l: (b, l, 1), "ln1.hook_normalized": RESID}
         block |= {f"mixer.{k}": v for k, v in MIXER.items()} | {"hook_mixer_out": RESID, "hook_resid_post": RESID}
         names |= {f"blocks.{layer}.{k}": v for k, v in block.items()}
-    return names | {"ln_final.hook_normalized": RESID}
+    return names | {"ln_final.hook_scale": lambda c, b, l: (b, l, 1), "ln_final.hook_normalized": RESID}
 
 
 def make_model(cfg: Zamba2Config = CFG, dtype: torch.dtype = torch.float64, seed: int = 0) -> HookedZamba2:

@@ -144,26 +144,33 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: resid + attn(ln1(resid)), then + mlp(ln2(.)). GPT-2 and Llama differ only in parts.
 
-    Hooks: blocks.{l}.hook_resid_pre, ln1.hook_normalized, attn.*, hook_attn_out, hook_resid_mid,
-    ln2.hook_normalized, mlp.*, hook_mlp_out, hook_resid_post (all [batch pos d_model] but attn/mlp).
+    Hooks: blocks.{l}.hook_resid_pre, hook_attn_in, ln1.*, attn.*, hook_attn_out, hook_resid_mid,
+    hook_mlp_in, ln2.*, mlp.*, hook_mlp_out, hook_resid_post (all [batch pos d_model] but attn/mlp).
+    hook_attn_in / hook_mlp_in are the sublayer's input (the residual before ln1 / ln2): an edit
+    there changes what the sublayer reads, not the residual stream. (TransformerLens's hook_attn_in
+    has one copy per head, [batch pos n_heads d_model]; ours is the shared input.)
     """
 
     def __init__(self, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_attn_in = HookPoint()  # [batch pos d_model]
         self.hook_attn_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_mid = HookPoint()  # [batch pos d_model]
+        self.hook_mlp_in = HookPoint()  # [batch pos d_model]
         self.hook_mlp_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_post = HookPoint()  # [batch pos d_model]
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         resid_pre = self.hook_resid_pre(resid)
-        attn_out = self.attn(self.ln1(resid_pre), ctx)
+        attn_in = self.hook_attn_in(resid_pre)
+        attn_out = self.attn(self.ln1(attn_in), ctx)
         attn_out = self.hook_attn_out(attn_out)
         resid_mid = resid_pre + attn_out
         resid_mid = self.hook_resid_mid(resid_mid)
-        mlp_out = self.mlp(self.ln2(resid_mid))
+        mlp_in = self.hook_mlp_in(resid_mid)
+        mlp_out = self.mlp(self.ln2(mlp_in))
         mlp_out = self.hook_mlp_out(mlp_out)
         resid_post = resid_mid + mlp_out
         resid_post = self.hook_resid_post(resid_post)

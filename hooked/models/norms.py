@@ -1,4 +1,14 @@
-"""Norm modules with `hook_normalized` (the norm's output, weight applied).
+"""Norm modules with `hook_scale` and `hook_normalized`.
+
+Hooks (one rule for every norm kind):
+    hook_scale       [batch pos 1]  the divisor: sqrt(mean(x^2) + eps) (RMSNorm) or
+                                    sqrt(var(x) + eps) (LayerNorm), as TransformerLens names it
+    hook_normalized  [batch pos d]  the norm's OUTPUT, weight (and bias) applied. TransformerLens's
+                                    hook_normalized sits before the weight; ours is what the next
+                                    layer reads. With `fold_ln` processing the weight is 1 and the
+                                    two agree.
+An edited scale is what the norm divides by. An unhooked (or unedited) scale leaves the output
+bit-identical to the plain norm.
 
 `apply_frozen(stack, reference)` applies the norm to a stack of residual components using the
 normalisation factor of `reference` (the full residual), so that the map stays linear and the
@@ -11,7 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from hooked.hook_points import HookPoint
+from hooked.hook_points import HookPoint, through_hook
 from hooked.ops.norms import layer_norm, rms_norm
 
 
@@ -20,10 +30,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
+        self.hook_scale = HookPoint()  # [batch pos 1]
         self.hook_normalized = HookPoint()  # [batch pos d]
 
     def forward(self, x: Float[Tensor, "batch pos d"]) -> Float[Tensor, "batch pos d"]:
-        return self.hook_normalized(rms_norm(x, self.weight, self.eps))
+        if not self.hook_scale.is_active:
+            return self.hook_normalized(rms_norm(x, self.weight, self.eps))
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        scale = x32.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
+        scale, scale_was = through_hook(self.hook_scale, scale)
+        normed = rms_norm(x, self.weight, self.eps) if scale_was is None else self.weight * (x32 / scale).to(x.dtype)
+        return self.hook_normalized(normed)
 
     def apply_frozen(self, stack: Float[Tensor, "comp batch pos d"], reference: Float[Tensor, "batch pos d"]):
         ref = reference.to(torch.promote_types(reference.dtype, torch.float32))
@@ -37,10 +54,18 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+        self.hook_scale = HookPoint()  # [batch pos 1]
         self.hook_normalized = HookPoint()  # [batch pos d]
 
     def forward(self, x: Float[Tensor, "batch pos d"]) -> Float[Tensor, "batch pos d"]:
-        return self.hook_normalized(layer_norm(x, self.weight, self.bias, self.eps))
+        if not self.hook_scale.is_active:
+            return self.hook_normalized(layer_norm(x, self.weight, self.bias, self.eps))
+        scale = x.var(-1, keepdim=True, unbiased=False).add(self.eps).sqrt()
+        scale, scale_was = through_hook(self.hook_scale, scale)
+        if scale_was is None:
+            return self.hook_normalized(layer_norm(x, self.weight, self.bias, self.eps))
+        normed = (x - x.mean(-1, keepdim=True)) / scale * self.weight
+        return self.hook_normalized(normed if self.bias is None else normed + self.bias)
 
     def apply_frozen(self, stack: Float[Tensor, "comp batch pos d"], reference: Float[Tensor, "batch pos d"]):
         var = reference.var(-1, keepdim=True, unbiased=False)
