@@ -134,3 +134,17 @@ def test_real_size_mamba_bare_cache_fits_and_everything_is_refused() -> None:
     assert "blocks.*.mixer.hook_head_out" in refusal and "hook_kernel" in refusal and "A filter that fits" in refusal
     head_out = 1024 * 1536 * 768 * 4  # [batch pos d_inner d_model] float32
     assert re.search(rf"hook_head_out +24 x +{head_out / 2**30:.2f} GiB = +{24 * head_out / 2**30:.2f} GiB", refusal)
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("remove_batch_dim", [False, True])
+def test_bare_cache_computes_head_results_equal_to_the_lazy_hooks(arch, remove_batch_dim) -> None:
+    model = MODELS[arch]().eval()
+    tokens = _tokens(1, 7)
+    with torch.no_grad():
+        _, bare = model.run_with_cache(tokens, remove_batch_dim=remove_batch_dim)
+        _, full = model.run_with_cache(tokens, incl_lazy=True, remove_batch_dim=remove_batch_dim)
+    a, labels_a = bare.stack_head_results(return_labels=True, apply_ln=True)
+    b, labels_b = full.stack_head_results(return_labels=True, apply_ln=True)
+    assert labels_a == labels_b and a.shape[0] == len(labels_a) > 0
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

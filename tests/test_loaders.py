@@ -238,7 +238,8 @@ def test_tokenizer_from_directory(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>").save_pretrained(d)
     model = from_pretrained(d)
     assert model.tokenizer.pad_token == "</s>"
-    assert model.to_tokens(["w3 w4", "w5"]).tolist() == [[5, 6], [1, 7]]  # left padded with eos
+    assert model.to_tokens(["w3 w4", "w5"]).tolist() == [[5, 6], [7, 1]]  # right padded with eos (TL)
+    assert model.tokenize(["w3 w4", "w5"], padding_side="left")[0].tolist() == [[5, 6], [1, 7]]
     assert model.to_str_tokens("w3 w4") == ["w3", "w4"]
 
 

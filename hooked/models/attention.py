@@ -131,10 +131,12 @@ class Attention(nn.Module):
             return causal
         return causal & ctx.attention_mask[:, None, None, :]
 
-    def head_results(self, z: Float[Tensor, "batch pos n_heads d_head"]) -> Float[Tensor, "batch pos n_heads d_out"]:
+    def head_results(self, z: Float[Tensor, "*batch pos n_heads d_head"]) -> Float[Tensor, "*batch pos n_heads d_out"]:
         """Each head's write to the output, without o_proj's bias (which belongs to no head)."""
         w_o = rearrange(self.o_proj.weight, "d_out (n_heads d_head) -> n_heads d_head d_out", d_head=self.d_head)
-        return einsum(z, w_o, "batch pos n_heads d_head, n_heads d_head d_out -> batch pos n_heads d_out")
+        return einsum(z, w_o, "... pos n_heads d_head, n_heads d_head d_out -> ... pos n_heads d_out")
+
+    head_writes = head_results  # the name every mixer shares (ActivationCache.compute_head_results)
 
     def extra_repr(self) -> str:
         rope = f", rotary={self.rotary}" if self.rotary is not None else ""

@@ -40,6 +40,19 @@ class Context:
         return Context(move(self.attention_mask), move(self.position_ids), move(self.tokens), move(self.embedding))
 
 
+def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"],
+            mask: Bool[Tensor, "batch pos"] | None, per_token: bool = False) -> Tensor:
+    """-log p(next token), mean over positions whose token and next token are real (TL's loss)."""
+    log_probs = logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+    if mask is not None:
+        keep = mask[:, :-1] & mask[:, 1:]
+        log_probs = log_probs.masked_fill(~keep, 0.0)
+        n = keep.sum()
+    else:
+        n = log_probs.numel()
+    return -log_probs if per_token else -log_probs.sum() / n
+
+
 class HookedModel(HookedRootModule):
     """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`."""
 
@@ -63,13 +76,20 @@ class HookedModel(HookedRootModule):
         start_at_layer: int | None = None,
         stop_at_layer: int | None = None,
         tokens: Tensor | None = None,
-    ) -> Tensor:
+        return_type: str | None = "logits",
+        loss_per_token: bool = False,
+    ) -> Any:
         """Logits [batch pos d_vocab], or the residual before block `stop_at_layer` when it is given.
 
         With `start_at_layer`, `input` is the residual stream entering that block (e.g. returned by a
         run with `stop_at_layer`); pass the same `attention_mask`, and `tokens` where a model needs
         them past the embedding (Zamba2).
+        return_type (TransformerLens's): "logits", "loss" (mean next-token cross-entropy over the
+        positions whose token and next token are real; [batch pos-1] with loss_per_token), "both"
+        ((logits, loss)) or None.
         """
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         if isinstance(input, (str, list)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is computed from text; pass tokens to give your own mask")
@@ -81,6 +101,7 @@ class HookedModel(HookedRootModule):
             raise ValueError(f"start_at_layer ({start}) is after stop_at_layer ({stop})")
         if start == 0 and start_at_layer is None:
             tokens = self.check_tokens(input)
+            input = tokens
             ctx = self.make_context(tokens.shape, attention_mask, tokens, input.device)
             resid = self.embed_input(tokens, ctx)
         else:
@@ -101,7 +122,13 @@ class HookedModel(HookedRootModule):
             resid = block(resid, ctx)
         if stop_at_layer is not None:
             return resid
-        return self.unembed(self.ln_final(resid))
+        logits = self.unembed(self.ln_final(resid))
+        if return_type in ("logits", None):
+            return logits if return_type == "logits" else None
+        if tokens is None:
+            raise ValueError("return_type='loss' needs the tokens: pass tokens= with start_at_layer")
+        loss = lm_loss(logits, tokens, ctx.attention_mask, loss_per_token)
+        return loss if return_type == "loss" else (logits, loss)
 
     def _layer_index(self, value: int | None, what: str, default: int) -> int:
         n = self.cfg.n_layers
@@ -188,14 +215,59 @@ class HookedModel(HookedRootModule):
         device = self._device()
         return tokens.to(device), mask.to(device)
 
-    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None,
-                  padding_side: str = "left") -> Int[Tensor, "batch pos"]:
-        return self.tokenize(text, prepend_bos, padding_side)[0]
+    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str = "right",
+                  truncate: bool = True) -> Int[Tensor, "batch pos"]:
+        """Token ids [batch pos]. A batch is padded on the RIGHT by default (as TransformerLens does):
+        causal models then compute every real position exactly without a mask. Left padding needs the
+        mask: use `tokenize` (tokens and mask) or pass text to the model. `truncate` cuts to n_ctx
+        where the model has a position limit."""
+        tokens = self.tokenize(text, prepend_bos, padding_side)[0]
+        limit = getattr(self.cfg, "n_ctx", None)
+        if truncate and limit is not None and getattr(self, "pos_embed", None) is not None:
+            tokens = tokens[:, :limit]
+        return tokens
 
-    def to_str_tokens(self, text: str | Tensor, prepend_bos: bool | None = None) -> list[str]:
+    def to_str_tokens(self, text: str | list | Tensor, prepend_bos: bool | None = None,
+                      padding_side: str = "right") -> list[str] | list[list[str]]:
+        """One string per token. A str or 1-D tensor gives a list; a list of texts or a 2-D tensor
+        gives one list per row (padding included, so that entries line up with positions)."""
         tok = self._need_tokenizer()
-        ids = text if torch.is_tensor(text) else self.to_tokens(text, prepend_bos)[0]
-        return [tok.decode([i]) for i in ids.reshape(-1).tolist()]
+        if isinstance(text, list):
+            return [self.to_str_tokens(t, prepend_bos, padding_side) for t in text]
+        if isinstance(text, str):
+            ids = self.to_tokens(text, prepend_bos)[0]
+        elif torch.is_tensor(text):
+            ids = text.reshape(1) if text.ndim == 0 else text
+            if ids.ndim == 2:
+                return [self.to_str_tokens(row) for row in ids] if ids.shape[0] > 1 else self.to_str_tokens(ids[0])
+            if ids.ndim != 1:
+                raise ValueError(f"to_str_tokens takes [pos] or [batch pos] tokens, got shape {tuple(ids.shape)}")
+        else:
+            raise TypeError(f"to_str_tokens takes a str, a list or a tensor, got {type(text).__name__}")
+        return [tok.decode([i]) for i in ids.tolist()]
+
+    def to_single_token(self, string: str) -> int:
+        """The id of `string` when it is exactly one token (no BOS); otherwise a ValueError."""
+        ids = self.to_tokens(string, prepend_bos=False)[0]
+        if ids.numel() != 1:
+            raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {self.to_str_tokens(ids)}")
+        return int(ids.item())
+
+    def get_token_position(self, single_token: str | int, input: str | Tensor, mode: str = "first",
+                           prepend_bos: bool | None = None, padding_side: str = "right") -> int:
+        """Position of `single_token` in `input` (one sequence): its first or last occurrence."""
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")
+        tokens = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else input
+        if tokens.ndim == 2:
+            if tokens.shape[0] != 1:
+                raise ValueError(f"get_token_position takes one sequence, got batch {tokens.shape[0]}")
+            tokens = tokens[0]
+        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        where = (tokens == token).nonzero().flatten()
+        if where.numel() == 0:
+            raise ValueError(f"token {token} ({self._need_tokenizer().decode([token])!r}) is not in the input")
+        return int(where[0] if mode == "first" else where[-1])
 
     def to_string(self, tokens: Tensor) -> str | list[str]:
         tok = self._need_tokenizer()

@@ -217,6 +217,10 @@ class MambaMixer(nn.Module):
                 y = y + einsum(kernel - kernel_orig, u, "b d j i, b i d -> b j d")
         return y.to(dtype)
 
+    def head_writes(self, gated: Float[Tensor, "*batch pos d_inner"]) -> Float[Tensor, "*batch pos d_inner d_model"]:
+        """Each channel's write to the residual, out_proj without its bias (what hook_head_out holds)."""
+        return gated[..., None] * self.out_proj.weight.T
+
     def write_out(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
         """out_proj(gated); with hook_head_out active, the sum of the per-channel writes."""
         if not self.hook_head_out.is_active:
@@ -230,7 +234,7 @@ class MambaMixer(nn.Module):
                 f"{HEAD_OUT_BUDGET_BYTES / 2**30:.1f} GiB); hook fewer tokens, or leave hook_head_out out of "
                 "names_filter and use hook_gated with out_proj.weight instead"
             )
-        head_out = gated[..., None] * self.out_proj.weight.T  # [b l d_inner d_model]
+        head_out = self.head_writes(gated)
         head_out, head_out_was = through_hook(self.hook_head_out, head_out)
         if head_out_was is None:
             return self.out_proj(gated)

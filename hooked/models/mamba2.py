@@ -256,15 +256,20 @@ class Mamba2Mixer(nn.Module):
             return self.out_proj(gated)
 
         def head_out_fn() -> Tensor:
-            W_out = rearrange(self.out_proj.weight, "m (h p) -> h p m", p=self.d_head)
-            per_head = rearrange(gated, "b l (h p) -> b l h p", p=self.d_head)
-            return einsum(per_head, W_out, "b l h p, h p m -> b l h m")
+            return self.head_writes(gated)
 
         head_out, head_out_was = through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
         if head_out_was is None:
             return self.out_proj(gated)
         out = head_out.sum(dim=2)
         return out if self.out_proj.bias is None else out + self.out_proj.bias
+
+
+    def head_writes(self, gated: Float[Tensor, "*batch pos d_inner"]) -> Float[Tensor, "*batch pos n_heads d_model"]:
+        """Each head's write to the residual, out_proj without its bias (what hook_head_out holds)."""
+        W_out = rearrange(self.out_proj.weight, "m (h p) -> h p m", p=self.d_head)
+        per_head = rearrange(gated, "... l (h p) -> ... l h p", p=self.d_head)
+        return einsum(per_head, W_out, "... l h p, h p m -> ... l h m")
 
 
 class HookedMamba2(SSMLanguageModel):

@@ -10,9 +10,10 @@ Hooks (one rule for every norm kind):
 An edited scale is what the norm divides by. An unhooked (or unedited) scale leaves the output
 bit-identical to the plain norm.
 
-`apply_frozen(stack, reference)` applies the norm to a stack of residual components using the
-normalisation factor of `reference` (the full residual), so that the map stays linear and the
-components of a decomposition still sum to the normalised residual (bias left out).
+`normalize_with_scale(stack, scale)` applies the norm to a stack of residual components with the
+scale of the full residual (a cached hook_scale), so that the map stays linear and the components
+of a decomposition still sum to the normalised residual (bias left out); `normalize_fresh(stack)`
+normalises each component with its own statistics (the logit lens).
 """
 
 from __future__ import annotations
@@ -42,10 +43,13 @@ class RMSNorm(nn.Module):
         normed = rms_norm(x, self.weight, self.eps) if scale_was is None else self.weight * (x32 / scale).to(x.dtype)
         return self.hook_normalized(normed)
 
-    def apply_frozen(self, stack: Float[Tensor, "comp batch pos d"], reference: Float[Tensor, "batch pos d"]):
-        ref = reference.to(torch.promote_types(reference.dtype, torch.float32))
-        scale = torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + self.eps).to(stack.dtype)
-        return self.weight * stack * scale
+    def normalize_with_scale(self, stack: Float[Tensor, "*comp d"], scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
+        """weight * stack / scale: the norm as the linear map it was on the residual with that scale."""
+        return self.weight * (stack / scale.to(stack.dtype))
+
+    def normalize_fresh(self, stack: Float[Tensor, "*comp d"]) -> Float[Tensor, "*comp d"]:
+        """The norm applied to each component with its own statistics (no hooks fire)."""
+        return rms_norm(stack, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -67,7 +71,10 @@ class LayerNorm(nn.Module):
         normed = (x - x.mean(-1, keepdim=True)) / scale * self.weight
         return self.hook_normalized(normed if self.bias is None else normed + self.bias)
 
-    def apply_frozen(self, stack: Float[Tensor, "comp batch pos d"], reference: Float[Tensor, "batch pos d"]):
-        var = reference.var(-1, keepdim=True, unbiased=False)
-        centred = stack - stack.mean(-1, keepdim=True)
-        return self.weight * centred * torch.rsqrt(var + self.eps)
+    def normalize_with_scale(self, stack: Float[Tensor, "*comp d"], scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
+        """weight * (stack - mean) / scale (bias left out: it belongs to no component)."""
+        return self.weight * ((stack - stack.mean(-1, keepdim=True)) / scale.to(stack.dtype))
+
+    def normalize_fresh(self, stack: Float[Tensor, "*comp d"]) -> Float[Tensor, "*comp d"]:
+        """The norm applied to each component with its own statistics, bias included (no hooks fire)."""
+        return layer_norm(stack, self.weight, self.bias, self.eps)

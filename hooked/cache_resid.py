@@ -1,0 +1,290 @@
+"""The residual stream read back from a cache, with TransformerLens's signatures and numbers.
+
+Glossary
+    component    one term of a stack [component, batch, pos, d_model] ([component, pos, d_model]
+                 after remove_batch_dim); a decomposition's components sum to the residual
+    layer        "up to the input of block `layer`": None or -1 means the final residual (the input
+                 of ln_final), `n_layers` too. `mlp_input=True` moves the point to the input of
+                 block `layer`'s MLP (its ln2).
+    pos_slice    TransformerLens's Slice: None (all), an int (drops the axis), a tuple (slice(*t)),
+                 a slice, or a list / tensor of indices
+    scale        the cached `hook_scale` of the norm that reads the residual at `layer` (ln1, ln2
+                 or ln_final): apply_ln_to_stack divides by it, so the map stays linear
+
+apply_ln_to_stack: (stack - mean) / scale for LayerNorm, stack / scale for RMSNorm, as TL does, and
+then times the norm's weight. TL leaves the weight out because its defaults fold it into the next
+matrix (`fold_ln`); on unprocessed weights the weight belongs there for the result to be exact,
+and on processed weights it is 1, so both agree with TL on the weights TL uses.
+accumulated_resid(apply_ln=True) at the final layer normalises each component with its own
+statistics (the logit lens), as TL 3.9 does; elsewhere the scale of the full residual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SliceInput = Any  # None | int | tuple | slice | list | Tensor
+
+
+def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2) -> Tensor:
+    """TransformerLens's Slice(pos_slice).apply(t, dim)."""
+    if pos_slice is None:
+        return t
+    if isinstance(pos_slice, tuple):
+        pos_slice = slice(*pos_slice)
+    if isinstance(pos_slice, (list, Tensor)):
+        pos_slice = torch.as_tensor(pos_slice, device=t.device, dtype=torch.long)
+    index = [slice(None)] * t.ndim
+    index[dim] = pos_slice
+    return t[tuple(index)]
+
+
+class ResidualStreamMethods:
+    """Mixed into ActivationCache: needs `cache_dict`, `model`, `has_batch_dim`, `n_layers`, `__getitem__`."""
+
+    # ------------------------------------------------------------------------------- helpers
+    def _final_layer(self, layer: int | None) -> int:
+        n = self.n_layers
+        if layer is None or layer == -1:
+            return n
+        if not 0 <= layer <= n:
+            raise ValueError(f"layer={layer} is outside [0, {n}] (or -1 / None for the final residual)")
+        return layer
+
+    def _norm_at(self, layer: int, mlp_input: bool) -> tuple[Any, str]:
+        """The norm reading the residual at `layer` and its hook-name prefix."""
+        if layer == self.n_layers:
+            return self.model.ln_final, "ln_final"
+        which = "ln2" if mlp_input else "ln1"
+        block = self.model.blocks[layer]
+        if not hasattr(block, which):
+            raise ValueError(f"block {layer} has no {which} (mlp_input={mlp_input})")
+        return getattr(block, which), f"blocks.{layer}.{which}"
+
+    # ----------------------------------------------------------------------------- layer norm
+    def apply_ln_to_stack(self, residual_stack: Tensor, layer: int | None = None, mlp_input: bool = False,
+                          pos_slice: SliceInput = None, batch_slice: SliceInput = None,
+                          has_batch_dim: bool | None = None, recompute_ln: bool = False) -> Tensor:
+        """Normalise a stack of components as the norm at `layer` normalised the full residual."""
+        layer = self._final_layer(layer)
+        has_batch_dim = self.has_batch_dim if has_batch_dim is None else has_batch_dim
+        if has_batch_dim and batch_slice is not None:
+            residual_stack = slice_pos(residual_stack, batch_slice, dim=1)
+        norm, prefix = self._norm_at(layer, mlp_input)
+        if recompute_ln and layer == self.n_layers:
+            return norm.normalize_fresh(residual_stack)
+        key = f"{prefix}.hook_scale"
+        if key not in self.cache_dict:
+            raise KeyError(f"apply_ln needs {key!r} in the cache (a bare run_with_cache() has it)")
+        scale = slice_pos(self.cache_dict[key], pos_slice)
+        if has_batch_dim and batch_slice is not None and self.has_batch_dim:
+            scale = slice_pos(scale, batch_slice, dim=0)
+        return norm.normalize_with_scale(residual_stack, scale)
+
+    # --------------------------------------------------------------------------- residuals
+    def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
+                          pos_slice: SliceInput = None, mlp_input: bool = False, return_labels: bool = False):
+        """The residual stream at the input of blocks 0..layer (layer None / -1 / n_layers: then the
+        final residual, labelled "final_post"). Returns [component, (batch,) pos, d_model] (and labels)."""
+        layer = self._final_layer(layer)
+        parts, labels = [], []
+        for l in range(layer + 1):
+            if l == self.n_layers:
+                parts.append(self[("resid_post", self.n_layers - 1)])
+                labels.append("final_post")
+                continue
+            parts.append(self[("resid_pre", l)])
+            labels.append(f"{l}_pre")
+            if (incl_mid and l < layer) or (mlp_input and l == layer):
+                parts.append(self[("resid_mid", l)])
+                labels.append(f"{l}_mid")
+        stack = torch.stack([slice_pos(p, pos_slice) for p in parts])
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice,
+                                           recompute_ln=layer == self.n_layers)
+        return (stack, labels) if return_labels else stack
+
+    def decompose_resid(self, layer: int | None = None, mlp_input: bool = False, mode: str = "all",
+                        apply_ln: bool = False, pos_slice: SliceInput = None, incl_embeds: bool = True,
+                        return_labels: bool = False):
+        """The residual at `layer` split into what wrote it: the embeddings, then each block's outputs
+        (attn_out and mlp_out; an SSM block's mixer_out counts as "attn"). mode: "all", "attn", "mlp"."""
+        if mode not in ("all", "attn", "mlp"):
+            raise ValueError(f"mode must be 'all', 'attn' or 'mlp', got {mode!r}")
+        layer = self._final_layer(layer)
+        parts, labels = [], []
+        if incl_embeds:
+            for key in ("hook_embed", "hook_pos_embed"):
+                if key in self.cache_dict:
+                    parts.append(self.cache_dict[key])
+                    labels.append(key[len("hook_"):])
+        writers = getattr(self.model, "resid_writers", lambda l: [])
+        wanted = lambda name: mode == "all" or name.endswith("hook_mlp_out") == (mode == "mlp")  # noqa: E731
+        for l in range(layer + (1 if mlp_input else 0)):
+            for name in writers(l):
+                if l == layer and not name.endswith("hook_attn_out"):
+                    continue  # mlp_input: only the attention output of block `layer`
+                if wanted(name):
+                    parts.append(self.cache_dict[name])
+                    labels.append(f"{l}_{name.split('hook_')[-1]}")
+        like = slice_pos(self["embed"], pos_slice)
+        stack = torch.stack([slice_pos(p, pos_slice) for p in parts]) if parts else like.new_zeros((0, *like.shape))
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    # ------------------------------------------------------------------------------- heads
+    def _head_sites(self, l: int, incl_shared: bool) -> list[tuple[str, str]]:
+        sites = [(f"blocks.{l}.attn.hook_result", "H"), (f"blocks.{l}.mixer.hook_head_out", "H")]
+        if incl_shared:
+            sites.insert(1, (f"blocks.{l}.shared.attn.hook_result", "SH"))
+        return sites
+
+    def compute_head_results(self) -> None:
+        """Add each head's write (`attn.hook_result`, `mixer.hook_head_out`) to the cache where it is
+        missing, from `hook_z` (attention) or `hook_gated` (SSM mixers), as TL does from hook_z."""
+        for name in list(self.model.hook_dict):
+            if name in self.cache_dict:
+                continue
+            module_path, _, hook = name.rpartition(".")
+            source = {"hook_result": "hook_z", "hook_head_out": "hook_gated"}.get(hook)
+            if source is None or f"{module_path}.{source}" not in self.cache_dict:
+                continue
+            module = self.model.get_submodule(module_path)
+            self.cache_dict[name] = module.head_writes(self.cache_dict[f"{module_path}.{source}"])
+
+    def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
+                           pos_slice: SliceInput = None, apply_ln: bool = False, incl_shared: bool = False):
+        """Each head's write for blocks < layer (-1: all): [head, (batch,) pos, d_model], labels "L{l}H{h}".
+
+        Attention heads from `attn.hook_result`, SSM heads (Mamba-2 heads, Mamba-1 channels) from
+        `mixer.hook_head_out`; where those were not cached they are computed from hook_z / hook_gated
+        (compute_head_results). Zamba2's shared-attention heads ("L{l}SH{h}") write into the shared
+        block, not the residual stream, so they are left out unless `incl_shared=True`.
+        `incl_remainder` adds resid_post[layer - 1] minus the heads' sum ("remainder").
+        """
+        layer = self._final_layer(layer)
+        self.compute_head_results()
+        parts, labels = [], []
+        for l in range(layer):
+            for key, tag in self._head_sites(l, incl_shared):
+                if key in self.cache_dict:
+                    res = slice_pos(self.cache_dict[key], pos_slice, dim=-3)  # [.. pos heads d_model]
+                    parts.append(res.movedim(-2, 0))
+                    labels += [f"L{l}{tag}{h}" for h in range(res.shape[-2])]
+        if not parts and layer > 0 and not incl_remainder:
+            raise KeyError("no per-head results and no hook_z / hook_gated in the cache to compute them from")
+        like = slice_pos(self["embed"], pos_slice)
+        stack = torch.cat(parts) if parts else like.new_zeros((0, *like.shape))
+        if incl_remainder:
+            total = slice_pos(self[("resid_post", layer - 1)], pos_slice) if layer > 0 else like
+            stack = torch.cat([stack, (total - stack.sum(0))[None]])
+            labels.append("remainder")
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    # ----------------------------------------------------------------------------- neurons
+    def get_neuron_results(self, layer: int, neuron_slice: SliceInput = None, pos_slice: SliceInput = None) -> Tensor:
+        """Each neuron's write [(batch,) pos, d_mlp, d_model]: post * W_out (bias left out)."""
+        post = slice_pos(self[("post", layer, "mlp")], pos_slice)
+        W_out = self.model.blocks[layer].mlp.down_proj.weight.T  # [d_mlp d_model]
+        if neuron_slice is not None:
+            post = slice_pos(post, neuron_slice, dim=-1)
+            W_out = slice_pos(W_out, neuron_slice, dim=0)
+        return post[..., None] * W_out
+
+    def stack_neuron_results(self, layer: int, pos_slice: SliceInput = None, neuron_slice: SliceInput = None,
+                             return_labels: bool = False, incl_remainder: bool = False, apply_ln: bool = False):
+        """Each MLP neuron's write for blocks < layer: [neuron, (batch,) pos, d_model], labels "L{l}N{i}"."""
+        layer = self._final_layer(layer)
+        parts, labels = [], []
+        for l in range(layer):
+            if f"blocks.{l}.mlp.hook_post" not in self.cache_dict:
+                continue
+            res = self.get_neuron_results(l, neuron_slice, pos_slice)
+            parts.append(res.movedim(-2, 0))
+            ids = slice_pos(torch.arange(res.shape[-2] if neuron_slice is None else self.model.cfg.d_mlp),
+                            neuron_slice, dim=0)
+            labels += [f"L{l}N{int(i)}" for i in ids.reshape(-1)]
+        like = slice_pos(self["embed"], pos_slice)
+        stack = torch.cat(parts) if parts else like.new_zeros((0, *like.shape))
+        if incl_remainder:
+            total = slice_pos(self[("resid_post", layer - 1)], pos_slice) if layer > 0 else like
+            stack = torch.cat([stack, (total - stack.sum(0))[None]])
+            labels.append("remainder")
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    # ------------------------------------------------------------------------- attribution
+    def _accumulated_bias(self, layer: int, mlp_input: bool, include_mlp_biases: bool) -> Tensor:
+        """The sum of the output biases every block before `layer` writes (TL's accumulated_bias)."""
+        total = torch.zeros(self.model.cfg.d_model, dtype=self["embed"].dtype, device=self["embed"].device)
+        for l in range(layer + (1 if mlp_input else 0)):
+            block = self.model.blocks[l]
+            for path in ("attn.o_proj", "mlp.down_proj", "mixer.out_proj"):
+                if l == layer and path != "attn.o_proj":
+                    continue
+                if path == "mlp.down_proj" and not include_mlp_biases:
+                    continue
+                try:
+                    bias = block.get_submodule(path).bias
+                except AttributeError:
+                    continue
+                if bias is not None:
+                    total = total + bias
+        return total
+
+    def get_full_resid_decomposition(self, layer: int | None = None, mlp_input: bool = False,
+                                     expand_neurons: bool = True, apply_ln: bool = False,
+                                     pos_slice: SliceInput = None, return_labels: bool = False):
+        """Heads, then neurons (or mlp_out), embed, pos_embed and the biases: sums to the residual at `layer`."""
+        layer = self._final_layer(layer)
+        heads, labels = self.stack_head_results(layer + (1 if mlp_input else 0), pos_slice=pos_slice,
+                                                return_labels=True)
+        parts = [heads]
+        if layer > 0:
+            if expand_neurons:
+                neurons, n_labels = self.stack_neuron_results(layer, pos_slice=pos_slice, return_labels=True)
+            else:
+                neurons, n_labels = self.decompose_resid(layer, mode="mlp", pos_slice=pos_slice,
+                                                         incl_embeds=False, return_labels=True)
+            parts.append(neurons)
+            labels = labels + n_labels
+        for key in ("hook_embed", "hook_pos_embed"):
+            if key in self.cache_dict:
+                parts.append(slice_pos(self.cache_dict[key], pos_slice)[None])
+                labels.append(key[len("hook_"):])
+        bias = self._accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons)
+        parts.append(bias.expand((1, *heads.shape[1:])))
+        labels.append("bias")
+        stack = torch.cat(parts)
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    def logit_attrs(self, residual_stack: Tensor, tokens: Any, incorrect_tokens: Any = None,
+                    pos_slice: SliceInput = None, batch_slice: SliceInput = None,
+                    has_batch_dim: bool = True) -> Tensor:
+        """Each component's contribution to the logit of `tokens` (minus `incorrect_tokens`), after the
+        final norm's scale: [component, ...]. Tokens: an id, a str (one token), or a tensor of ids."""
+        directions = self._token_directions(tokens)
+        if incorrect_tokens is not None:
+            wrong = self._token_directions(incorrect_tokens)
+            if wrong.shape != directions.shape:
+                raise ValueError(f"tokens and incorrect_tokens must have the same shape: "
+                                 f"{tuple(directions.shape[:-1])} vs {tuple(wrong.shape[:-1])}")
+            directions = directions - wrong
+        scaled = self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
+                                        has_batch_dim=has_batch_dim)
+        return (scaled * directions).sum(-1)
+
+    def _token_directions(self, tokens: Any) -> Tensor:
+        if isinstance(tokens, str):
+            tokens = self.model.to_single_token(tokens)
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.unembed.weight.device)
+        return self.model.unembed.weight[ids]  # W_U[:, token] as rows: [..., d_model]
