@@ -85,7 +85,7 @@ class CheckpointError(ValueError):
 def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                     allow_pickle: bool = False, revision: str | None = None, device_map: str | dict | None = None,
                     max_memory: dict | None = None, offload_folder: str | Path | None = None,
-                    mmap: bool | None = None) -> Any:
+                    mmap: bool | None = None, **processing: bool) -> Any:
     """A hooked model from a checkpoint, with `model.tokenizer` set when the checkpoint has one.
 
     Args:
@@ -113,6 +113,9 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
             are still read into memory. Default (None): on for CPU loads without a device_map, as
             HF's from_pretrained maps its files; off otherwise. mmap=False always copies (a copy
             cannot change under the model).
+        **processing: weight processing, off unless asked (hooked.processing): fold_ln,
+            center_writing_weights, center_unembed, fold_value_biases (TransformerLens turns all four
+            on by default; here each is an explicit opt-in).
     Raises:
         CheckpointError (a ValueError): missing, unexpected or mis-shaped tensors, all listed.
         CheckpointFileError (a ValueError): a truncated or corrupt file, named.
@@ -130,8 +133,26 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
         raise ValueError(f"mmap=True maps checkpoint files into CPU memory; it cannot be combined with {where} "
                          f"(load with mmap=False, or on device='cpu' without a device_map)")
     if path.is_file():
-        return load_gguf(path, dtype=dtype, device=device, mmap=mmap, **placement)
-    return load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle, mmap=mmap, **placement)
+        return _processed(load_gguf(path, dtype=dtype, device=device, mmap=mmap, **placement), processing)
+    return _processed(load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle, mmap=mmap, **placement),
+                      processing)
+
+
+PROCESSING = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
+
+
+def _processed(model: Any, processing: dict[str, bool]) -> Any:
+    """Apply the weight processing asked for by keyword (all off by default)."""
+    unknown = sorted(set(processing) - set(PROCESSING))
+    if unknown:
+        raise TypeError(f"unknown keyword(s) {unknown}; weight processing takes {list(PROCESSING)}")
+    if not any(processing.values()):
+        return model
+    if getattr(model, "hf_device_map", None) is not None:
+        raise ValueError("weight processing needs the weights in memory: load without device_map to process them")
+    from hooked.processing import process_weights
+
+    return process_weights(model, **{k: bool(processing.get(k, False)) for k in PROCESSING})
 
 
 def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
@@ -163,12 +184,14 @@ def resolve_checkpoint(path_or_repo_id: str | Path, *, revision: str | None = No
     raise FileNotFoundError(f"{name!r} is not an alias ({', '.join(ALIASES)}), a .gguf file, a directory or a hub repo id")
 
 
-def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False) -> Any:
+def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False, **processing: bool) -> Any:
     """A hooked model with the same weights, dtype and device as an in-memory HF model.
 
     share_weights=True: every parameter of ours is a view of the HF model's tensor (no copy), so
     training ours updates the HF model in place (`save_pretrained` then writes what we trained);
     raises ValueError naming the parameter when a key map's transform has to copy (fused layouts).
+    **processing: fold_ln, center_writing_weights, center_unembed, fold_value_biases, as in
+    from_pretrained (off unless asked; not with share_weights, which would change the HF model).
     """
     hf_config = hf_model.config.to_dict()
     p = next(hf_model.parameters())
@@ -176,8 +199,10 @@ def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False) -
     model = build_from_source(hf_config, source, dtype=p.dtype, device=p.device)
     model.tokenizer = prepare_tokenizer(tokenizer)
     if share_weights:
+        if any(processing.values()):
+            raise ValueError("weight processing with share_weights=True would rewrite the HF model's weights")
         _share(model, hf_config, source, type(hf_model).__name__)
-    return model
+    return _processed(model, processing)
 
 
 def _share(model: nn.Module, hf_config: dict[str, Any], source: Any, origin: str) -> None:

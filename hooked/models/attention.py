@@ -49,9 +49,10 @@ from torch import Tensor, nn
 from hooked.hook_points import HookPoint
 from hooked.models.base import Context
 from hooked.ops.rotary import Rotary, apply_rotary
+from hooked.weights import AttentionWeights
 
 
-class Attention(nn.Module):
+class Attention(AttentionWeights, nn.Module):
     """Causal multi-head attention with GQA; q/k/v/o projections are plain attributes a caller may wrap.
 
     q_proj, k_proj, v_proj may be replaced by any module mapping [.. d_in] to the same width (Zamba2

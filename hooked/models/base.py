@@ -24,6 +24,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from hooked.hook_points import HookedRootModule
+from hooked.weights import ModelWeights
 
 
 @dataclass
@@ -53,7 +54,7 @@ def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "bat
     return -log_probs if per_token else -log_probs.sum() / n
 
 
-class HookedModel(HookedRootModule):
+class HookedModel(ModelWeights, HookedRootModule):
     """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`."""
 
     tokenizer: Any = None

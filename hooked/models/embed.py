@@ -31,6 +31,7 @@ class Unembed(nn.Module):
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
             nn.init.normal_(self.weight, std=0.02)
+        self.register_parameter("bias", None)  # b_U: only weight processing (fold_ln) gives one
 
     @property
     def tied(self) -> bool:
@@ -42,7 +43,7 @@ class Unembed(nn.Module):
         return super().__getattr__(name)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)  # bias: only weight processing (fold_ln) gives one
         return logits if self.scale == 1.0 else logits * self.scale
 
     def extra_repr(self) -> str:

@@ -55,6 +55,7 @@ from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.selective_kernel import mamba1_kernel_chunked
 from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, selective_scan
+from hooked.weights import MixerWeights
 
 HEAD_OUT_BUDGET_BYTES = 2 * 1024**3  # hook_head_out is refused above this size (it is b*l*d_inner*d_model)
 
@@ -97,7 +98,7 @@ class MambaConfig:
         return 1
 
 
-class MambaMixer(nn.Module):
+class MambaMixer(MixerWeights, nn.Module):
     """in_proj -> causal conv -> selective scan -> gate -> out_proj, all hooked."""
 
     def __init__(self, cfg: MambaConfig) -> None:

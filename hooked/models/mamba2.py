@@ -53,6 +53,7 @@ from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.ssd import linear_scan_heads, ssd_chunked
 from hooked.ops.ssd_kernel import mamba2_kernel_chunked
+from hooked.weights import MixerWeights
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def _kernel_discrete(
     return einsum(C, B_bar, "b j h n, b i h n -> b h j i") * decay
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(MixerWeights, nn.Module):
     """The Mamba-2 mixer from plain sizes (Zamba2 builds its Mamba layers from this too).
 
     Args:

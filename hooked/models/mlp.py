@@ -26,6 +26,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
+from hooked.weights import MLPWeights
 
 
 def gelu_new(x: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
@@ -56,7 +57,7 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
     return ACTIVATIONS[name]
 
 
-class MLP(nn.Module):
+class MLP(MLPWeights, nn.Module):
     """down_proj(act(up_proj(x))), as in GPT-2."""
 
     def __init__(self, d_model: int, d_mlp: int, act_fn: str, bias: bool = True) -> None:
@@ -79,7 +80,7 @@ class MLP(nn.Module):
         return f"act_fn={self.act_fn}"
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(MLPWeights, nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)), as in Llama (SwiGLU when act_fn is silu)."""
 
     def __init__(self, d_model: int, d_mlp: int, act_fn: str, bias: bool = False, *, gate_multiplier: float = 1.0,

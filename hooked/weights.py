@@ -1,0 +1,205 @@
+"""Weights under TransformerLens's names, read from the module structure (no per-architecture code).
+
+Glossary (shapes as TL has them; "view" = shares memory with our parameter)
+    attention module (q_proj, k_proj, v_proj, o_proj: nn.Linear), per module, views:
+        W_Q [n_heads d_in d_head]   _W_K, _W_V [n_kv_heads d_in d_head]   W_O [n_heads d_head d_out]
+        b_Q [n_heads d_head]        _b_K, _b_V [n_kv_heads d_head]       b_O [d_out]
+        W_K, W_V, b_K, b_V: the kv heads repeated for each query head (GQA as TL does it; a copy when
+        grouped). A missing bias reads as zeros (not a view).
+    MLP module (up_proj, optional gate_proj, down_proj): W_in [d_model d_mlp] (the linear branch,
+        up_proj), W_gate [d_model d_mlp] (gated MLPs), W_out [d_mlp d_model], b_in, b_gate, b_out.
+    SSM mixer (in_proj, out_proj): W_in_proj [d_model in_width] (in_proj's output columns in the
+        mixer's order: Mamba-1 [x ; z], Mamba-2 [z ; xBC ; dt]), W_out_proj [d_inner d_model], and
+        W_out_heads [n_heads d_head d_model] (Mamba-1: [d_inner 1 d_model]): head h's write is
+        gated[..., h*d_head:(h+1)*d_head] @ W_out_heads[h], exactly what hook_head_out holds.
+    model: W_E [d_vocab d_model], W_pos [n_ctx d_model] (learned positions only), W_U [d_model d_vocab],
+        b_U [d_vocab]; every per-module name stacked over the blocks ([n_layers, ...], a copy), when
+        every block has that module (hybrids: use model.blocks[l].<module>.W_*); QK and OV as
+        FactoredMatrix [n_layers n_heads d_model d_model].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hooked.factored_matrix import FactoredMatrix
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear:
+    lin = getattr(module, name, None)
+    if not isinstance(lin, nn.Linear):
+        raise ValueError(f"{type(module).__name__}.{name} is {type(lin).__name__}, not an nn.Linear: "
+                             "its weight has no single matrix to show")
+    return lin
+
+
+def _bias(lin: nn.Linear) -> Tensor:
+    return lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+
+
+class AttentionWeights:
+    """TL's weight names on an attention module (mixed into hooked.models.attention.Attention)."""
+
+    def _in_heads(self, name: str, heads: int) -> Tensor:  # [heads d_in d_head]
+        w = _linear(self, name).weight
+        return w.view(heads, self.d_head, w.shape[-1]).transpose(-1, -2)
+
+    @property
+    def W_Q(self) -> Tensor:
+        return self._in_heads("q_proj", self.n_heads)
+
+    @property
+    def _W_K(self) -> Tensor:
+        return self._in_heads("k_proj", self.n_kv_heads)
+
+    @property
+    def _W_V(self) -> Tensor:
+        return self._in_heads("v_proj", self.n_kv_heads)
+
+    @property
+    def W_K(self) -> Tensor:
+        return self._W_K.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
+
+    @property
+    def W_V(self) -> Tensor:
+        return self._W_V.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
+
+    @property
+    def W_O(self) -> Tensor:
+        w = _linear(self, "o_proj").weight  # [d_out (n_heads d_head)]
+        return w.T.view(self.n_heads, self.d_head, w.shape[0])
+
+    @property
+    def b_Q(self) -> Tensor:
+        return _bias(_linear(self, "q_proj")).view(self.n_heads, self.d_head)
+
+    @property
+    def _b_K(self) -> Tensor:
+        return _bias(_linear(self, "k_proj")).view(self.n_kv_heads, self.d_head)
+
+    @property
+    def _b_V(self) -> Tensor:
+        return _bias(_linear(self, "v_proj")).view(self.n_kv_heads, self.d_head)
+
+    @property
+    def b_K(self) -> Tensor:
+        return self._b_K.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
+
+    @property
+    def b_V(self) -> Tensor:
+        return self._b_V.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
+
+    @property
+    def b_O(self) -> Tensor:
+        return _bias(_linear(self, "o_proj"))
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        return FactoredMatrix(self.W_V, self.W_O)
+
+
+class MLPWeights:
+    """TL's weight names on an MLP (mixed into MLP and GatedMLP)."""
+
+    @property
+    def W_in(self) -> Tensor:
+        return _linear(self, "up_proj").weight.T
+
+    @property
+    def W_gate(self) -> Tensor:
+        return _linear(self, "gate_proj").weight.T
+
+    @property
+    def W_out(self) -> Tensor:
+        return _linear(self, "down_proj").weight.T
+
+    @property
+    def b_in(self) -> Tensor:
+        return _bias(_linear(self, "up_proj"))
+
+    @property
+    def b_gate(self) -> Tensor:
+        return _bias(_linear(self, "gate_proj"))
+
+    @property
+    def b_out(self) -> Tensor:
+        return _bias(_linear(self, "down_proj"))
+
+
+class MixerWeights:
+    """Documented names of an SSM mixer's projections (mixed into the Mamba-1 and Mamba-2 mixers)."""
+
+    @property
+    def W_in_proj(self) -> Tensor:
+        return _linear(self, "in_proj").weight.T
+
+    @property
+    def W_out_proj(self) -> Tensor:
+        return _linear(self, "out_proj").weight.T
+
+    @property
+    def W_out_heads(self) -> Tensor:
+        w = _linear(self, "out_proj").weight  # [d_model d_inner]
+        d_head = getattr(self, "d_head", 1)
+        return w.T.view(w.shape[1] // d_head, d_head, w.shape[0])
+
+
+_STACKED = {
+    "attn": ("W_Q", "W_K", "W_V", "W_O", "_W_K", "_W_V", "b_Q", "b_K", "b_V", "b_O", "_b_K", "_b_V"),
+    "mlp": ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out"),
+    "mixer": ("W_in_proj", "W_out_proj", "W_out_heads"),
+}
+_MODULE_OF = {name: module for module, names in _STACKED.items() for name in names}
+
+
+class ModelWeights:
+    """Model-level names (mixed into HookedModel): embeddings, unembedding, stacked block weights."""
+
+    @property
+    def W_E(self) -> Tensor:
+        return self.embed.weight
+
+    @property
+    def W_pos(self) -> Tensor:
+        pos = getattr(self, "pos_embed", None)
+        if pos is None:
+            raise AttributeError(f"{type(self).__name__} has no learned position embedding (W_pos)")
+        return pos.weight
+
+    @property
+    def W_U(self) -> Tensor:
+        return self.unembed.weight.T
+
+    @property
+    def b_U(self) -> Tensor:
+        bias = getattr(self.unembed, "bias", None)
+        return bias if bias is not None else self.unembed.weight.new_zeros(self.unembed.weight.shape[0])
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    def stacked_weight(self, name: str) -> Tensor:
+        """`name` of every block's attn / mlp / mixer, stacked: [n_layers, ...]."""
+        module = _MODULE_OF[name]
+        missing = [l for l, b in enumerate(self.blocks) if not hasattr(b, module)]
+        if missing:
+            raise AttributeError(f"{name}: blocks {missing} have no {module!r} module; "
+                                 f"read model.blocks[l].{module}.{name} (or a shared block's) instead")
+        return torch.stack([getattr(getattr(b, module), name) for b in self.blocks])
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _MODULE_OF:
+            return self.stacked_weight(name)
+        return super().__getattr__(name)
