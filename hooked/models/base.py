@@ -24,6 +24,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from hooked.hook_points import HookedRootModule
+from hooked.tl_config import attach
 from hooked.weights import ModelWeights
 
 
@@ -58,6 +59,15 @@ class HookedModel(ModelWeights, HookedRootModule):
     """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`."""
 
     tokenizer: Any = None
+
+    @property
+    def cfg(self) -> Any:
+        """The family's config, with TransformerLens's derived fields (device, dtype, ...: tl_config.py)."""
+        return attach(self.__dict__["_raw_cfg"], self)
+
+    @cfg.setter
+    def cfg(self, value: Any) -> None:
+        self.__dict__["_raw_cfg"] = value
 
     # ---------------------------------------------------------------------------- to override
     def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:

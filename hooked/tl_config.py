@@ -1,0 +1,89 @@
+"""`model.cfg` with TransformerLens's extra fields, derived from the model (never stored twice).
+
+Glossary
+    config        a family's frozen dataclass (GPT2Config, LlamaConfig, MambaConfig, ...)
+    view          the same config as an instance of a subclass that adds, as properties:
+                  device, dtype                the parameters' (they follow model.to(...))
+                  normalization_type           "LN" or "RMS" from the norm modules ("LNPre"/"RMSPre"
+                                               when every norm has weight 1 and no bias, i.e.
+                                               after fold_ln, as TL names them)
+                  positional_embedding_type    "standard" (learned), "rotary", or "none" (SSMs)
+                  default_prepend_bos          whether the tokenizer adds BOS (False without one)
+                  n_key_value_heads            TL's name of n_kv_heads (None without GQA, as TL)
+                  d_vocab_out, original_architecture, model_name
+                  A field of the family's config with one of these names wins.
+isinstance(model.cfg, GPT2Config) still holds and `dataclasses.replace(model.cfg, ...)` still works.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+_VIEWS: dict[type, type] = {}
+
+
+def _model(cfg: Any) -> Any:
+    model = cfg.__dict__.get("_model_ref", lambda: None)()
+    if model is None:
+        raise AttributeError("this config is not attached to a model (TL's derived fields need one)")
+    return model
+
+
+def _norms(model: Any) -> list[Any]:
+    return [m for m in model.modules() if type(m).__name__ in ("LayerNorm", "RMSNorm")]
+
+
+def _normalization_type(cfg: Any) -> str:
+    norms = _norms(_model(cfg))
+    kind = "LN" if norms and all(type(m).__name__ == "LayerNorm" for m in norms) else "RMS"
+    unit = lambda m: bool((m.weight == 1).all()) and (m.__dict__.get("bias") is None and  # noqa: E731
+                                                      getattr(m, "bias", None) is None or bool((m.bias == 0).all()))
+    return kind + ("Pre" if norms and all(unit(m) for m in norms) else "")
+
+
+def _positional(cfg: Any) -> str:
+    model = _model(cfg)
+    if getattr(model, "pos_embed", None) is not None:
+        return "standard"
+    return "rotary" if any(getattr(m, "rotary", None) is not None for m in model.modules()) else "none"
+
+
+def _prepend_bos(cfg: Any) -> bool:
+    tok = _model(cfg).tokenizer
+    if tok is None or tok.bos_token_id is None:
+        return False
+    return tok("a", add_special_tokens=True)["input_ids"][:1] == [tok.bos_token_id]
+
+
+def _kv_heads(cfg: Any) -> int | None:
+    n_kv, n = getattr(cfg, "n_kv_heads", None), getattr(cfg, "n_heads", None)
+    return n_kv if n_kv is not None and n_kv != n else None
+
+
+EXTRA = {
+    "device": lambda c: next(_model(c).parameters(), torch.empty(0)).device,
+    "dtype": lambda c: next(_model(c).parameters(), torch.empty(0)).dtype,
+    "normalization_type": _normalization_type,
+    "positional_embedding_type": _positional,
+    "default_prepend_bos": _prepend_bos,
+    "n_key_value_heads": _kv_heads,
+    "d_vocab_out": lambda c: c.d_vocab,
+    "original_architecture": lambda c: type(_model(c)).__name__,
+    "model_name": lambda c: type(_model(c)).__name__,
+}
+
+
+def attach(cfg: Any, model: Any) -> Any:
+    """The view of `cfg` for `model` (cfg unchanged; the view holds a weak reference to the model)."""
+    base = type(cfg)
+    if base not in _VIEWS:
+        fields = set(getattr(base, "__dataclass_fields__", {})) | set(dir(base))
+        props = {name: property(fn) for name, fn in EXTRA.items() if name not in fields}
+        _VIEWS[base] = type(base.__name__, (base,), props | {"__doc__": base.__doc__, "__module__": base.__module__})
+    view = object.__new__(_VIEWS[base])
+    view.__dict__.update(cfg.__dict__)
+    view.__dict__["_model_ref"] = weakref.ref(model)
+    return view
