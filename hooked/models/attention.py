@@ -98,11 +98,14 @@ class Attention(AttentionWeights, nn.Module):
             rot_k = apply_rotary(k, cos, sin)
             rot_k = self.hook_rot_k(rot_k)
             q, k = rot_q, rot_k
-        k, v = self.repeat_kv(k), self.repeat_kv(v)  # [batch pos n_heads d_head]
+        if ctx.state is not None:  # incremental decoding: the past keys and values come from the state
+            k, v = ctx.state.extend_kv(self, k, v)
+        k, v = self.repeat_kv(k), self.repeat_kv(v)  # [batch k_pos n_heads d_head]
 
         scores = einsum(q, k, "batch q_pos n_heads d_head, batch k_pos n_heads d_head -> batch n_heads q_pos k_pos")
         scores = scores * self.scale
-        attn_scores = scores.masked_fill(~self.visible(ctx, scores.shape[-1], scores.device), torch.finfo(scores.dtype).min)
+        visible = self.visible(ctx, scores.shape[-1], scores.device, q_len=scores.shape[-2])
+        attn_scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
         attn_scores = self.hook_attn_scores(attn_scores)
         softmax_dtype = torch.promote_types(attn_scores.dtype, torch.float32)
         pattern = attn_scores.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
@@ -125,12 +128,16 @@ class Attention(AttentionWeights, nn.Module):
         return t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
 
     @staticmethod
-    def visible(ctx: Context, pos: int, device: torch.device) -> Tensor:
-        """Bool [q_pos k_pos] (no padding) or [batch 1 q_pos k_pos]: key at or before the query, not padding."""
-        causal = torch.ones(pos, pos, dtype=torch.bool, device=device).tril()
-        if ctx.attention_mask is None:
+    def visible(ctx: Context, pos: int, device: torch.device, q_len: int | None = None) -> Tensor:
+        """Bool [q_pos k_pos] (no padding) or [batch 1 q_pos k_pos]: key at or before the query, not padding.
+
+        While decoding, the q_len queries are the last q_len of the pos keys."""
+        q_len = pos if q_len is None else q_len
+        causal = torch.ones(q_len, pos, dtype=torch.bool, device=device).tril(pos - q_len)
+        mask = ctx.keys_mask()
+        if mask is None:
             return causal
-        return causal & ctx.attention_mask[:, None, None, :]
+        return causal & mask[:, None, None, :]
 
     def head_results(self, z: Float[Tensor, "*batch pos n_heads d_head"]) -> Float[Tensor, "*batch pos n_heads d_out"]:
         """Each head's write to the output, without o_proj's bias (which belongs to no head)."""

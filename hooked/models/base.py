@@ -6,7 +6,8 @@ Glossary
     resid           [batch pos d_model] the residual stream
     Context         what every block may need besides the residual: the mask, position ids
                     (counted over real tokens only, so left padding does not shift positions), the
-                    tokens, and the original embedding (Zamba2's shared blocks read it)
+                    tokens, the original embedding (Zamba2's shared blocks read it), and the
+                    DecodeState of incremental decoding (None otherwise; decode_state.py)
 
 A model subclass builds `self.blocks` (an nn.ModuleList whose blocks take `(resid, ctx)`),
 `self.ln_final`, `self.unembed`, implements `embed_input(tokens, ctx) -> resid`, and calls
@@ -24,6 +25,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from hooked.hook_points import HookedRootModule
+from hooked.models.decode_state import DecodeState
 from hooked.tl_config import attach
 from hooked.weights import ModelWeights
 
@@ -34,6 +36,12 @@ class Context:
     position_ids: Int[Tensor, "batch pos"]
     tokens: Int[Tensor, "batch pos"] | None = None
     embedding: Float[Tensor, "batch pos d_model"] | None = None
+    state: DecodeState | None = None
+    key_mask: Bool[Tensor, "batch keys"] | None = None  # with a state: padding of past and new keys
+
+    def keys_mask(self) -> Bool[Tensor, "batch keys"] | None:
+        """Padding of every key an attention layer sees (the past ones too while decoding)."""
+        return self.key_mask if self.state is not None else self.attention_mask
 
     def to(self, device: str | torch.device) -> "Context":
         """A copy with every tensor on `device` (a block on another device gets its Context so: accelerate
@@ -89,6 +97,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         tokens: Tensor | None = None,
         return_type: str | None = "logits",
         loss_per_token: bool = False,
+        state: DecodeState | None = None,
     ) -> Any:
         """Logits [batch pos d_vocab], or the residual before block `stop_at_layer` when it is given.
 
@@ -98,6 +107,8 @@ class HookedModel(ModelWeights, HookedRootModule):
         return_type (TransformerLens's): "logits", "loss" (mean next-token cross-entropy over the
         positions whose token and next token are real; [batch pos-1] with loss_per_token), "both"
         ((logits, loss)) or None.
+        state: a DecodeState (TL's past_kv_cache): `input` holds only the new tokens, the model
+        reads the past from the state and adds the new positions to it (hooks see new positions).
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
@@ -110,10 +121,12 @@ class HookedModel(ModelWeights, HookedRootModule):
         stop = self._layer_index(stop_at_layer, "stop_at_layer", default=n)
         if start > stop:
             raise ValueError(f"start_at_layer ({start}) is after stop_at_layer ({stop})")
+        if state is not None and (start_at_layer is not None or stop_at_layer is not None):
+            raise ValueError("state= decodes whole forwards: it cannot be combined with start_at_layer / stop_at_layer")
         if start == 0 and start_at_layer is None:
             tokens = self.check_tokens(input)
             input = tokens
-            ctx = self.make_context(tokens.shape, attention_mask, tokens, input.device)
+            ctx = self.make_context(tokens.shape, attention_mask, tokens, input.device, state)
             resid = self.embed_input(tokens, ctx)
         else:
             if not torch.is_tensor(input) or not input.is_floating_point() or input.ndim != 3:
@@ -131,6 +144,8 @@ class HookedModel(ModelWeights, HookedRootModule):
             resid = input
         for block in self.blocks[start:stop]:
             resid = block(resid, ctx)
+        if state is not None:
+            state.advance(ctx.attention_mask, *resid.shape[:2], resid.device)
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))
@@ -140,6 +155,12 @@ class HookedModel(ModelWeights, HookedRootModule):
             raise ValueError("return_type='loss' needs the tokens: pass tokens= with start_at_layer")
         loss = lm_loss(logits, tokens, ctx.attention_mask, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
+
+    def generate(self, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
+        """TransformerLens's generate (greedy or sampled; incremental state): hooked/generate.py."""
+        from hooked.generate import generate
+
+        return generate(self, input, max_new_tokens, **kwargs)
 
     def _layer_index(self, value: int | None, what: str, default: int) -> int:
         n = self.cfg.n_layers
@@ -176,7 +197,18 @@ class HookedModel(ModelWeights, HookedRootModule):
         return tokens
 
     def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
-                     tokens: Tensor | None, device: torch.device) -> Context:
+                     tokens: Tensor | None, device: torch.device, state: DecodeState | None = None) -> Context:
+        ctx = self._plain_context(shape, attention_mask, tokens, device)
+        if state is None:
+            return ctx
+        batch, pos = int(shape[0]), int(shape[1])
+        ctx.state = state
+        ctx.position_ids = state.positions(ctx.attention_mask, batch, pos, device)
+        ctx.key_mask = state.key_mask(ctx.attention_mask, batch, pos, device)
+        return ctx
+
+    def _plain_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
+                       tokens: Tensor | None, device: torch.device) -> Context:
         batch, pos = int(shape[0]), int(shape[1])
         if attention_mask is None:
             position_ids = torch.arange(pos, device=device).expand(batch, pos)

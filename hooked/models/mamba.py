@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
+from hooked.models.decode_state import DecodeState
 from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.selective_kernel import mamba1_kernel_chunked
@@ -161,7 +162,11 @@ class MambaMixer(MixerWeights, nn.Module):
             in_ = in_ * keep  # a padded position feeds the conv zeros, as causal padding does
         in_ = self.hook_in(in_)
         gate = self.hook_gate(gate)
-        conv = causal_conv1d(in_, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
+        if ctx.state is None:
+            conv = causal_conv1d(in_, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
+        else:  # decoding: the conv also reads the previous d_conv - 1 inputs
+            window = ctx.state.conv_window(self, in_, self.cfg.d_conv)
+            conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - in_.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
         ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
         ssm_in = self.hook_ssm_in(ssm_in)
@@ -174,7 +179,7 @@ class MambaMixer(MixerWeights, nn.Module):
         dt = self.hook_dt(dt)
         B = self.hook_B(B)
         C = self.hook_C(C)
-        y = self.scan(ssm_in, dt, B, C)
+        y = self.scan(ssm_in, dt, B, C) if ctx.state is None else self.scan_from_state(ssm_in, dt, B, C, ctx.state)
         y = self.hook_y(y)
         ssm_out = y + self.D.to(y.dtype) * ssm_in
         ssm_out = self.hook_ssm_out(ssm_out)
@@ -221,6 +226,17 @@ class MambaMixer(MixerWeights, nn.Module):
     def head_writes(self, gated: Float[Tensor, "*batch pos d_inner"]) -> Float[Tensor, "*batch pos d_inner d_model"]:
         """Each channel's write to the residual, out_proj without its bias (what hook_head_out holds)."""
         return gated[..., None] * self.out_proj.weight.T
+
+    def scan_from_state(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
+                        B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
+                        state: DecodeState) -> Float[Tensor, "batch pos d_inner"]:
+        """The scan continued from the state the previous positions left (incremental decoding)."""
+        state.refuse_lazy(self, [self.hook_A_bar, self.hook_B_bar, self.hook_h, self.hook_kernel])
+        A = self.A()
+        y, h = selective_scan(*(t.to(A.dtype) for t in (u, dt)), A, B.to(A.dtype), C.to(A.dtype),
+                              h0=state.ssm_state(self))
+        state.set_ssm_state(self, h)
+        return y.to(u.dtype)
 
     def write_out(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
         """out_proj(gated); with hook_head_out active, the sum of the per-channel writes."""

@@ -189,7 +189,11 @@ class Mamba2Mixer(MixerWeights, nn.Module):
             xBC = xBC * mask
         xBC = self.hook_in(xBC)
         gate = self.hook_gate(gate)
-        conv = causal_conv1d(xBC, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
+        if ctx.state is None:
+            conv = causal_conv1d(xBC, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
+        else:  # decoding: the conv also reads the previous d_conv - 1 inputs
+            window = ctx.state.conv_window(self, xBC, self.conv_weight.shape[1])
+            conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - xBC.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
         xBC = F.silu(conv) if mask is None else F.silu(conv) * mask
         ssm_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -202,7 +206,13 @@ class Mamba2Mixer(MixerWeights, nn.Module):
         B = self.hook_B(B)
         C = rearrange(C, "b l (g n) -> b l g n", g=self.n_groups)
         C = self.hook_C(C)
-        y = self._scan(ssm_in, dt, self.A().to(ssm_dtype), B, C)
+        if ctx.state is None:
+            y = self._scan(ssm_in, dt, self.A().to(ssm_dtype), B, C)
+        else:  # decoding: continue from the state the previous positions left
+            ctx.state.refuse_lazy(self, [self.hook_A_bar, self.hook_B_bar, self.hook_h, self.hook_kernel])
+            y, h = ssd_chunked(ssm_in, dt, self.A().to(ssm_dtype), B, C, min(self.chunk_size, ssm_in.shape[1]),
+                               h0=ctx.state.ssm_state(self))
+            ctx.state.set_ssm_state(self, h)
         y = self.hook_y(y)
         ssm_out = y + self.D.to(ssm_dtype)[:, None] * ssm_in
         ssm_out = self.hook_ssm_out(ssm_out)

@@ -201,11 +201,11 @@ class HookedZamba2(HookedModel):
         self.setup()
 
     def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
-                     tokens: Tensor | None, device: torch.device) -> Context:
+                     tokens: Tensor | None, device: torch.device, state: Any = None) -> Context:
         """The base Context plus the token embedding the shared blocks read (when tokens are known)."""
         if tokens is not None and tuple(tokens.shape) != (int(shape[0]), int(shape[1])):
             raise ValueError(f"tokens have shape {tuple(tokens.shape)}, the residual is {tuple(shape[:2])}")
-        ctx = super().make_context(shape, attention_mask, tokens, device)
+        ctx = super().make_context(shape, attention_mask, tokens, device, state)
         if tokens is not None:
             ctx.embedding = self.embed(tokens.to(device))
         return ctx

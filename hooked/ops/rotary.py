@@ -101,7 +101,8 @@ class Rotary:
     """What a rotary attention layer needs: d_rot, theta and the HF scaling dict (hashable copy).
 
     Calling it returns the (cos, sin) of `position_ids`, looked up in a cached table of positions
-    0..pos-1 (position ids count real tokens, so they never exceed the sequence length).
+    0..pos-1 (position ids count real tokens, so they never exceed the sequence length, except
+    while decoding with a state, where the table grows to the next power of two).
     """
 
     d_rot: int
@@ -118,6 +119,8 @@ class Rotary:
     def __call__(self, position_ids: Int[Tensor, "batch pos"],
                  dtype: torch.dtype) -> tuple[Float[Tensor, "batch pos d_rot"], Float[Tensor, "batch pos d_rot"]]:
         length = position_ids.shape[1]
+        if position_ids.numel() and int(position_ids.max()) >= length:  # decoding: positions past the input
+            length = 1 << int(position_ids.max()).bit_length()  # a power of two: few tables while generating
         cos, sin = _table(self, length, position_ids.device, dtype)
         return cos[position_ids], sin[position_ids]
 

@@ -1,0 +1,95 @@
+"""`model.generate`: TransformerLens's signature, one position per new token.
+
+Glossary
+    prompt          a str, a list of str (left-padded, with its mask) or tokens [batch pos] / [pos]
+    state           a DecodeState (models/decode_state.py): attention keys and values, SSM conv
+                    windows and recurrent states, so each new token costs one position's forward
+                    (use_past_kv_cache=False recomputes the whole prefix every step instead)
+    sampling        logits / temperature, then top-k, then top-p (the smallest set of tokens whose
+                    probability reaches top_p), then a draw; do_sample=False (or temperature 0) is
+                    greedy (argmax). `seed` seeds a private generator (the global RNG is untouched).
+    stop_at_eos     a row that produced eos keeps emitting eos; generation stops when every row has
+
+Hooks attached around `generate` fire at every forward, on the new positions only.
+Returns what came in: text -> text (prompt included, special tokens dropped, as TL), tokens ->
+tokens [batch pos+new]
+(return_type="str" / "tokens" forces one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hooked.models.decode_state import DecodeState
+
+
+def sample_next(logits: Tensor, *, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None) -> Tensor:
+    """Next token per row from the last position's logits [batch d_vocab]."""
+    if not do_sample or temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the first token past top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model: Any, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, stop_at_eos: bool = True,
+             eos_token_id: int | None = None, do_sample: bool = True, top_k: int | None = None,
+             top_p: float | None = None, temperature: float = 1.0, use_past_kv_cache: bool = True,
+             prepend_bos: bool | None = None, return_type: str = "input", seed: int | None = None,
+             verbose: bool = False) -> str | list[str] | Tensor:
+    """Continue `input` by up to `max_new_tokens` tokens (see the module docstring)."""
+    if return_type not in ("input", "str", "tokens"):
+        raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
+    text_in = isinstance(input, (str, list))
+    if text_in:
+        tokens, mask = model.tokenize(input, prepend_bos=prepend_bos, padding_side="left")
+        mask = None if bool(mask.all()) else mask.bool()
+    else:
+        tokens, mask = model.check_tokens(input), None
+    if eos_token_id is None and stop_at_eos:
+        tok = getattr(model, "tokenizer", None)
+        eos_token_id = getattr(tok, "eos_token_id", None)
+        if eos_token_id is None:
+            raise ValueError("stop_at_eos needs an eos token: pass eos_token_id= or stop_at_eos=False")
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=tokens.device).manual_seed(seed)
+    finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    state = DecodeState() if use_past_kv_cache else None
+    out, step_input, step_mask = tokens, tokens, mask
+    for _ in range(max_new_tokens):
+        if state is not None:
+            logits = model(step_input, step_mask, state=state)
+        else:
+            full_mask = None if mask is None else torch.cat([mask, torch.ones_like(out[:, tokens.shape[1]:],
+                                                                                     dtype=torch.bool)], 1)
+            logits = model(out, full_mask)
+        new = sample_next(logits[:, -1], do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=generator)
+        if stop_at_eos:
+            new = torch.where(finished, torch.full_like(new, eos_token_id), new)
+            finished |= new == eos_token_id
+        out = torch.cat([out, new[:, None]], dim=1)
+        step_input, step_mask = new[:, None], None
+        if verbose:
+            print(model.to_string(out))
+        if stop_at_eos and bool(finished.all()):
+            break
+    as_text = return_type == "str" or (return_type == "input" and text_in)
+    if not as_text:
+        return out
+    texts = [model.tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in out]  # as TL (no pad, bos, eos)
+    return texts[0] if isinstance(input, str) else texts

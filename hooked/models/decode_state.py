@@ -1,0 +1,90 @@
+"""What incremental decoding carries between forwards: keys and values, conv windows, SSM states.
+
+Glossary
+    DecodeState   one per generation (TL's `past_kv_cache`): pass it as `model(tokens, state=state)`
+                  and each forward reads only the NEW positions; the state grows by them
+    entry         per module (keyed by the module object, so each Zamba2 shared-block invocation
+                  keeps its own): attention (k, v) after rotary, kv heads not repeated;
+                  a mixer's conv window (its last d_conv - 1 inputs) and recurrent state h
+    past_mask     [batch past] bool, the padding of the positions already read (None: none padded)
+    next_position [batch] position id of the next real token of each row (left padding skipped)
+
+A left-padded prompt is read once with its mask; new tokens are real. An SSM's lazy hooks
+(A_bar, B_bar, h, kernel) describe a whole sequence from a zero state, so they are refused while
+decoding with a state (decode without it: `generate(..., use_past_kv_cache=False)`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class DecodeState:
+    def __init__(self) -> None:
+        self.entries: dict[int, Any] = {}
+        self._owners: dict[int, Any] = {}  # keeps the keyed modules alive while their ids are keys
+        self.past_mask: Tensor | None = None
+        self.next_position: Tensor | None = None
+        self.length = 0
+
+    # ----------------------------------------------------------------------------- positions
+    def positions(self, mask: Tensor | None, batch: int, pos: int, device: torch.device) -> Tensor:
+        """Position ids [batch pos] of the new positions, counted over real tokens."""
+        start = self.next_position if self.next_position is not None else torch.zeros(batch, dtype=torch.long, device=device)
+        steps = torch.arange(pos, device=device).expand(batch, pos) if mask is None else (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return start[:, None] + steps
+
+    def key_mask(self, mask: Tensor | None, batch: int, pos: int, device: torch.device) -> Tensor | None:
+        """Padding of every key (past and new) [batch past+pos], or None when nothing is padded."""
+        if self.past_mask is None and mask is None:
+            return None
+        past = self.past_mask if self.past_mask is not None else torch.ones(batch, self.length, dtype=torch.bool, device=device)
+        new = mask if mask is not None else torch.ones(batch, pos, dtype=torch.bool, device=device)
+        return torch.cat([past, new], dim=1)
+
+    def advance(self, mask: Tensor | None, batch: int, pos: int, device: torch.device) -> None:
+        """Record that the forward read `pos` more positions (called once, after the last block)."""
+        self.past_mask = self.key_mask(mask, batch, pos, device)
+        real = torch.full((batch,), pos, device=device) if mask is None else mask.long().sum(-1)
+        self.next_position = (self.next_position if self.next_position is not None else 0) + real
+        self.length += pos
+
+    # ---------------------------------------------------------------------------- per module
+    def _get(self, module: Any, kind: str) -> Any:
+        return self.entries.get((id(module), kind))
+
+    def _put(self, module: Any, kind: str, value: Any) -> None:
+        self.entries[(id(module), kind)] = value
+        self._owners[id(module)] = module
+
+    def extend_kv(self, module: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of every position so far [batch past+pos n_kv_heads d_head]."""
+        past = self._get(module, "kv")
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        self._put(module, "kv", (k, v))
+        return k, v
+
+    def conv_window(self, module: Any, x: Tensor, width: int) -> Tensor:
+        """The conv input with the previous `width - 1` inputs in front (zeros at the start)."""
+        past = self._get(module, "conv")
+        if past is None:
+            past = x.new_zeros(x.shape[0], width - 1, x.shape[2])
+        full = torch.cat([past, x], dim=1)
+        self._put(module, "conv", full[:, full.shape[1] - (width - 1):])
+        return full
+
+    def ssm_state(self, module: Any) -> Tensor | None:
+        return self._get(module, "h")
+
+    def set_ssm_state(self, module: Any, h: Tensor) -> None:
+        self._put(module, "h", h)
+
+    def refuse_lazy(self, module: Any, hooks: list[Any]) -> None:
+        active = [h.name for h in hooks if h.is_active]
+        if active:
+            raise ValueError(f"{active} describe the whole sequence from a zero state and cannot be built while "
+                             "decoding with a state; generate with use_past_kv_cache=False to hook them")
