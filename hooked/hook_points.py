@@ -20,6 +20,11 @@ Glossary
     active         a HookPoint with at least one visible hook (or while this caller records the
                    forward order). Models build costly quantities (states, kernels, per-head writes)
                    only for active HookPoints: `if self.hook_h.is_active: ...`.
+    lazy           `HookPoint(lazy=True)` marks such a costly quantity. A bare `run_with_cache()`
+                   leaves lazy hooks out; a filter that selects them (or `incl_lazy=True`) takes them,
+                   after the size check of `hooked.cache_budget`.
+    permanent      a model hook added with `add_hook(..., is_permanent=True)`: `reset_hooks()` keeps
+                   it, `reset_hooks(including_permanent=True)` removes it (TransformerLens's API).
     HookedRootModule  the model's root: `hook_dict`, `add_hook`, `run_with_hooks`, `run_with_cache`, `hooks()`.
 
 Scoped hooks are removed on exit, also when the forward or a hook raises (KeyboardInterrupt included).
@@ -68,9 +73,10 @@ class Hook:
 _ScopedHooks = Mapping["HookPoint", tuple[tuple[Hook, ...], tuple[Hook, ...]]]
 _SCOPED: contextvars.ContextVar[_ScopedHooks] = contextvars.ContextVar("hooked_scoped_hooks",
                                                                       default=types.MappingProxyType({}))
-# While this caller records the forward order: called with each HookPoint's name as it fires.
-_RECORDING: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("hooked_recording",
-                                                                                          default=None)
+# While this caller records the forward order (and sizes): called with each HookPoint's name and
+# activation as it fires.
+_RECORDING: contextvars.ContextVar[Callable[[str, Tensor], None] | None] = contextvars.ContextVar(
+    "hooked_recording", default=None)
 
 
 @contextlib.contextmanager
@@ -109,10 +115,20 @@ def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Ite
 class HookPoint(nn.Module):
     """Identity module with TransformerLens-style hooks `fn(tensor, hook)`."""
 
-    def __init__(self) -> None:
+    def __init__(self, lazy: bool = False) -> None:
         super().__init__()
         self.name: str | None = None
         self._hooks: list[Hook] = []  # model hooks (every caller); scoped hooks live in _SCOPED
+        self._permanent: list[Hook] = []  # model hooks that survive reset_hooks()
+        self.lazy = lazy  # built only when hooked; a bare run_with_cache() leaves it out (cache_budget.py)
+        self.ctx: dict[Any, Any] = {}  # scratch space for hook functions (TL's hook.ctx), cleared by reset_hooks()
+
+    def layer(self) -> int:
+        """The block index of a hook named "blocks.{l}...."; a ValueError for other hooks."""
+        parts = (self.name or "").split(".")
+        if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+            raise ValueError(f"hook {self.name!r} is not inside a block (blocks.{{l}}....)")
+        return int(parts[1])
 
     def visible_hooks(self) -> tuple[Hook, ...]:
         """The hooks this caller runs here, in order (see the module glossary)."""
@@ -150,16 +166,18 @@ class HookPoint(nn.Module):
 
         return remove
 
-    def remove_hooks(self) -> None:
-        """Remove this point's model hooks (scoped hooks belong to their scopes)."""
-        removed, self._hooks[:] = list(self._hooks), []
+    def remove_hooks(self, including_permanent: bool = True) -> None:
+        """Remove this point's model hooks, the permanent ones only when asked (scoped hooks belong to their scopes)."""
+        keep = [] if including_permanent else [h for h in self._hooks if any(h is p for p in self._permanent)]
+        removed = [h for h in self._hooks if not any(h is k for k in keep)]
+        self._hooks[:], self._permanent[:] = keep, keep
         for hook in removed:
             hook.detach()
 
     def __call__(self, x: Tensor) -> Tensor:  # skips nn.Module's call machinery: this is the hot path
         on_fire = _RECORDING.get()
         if on_fire is not None:  # recording the forward order: no hook runs
-            on_fire(self.name)
+            on_fire(self.name, x)
             return x
         if not self._hooks and self not in _SCOPED.get():
             return x
@@ -201,9 +219,9 @@ class HookedRootModule(nn.Module):
         self._hook_order: list[str] | None = None
 
     # ----------------------------------------------------------------------------------- lookup
-    def _example_input(self) -> Any:
-        """A tiny input used once to record the forward order of the hooks."""
-        return torch.zeros(1, 2, dtype=torch.long, device=self._device())
+    def _example_input(self, pos: int = 2) -> Any:
+        """A tiny input used to record the forward order (and the sizes) of the hooks."""
+        return torch.zeros(1, pos, dtype=torch.long, device=self._device())
 
     @property
     def device(self) -> torch.device:
@@ -235,14 +253,28 @@ class HookedRootModule(nn.Module):
 
     def _record_order(self) -> list[str]:
         """Hook names in the order they fire; only this caller's HookPoints record, no hook runs."""
-        order: list[str] = []
-        token = _RECORDING.set(lambda n: order.append(n) if n not in order else None)
+        return list(self._record_run(2))
+
+    def _record_run(self, pos: int) -> dict[str, int]:
+        """{hook name: bytes} in forward order, from a batch-1 run of `pos` tokens with every hook
+        active and none running. Kept per (pos, dtype) in `_recorded_bytes` (cache_budget reads it)."""
+        recorded = self.__dict__.setdefault("_recorded_bytes", {})
+        key = (pos, next((p.dtype for p in self.parameters()), None))
+        if key in recorded:
+            return recorded[key]
+        sizes: dict[str, int] = {}
+
+        def on_fire(name: str, x: Tensor) -> None:
+            sizes[name] = sizes.get(name, 0) + x.numel() * x.element_size()
+
+        token = _RECORDING.set(on_fire)
         try:
             with torch.no_grad():
-                self(self._example_input())
+                self(self._example_input(pos))
         finally:
             _RECORDING.reset(token)
-        return order
+        recorded[key] = sizes
+        return sizes
 
     def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:
         points = self._module_hooks()
@@ -268,19 +300,28 @@ class HookedRootModule(nn.Module):
 
     # ------------------------------------------------------------------------------ add / remove
     def add_hook(self, name: str | Callable[[str], bool], fn: HookFn, dir: str = "fwd",
-                 prepend: bool = False) -> list[Callable[[], None]]:
-        """Attach model hook `fn` to the named HookPoint(s), for every caller. dir="bwd" hooks the gradient."""
+                 prepend: bool = False, is_permanent: bool = False) -> list[Callable[[], None]]:
+        """Attach model hook `fn` to the named HookPoint(s), for every caller. dir="bwd" hooks the gradient.
+        `is_permanent=True`: reset_hooks() keeps it (reset_hooks(including_permanent=True) does not)."""
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         points = self._resolve(name)
         if dir == "bwd":
             fn = _as_backward_hook(fn)
-        return [p.add_hook(fn, prepend=prepend) for p in points]
+        removers = []
+        for p in points:
+            removers.append(p.add_hook(fn, prepend=prepend))
+            if is_permanent:
+                p._permanent.append(p._hooks[0] if prepend else p._hooks[-1])
+        return removers
 
-    def reset_hooks(self) -> None:
-        """Remove every model hook (scoped hooks belong to their `hooks()` / `run_with_*` scopes)."""
+    def reset_hooks(self, including_permanent: bool = False, clear_contexts: bool = True) -> None:
+        """Remove the model hooks (permanent ones too when `including_permanent`); scoped hooks belong
+        to their `hooks()` / `run_with_*` scopes. `clear_contexts` empties every hook.ctx."""
         for p in self._module_hooks().values():
-            p.remove_hooks()
+            p.remove_hooks(including_permanent=including_permanent)
+            if clear_contexts:
+                p.ctx = {}
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = ()) -> Iterator["HookedRootModule"]:
@@ -292,33 +333,84 @@ class HookedRootModule(nn.Module):
             yield self
 
     def run_with_hooks(self, *args: Any, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = (),
-                       **kwargs: Any) -> Any:
-        """Run the forward with temporary hooks (visible to this call only)."""
-        with self.hooks(fwd_hooks=fwd_hooks, bwd_hooks=bwd_hooks):
-            return self(*args, **kwargs)
+                       reset_hooks_end: bool = True, clear_contexts: bool = False, **kwargs: Any) -> Any:
+        """Run the forward with temporary hooks (visible to this call only, removed on return, the
+        backward ones included). reset_hooks_end=False adds them as model hooks instead, kept until
+        reset_hooks(), so that a later backward pass reaches the bwd_hooks (as TL)."""
+        if reset_hooks_end:
+            with self.hooks(fwd_hooks=fwd_hooks, bwd_hooks=bwd_hooks):
+                out = self(*args, **kwargs)
+        else:
+            plan = [(p, fn, "fwd") for n, fn in fwd_hooks for p in self._resolve(n)]
+            plan += [(p, fn, "bwd") for n, fn in bwd_hooks for p in self._resolve(n)]
+            for p, fn, direction in plan:
+                self.add_hook(p.name, fn, dir=direction)
+            out = self(*args, **kwargs)
+        if clear_contexts:
+            for p in self._module_hooks().values():
+                p.ctx = {}
+        return out
 
     def run_with_cache(self, *args: Any, names_filter: NamesFilter = None, device: str | torch.device | None = None,
-                       remove_batch_dim: bool = False, detach: bool = True, **kwargs: Any):
+                       remove_batch_dim: bool = False, detach: bool = True, incl_lazy: bool = False,
+                       max_cache_bytes: int | None = None, incl_bwd: bool = False, pos_slice: Any = None,
+                       **kwargs: Any):
         """Run the forward and return (output, ActivationCache) of the selected hooks.
 
-        Lazy quantities (states, kernels, per-head writes) are built for the selected hooks only.
+        names_filter=None takes every hook except the lazy ones (states, kernels, per-head writes,
+        whose size grows with pos^2 or width x width); name them in the filter, or pass
+        `incl_lazy=True`, to cache them too. Before running, the cache's size is estimated
+        (`hooked.cache_budget`); past `max_cache_bytes` (default: half the memory available on the
+        model's device) a `CacheBudgetError` lists the hooks, their sizes and a filter that fits.
+        `pos_slice` (TransformerLens's Slice input; an int keeps the axis, as TL's run_with_cache)
+        keeps only those positions of each activation (the query positions of [batch heads q_pos
+        k_pos] quantities). `incl_bwd=True` calls `backward()` on the output (a scalar, e.g.
+        return_type="loss") and caches each gradient under "<name>_grad".
         The caching hooks are scoped to this call: a concurrent caller neither sees nor fills them.
         """
         from hooked.cache import ActivationCache
+        from hooked.cache_budget import check_cache_budget, size_laws
+        from hooked.cache_resid import slice_pos
 
         store: dict[str, Tensor] = {}
+        if isinstance(pos_slice, int):
+            pos_slice = slice(pos_slice, pos_slice + 1 if pos_slice != -1 else None)
+        quadratic = {n for n, (a, _) in size_laws(self).items() if a > 0} if pos_slice is not None else set()
 
-        def save(x: Tensor, hook: HookPoint) -> None:
-            y = x.detach() if detach else x
-            store[hook.name] = y.to(device) if device is not None else y
+        def save(x: Tensor, hook: HookPoint, suffix: str = "") -> None:
+            y = x.detach() if detach or suffix else x
+            if pos_slice is not None and y.ndim >= 2:
+                y = slice_pos(y, pos_slice, dim=2 if hook.name in quadratic else 1)
+            store[hook.name + suffix] = y.to(device) if device is not None else y
+
+        def save_grad(g: Tensor, hook: HookPoint) -> None:
+            save(g, hook, "_grad")
 
         names = self.names_matching(names_filter)
-        with self.hooks(fwd_hooks=[(n, save) for n in names]):
+        if names_filter is None and not incl_lazy:
+            names = [n for n in names if not self.hook_dict[n].lazy]
+        shape = self._batch_pos(args, kwargs)
+        if shape is not None:
+            check_cache_budget(self, names, *shape, max_bytes=max_cache_bytes)
+        bwd = [(n, save_grad) for n in names] if incl_bwd else []
+        with self.hooks(fwd_hooks=[(n, save) for n in names], bwd_hooks=bwd):
             out = self(*args, **kwargs)
-        cache = ActivationCache({n: store[n] for n in self.hook_dict if n in store}, self)
+            if incl_bwd:
+                if not torch.is_tensor(out) or out.numel() != 1:
+                    raise ValueError("incl_bwd=True needs a scalar output to call backward() on: pass return_type='loss'")
+                out.backward()
+        order = [k for n in self.hook_dict for k in (n, n + "_grad")]
+        cache = ActivationCache({k: store[k] for k in order if k in store}, self)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
         return out, cache
+
+    def _batch_pos(self, args: tuple, kwargs: dict) -> tuple[int, int] | None:
+        """(batch, pos) of a forward's input, for the cache's size check; None when unknown."""
+        x = args[0] if args else kwargs.get("input", kwargs.get("tokens"))
+        if not torch.is_tensor(x) or x.ndim == 0:
+            return None
+        return (1, int(x.shape[0])) if x.ndim == 1 else (int(x.shape[0]), int(x.shape[1]))
 
     def hook_names(self, pattern: str | None = None) -> list[str]:
         """Hook names in forward order, optionally filtered by a regular expression."""
@@ -361,12 +453,22 @@ def through_hook(hook: HookPoint, value: Tensor,
 
 
 def _as_backward_hook(fn: HookFn) -> HookFn:
-    """Wrap `fn(grad, hook)` so that it runs on the gradient of the hooked activation."""
+    """Wrap `fn(grad, hook)` so that it runs on the gradient of the hooked activation.
+
+    The gradient hooks it registers go with it (`remove_grad_hooks`, called by Hook.detach): a
+    backward hook added for one run does not fire in a later backward pass.
+    """
     if not callable(fn):
         raise TypeError(f"a backward hook must be callable, got {type(fn).__name__}")
+    handles: list[Any] = []
 
     def fwd(x: Tensor, hook: HookPoint) -> None:
         if x.requires_grad:
-            x.register_hook(lambda g: fn(g, hook))
+            handles.append(x.register_hook(lambda g: fn(g, hook)))
 
+    def remove_grad_hooks() -> None:
+        while handles:
+            handles.pop().remove()
+
+    fwd.remove_grad_hooks = remove_grad_hooks  # type: ignore[attr-defined]
     return fwd
