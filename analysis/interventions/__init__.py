@@ -7,6 +7,7 @@
     experts      mixture-of-experts expert ablation: `ablate_experts` (optionally renormalising), `moe_layout`
     patching     activation patching (one generic loop plus setters) and attribution patching:
                  `patch`, `act_patch`, `attribution_patch`, metrics `logit_diff`, `answer_prob`, ...
+    tl_patching  TransformerLens's `get_act_patch_*` names as thin calls of `act_patch`
 """
 
 from analysis.interventions.ablation import (ablate_heads, head_layout, parse_head, prune_from_end,
@@ -17,10 +18,12 @@ from analysis.interventions.knockout import (decay_norms, decay_split, feature_k
 from analysis.interventions.patching import (act_patch, answer_prob, attribution_patch, compare_attribution,
                                              head_patch, layer_inputs, logit_diff, normalised_score, output_patch,
                                              patch, resid_patch, run_patching, ssm_state_patch)
+from analysis.interventions import tl_patching
 
 __all__ = [
     "ablate_heads", "head_layout", "parse_head", "prune_from_end", "remove_and_restore", "replace_block",
     "skip_layers", "ablate_experts", "moe_layout", "decay_norms", "decay_split", "feature_knockout", "feature_plan", "knockout",
     "act_patch", "answer_prob", "attribution_patch", "compare_attribution", "head_patch", "layer_inputs",
     "logit_diff", "normalised_score", "output_patch", "patch", "resid_patch", "run_patching", "ssm_state_patch",
+    "tl_patching",
 ]
