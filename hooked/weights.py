@@ -190,6 +190,13 @@ class ModelWeights:
     def OV(self) -> FactoredMatrix:
         return FactoredMatrix(self.W_V, self.W_O)
 
+    def tokens_to_residual_directions(self, tokens: Any) -> Tensor:
+        """W_U's column of each token, [..., d_model] (TL's name); a str must be one token."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.unembed.weight.device)
+        return self.unembed.weight[ids]
+
     def stacked_weight(self, name: str) -> Tensor:
         """`name` of every block's attn / mlp / mixer, stacked: [n_layers, ...]."""
         module = _MODULE_OF[name]
