@@ -65,7 +65,7 @@ def _tl_config(name: str, hf):
                 eps=c.rms_norm_eps, d_vocab=c.vocab_size, act_fn=c.hidden_act,
                 n_key_value_heads=c.num_key_value_heads, normalization_type="RMS", positional_embedding_type="rotary",
                 rotary_adjacent_pairs=False, rotary_dim=c.hidden_size // c.num_attention_heads,
-                rotary_base=10000.0, final_rms=True, gated_mlp=True, original_architecture="LlamaForCausalLM")
+                rotary_base=float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)), final_rms=True, gated_mlp=True, original_architecture="LlamaForCausalLM")
 
 
 def tl_model(name: str, hf, tokenizer, **processing):
