@@ -101,6 +101,15 @@ class ActivationCache(ResidualStreamMethods):
     def to(self, device: str | torch.device) -> "ActivationCache":
         return ActivationCache({k: v.to(device) for k, v in self.items()}, self.model, self.has_batch_dim)
 
+    def apply_slice_to_batch_dim(self, batch_slice: Any) -> "ActivationCache":
+        """The cache of some rows of the batch (TL's Slice input: an int drops the batch axis)."""
+        from hooked.cache_resid import slice_pos
+
+        if not self.has_batch_dim:
+            raise ValueError("this cache has no batch axis (remove_batch_dim was applied)")
+        sliced = {k: slice_pos(v, batch_slice, dim=0) for k, v in self.items()}
+        return ActivationCache(sliced, self.model, has_batch_dim=not isinstance(batch_slice, int))
+
     def remove_batch_dim(self) -> "ActivationCache":
         for k, v in self.items():
             if v.shape[0] != 1:

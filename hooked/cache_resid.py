@@ -136,6 +136,11 @@ class ResidualStreamMethods:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack
 
+    def stack_activation(self, activation_name: str, layer: int = -1, sublayer_type: str | None = None) -> Tensor:
+        """One activation of every block < layer (-1: all), stacked: [layer, ...] (TL's)."""
+        layer = self._final_layer(layer)
+        return torch.stack([self[(activation_name, l, sublayer_type)] for l in range(layer)])
+
     # ------------------------------------------------------------------------------- heads
     def _head_sites(self, l: int, incl_shared: bool) -> list[tuple[str, str]]:
         sites = [(f"blocks.{l}.attn.hook_result", "H"), (f"blocks.{l}.mixer.hook_head_out", "H")]

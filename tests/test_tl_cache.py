@@ -153,6 +153,17 @@ def test_full_decomposition_sums_to_the_residual_and_logit_attrs_are_tls(arch) -
               c_tl.apply_ln_to_stack(c_tl.accumulated_resid(2), layer, mlp_input=mlp_input), "apply_ln_to_stack")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stack_activation_and_batch_slices_are_tls(arch) -> None:
+    ours, theirs, c_ours, c_tl = caches(arch, tokens(3))
+    for args in [("pattern",), ("resid_post", 2), ("normalized", -1, "ln1")]:  # normalized: unit norms here
+        close(c_ours.stack_activation(*args), c_tl.stack_activation(*args), f"stack_activation{args}")
+    for batch_slice in (1, (0, 2), [0, 2]):
+        a, b = c_ours.apply_slice_to_batch_dim(batch_slice), c_tl.apply_slice_to_batch_dim(batch_slice)
+        close(a["resid_pre", 1], b["resid_pre", 1], f"apply_slice_to_batch_dim({batch_slice})")
+        close(a.accumulated_resid(apply_ln=True), b.accumulated_resid(apply_ln=True), "accumulated_resid after slicing")
+
+
 def test_apply_ln_on_unprocessed_weights_applies_the_norm_weight() -> None:
     """Exactness where TL's convention departs: the ln_final of the full residual equals the sum of
     the decomposition after apply_ln (plus the norm's bias)."""
