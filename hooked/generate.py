@@ -5,7 +5,7 @@ Glossary
     state           a DecodeState (models/decode_state.py): attention keys and values, SSM conv
                     windows and recurrent states, so each new token costs one position's forward
                     (use_past_kv_cache=False recomputes the whole prefix every step instead)
-    sampling        logits / temperature, then top-k, then top-p (the smallest set of tokens whose
+    sampling        logits / temperature, minus freq_penalty per earlier occurrence, then top-k, then top-p (the smallest set of tokens whose
                     probability reaches top_p), then a draw; do_sample=False (or temperature 0) is
                     greedy (argmax). `seed` seeds a private generator (the global RNG is untouched).
     stop_at_eos     a row that produced eos keeps emitting eos; generation stops when every row has
@@ -27,11 +27,15 @@ from hooked.models.decode_state import DecodeState
 
 
 def sample_next(logits: Tensor, *, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> Tensor:
-    """Next token per row from the last position's logits [batch d_vocab]."""
+                generator: torch.Generator | None, freq_penalty: float = 0.0, seen: Tensor | None = None) -> Tensor:
+    """Next token per row from the last position's logits [batch d_vocab]; `seen` [batch pos] are the
+    tokens so far, each occurrence lowering its logit by freq_penalty (sampling only, as TL)."""
     if not do_sample or temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
+    if freq_penalty and seen is not None:
+        counts = torch.stack([torch.bincount(row, minlength=logits.shape[-1]) for row in seen])
+        logits = logits - freq_penalty * counts[:, :logits.shape[-1]]
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -47,7 +51,8 @@ def sample_next(logits: Tensor, *, do_sample: bool, temperature: float, top_k: i
 @torch.no_grad()
 def generate(model: Any, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, stop_at_eos: bool = True,
              eos_token_id: int | None = None, do_sample: bool = True, top_k: int | None = None,
-             top_p: float | None = None, temperature: float = 1.0, use_past_kv_cache: bool = True,
+             top_p: float | None = None, temperature: float = 1.0, freq_penalty: float = 0.0,
+             use_past_kv_cache: bool = True,
              prepend_bos: bool | None = None, return_type: str = "input", seed: int | None = None,
              verbose: bool = False) -> str | list[str] | Tensor:
     """Continue `input` by up to `max_new_tokens` tokens (see the module docstring)."""
@@ -78,7 +83,7 @@ def generate(model: Any, input: str | list[str] | Tensor = "", max_new_tokens: i
                                                                                      dtype=torch.bool)], 1)
             logits = model(out, full_mask)
         new = sample_next(logits[:, -1], do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                          generator=generator)
+                          generator=generator, freq_penalty=freq_penalty, seen=out)
         if stop_at_eos:
             new = torch.where(finished, torch.full_like(new, eos_token_id), new)
             finished |= new == eos_token_id

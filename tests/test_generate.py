@@ -54,6 +54,9 @@ def test_generate_with_state_equals_without(arch) -> None:
     assert torch.equal(a, b)  # same seed, same draws
     greedy = model.generate(prompt, max_new_tokens=5, stop_at_eos=False, top_k=1, seed=0)
     assert torch.equal(greedy, fast[:, :11])
+    repeat = model.generate(prompt, max_new_tokens=8, stop_at_eos=False, top_k=1, seed=0, freq_penalty=1e4)
+    assert all(len(set(row[6:].tolist()) & set(row[:6].tolist())) == 0 for row in repeat)  # never a seen token
+    assert all(len(set(row[6:].tolist())) == 8 for row in repeat)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama_gqa"])
