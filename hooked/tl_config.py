@@ -39,9 +39,13 @@ def _norms(model: Any) -> list[Any]:
 def _normalization_type(cfg: Any) -> str:
     norms = _norms(_model(cfg))
     kind = "LN" if norms and all(type(m).__name__ == "LayerNorm" for m in norms) else "RMS"
-    unit = lambda m: bool((m.weight == 1).all()) and (m.__dict__.get("bias") is None and  # noqa: E731
-                                                      getattr(m, "bias", None) is None or bool((m.bias == 0).all()))
-    return kind + ("Pre" if norms and all(unit(m) for m in norms) else "")
+    return kind + ("Pre" if norms and all(_unit(m) for m in norms) else "")
+
+
+def _unit(norm: Any) -> bool:
+    """Weight 1 and no (or a zero) bias: what fold_ln leaves."""
+    bias = getattr(norm, "bias", None)
+    return bool((norm.weight == 1).all()) and (bias is None or bool((bias == 0).all()))
 
 
 def _positional(cfg: Any) -> str:
