@@ -148,3 +148,15 @@ def test_bare_cache_computes_head_results_equal_to_the_lazy_hooks(arch, remove_b
     b, labels_b = full.stack_head_results(return_labels=True, apply_ln=True)
     assert labels_a == labels_b and a.shape[0] == len(labels_a) > 0
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_budget_on_gpu_follows_the_device_memory(cuda) -> None:
+    from hooked.cache_budget import CACHE_BUDGET_FRACTION, available_bytes, default_budget
+
+    model = MODELS["mamba"]().to(cuda).eval()
+    free = available_bytes(torch.device(cuda))
+    assert 0 < free <= torch.cuda.get_device_properties(cuda).total_memory
+    assert abs(default_budget(model) - CACHE_BUDGET_FRACTION * free) <= 0.05 * free  # free memory moves a little
+    with pytest.raises(CacheBudgetError, match="over the budget"):
+        model.run_with_cache(_tokens(1, 8).to(cuda), incl_lazy=True, max_cache_bytes=1000)

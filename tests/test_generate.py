@@ -91,3 +91,19 @@ def test_hooks_fire_on_new_positions_and_lazy_ssm_hooks_are_refused() -> None:
         with pytest.raises(ValueError, match="use_past_kv_cache=False"):
             model.generate(prompt, max_new_tokens=2, do_sample=False, stop_at_eos=False)
         model.generate(prompt, max_new_tokens=2, do_sample=False, stop_at_eos=False, use_past_kv_cache=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama_gqa", "mamba2", "zamba2"])
+def test_incremental_logits_equal_full_recompute_on_gpu(arch, cuda) -> None:
+    model = perturbed(arch).to(cuda)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1)).to(cuda)
+    with torch.no_grad():
+        full = model(tokens)
+        state = DecodeState()
+        step = torch.cat([model(tokens[:, :7], state=state)] + [model(tokens[:, i:i + 1], state=state)
+                                                                 for i in range(7, 12)], dim=1)
+    assert ((step - full).abs().max() / full.abs().max()).item() < 1e-5
+    fast = model.generate(tokens[:, :5], max_new_tokens=5, do_sample=False, stop_at_eos=False)
+    assert torch.equal(fast, model.generate(tokens[:, :5], max_new_tokens=5, do_sample=False, stop_at_eos=False,
+                                            use_past_kv_cache=False))
