@@ -102,8 +102,9 @@ def check_cache_budget(model: Any, names: list[str], batch: int, pos: int, max_b
            f"over the budget of {_gib(budget)} ({where}). Largest hooks (count x each = total):", *lines]
     msg.append(_fitting_filter(sizes, budget))
     if any(n.endswith("hook_kernel") for n in sizes):
-        msg.append("hook_kernel is [batch, channels, pos, pos]: for a few target positions, compute kernel "
-                   "rows (or columns) with the kernel-row functions in hooked.ops instead of the whole kernel.")
+        msg.append("hook_kernel is [batch, channels, pos, pos]: for a few target (or source) positions, compute "
+                   "kernel rows or columns instead, memory linear in pos: analysis.kernel_rows.kernel_rows(model, "
+                   "tokens, rows=[-1]) / kernel_cols (hooked.ops selective_kernel / ssd_kernel underneath).")
     raise CacheBudgetError("\n".join(msg))
 
 
