@@ -9,13 +9,14 @@ Glossary (TL's shapes; every result is float32, as TL's)
     get_act_patch_resid_pre / resid_mid / attn_out / mlp_out        [n_layers pos]
     get_act_patch_attn_head_{out,q,k,v}_by_pos                       [n_layers pos n_heads]
     get_act_patch_attn_head_pattern_by_pos                           [n_layers n_heads dest_pos]
+    get_act_patch_attn_head_pattern_dest_src_pos                     [n_layers n_heads dest_pos src_pos]
     get_act_patch_attn_head_{out,q,k,v,pattern}_all_pos              [n_layers n_heads]
     get_act_patch_attn_head_all_pos_every                            [5 n_layers n_heads]
     get_act_patch_attn_head_by_pos_every                             [5 n_layers pos n_heads]
     get_act_patch_block_every                                        [3 n_layers pos]
 "out" patches hook_z (TL's choice: a head's output is its z). k and v have n_kv_heads columns on GQA
-models; the *_every stacks pad them with zeros to n_heads, as TL does. Not here:
-get_act_patch_attn_head_pattern_dest_src_pos (act_patch sweeps one position axis).
+models; the *_every stacks pad them with zeros to n_heads, as TL does. The dest/src grid is one
+`patch` per pattern entry (act_patch sweeps one position axis), as TL's loop.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from analysis.interventions.patching import Metric, act_patch
+from analysis.interventions.patching import Metric, act_patch, patch
 
 _TEMPLATES = {"resid_pre": "blocks.{layer}.hook_resid_pre", "resid_mid": "blocks.{layer}.hook_resid_mid",
               "attn_out": "blocks.{layer}.hook_attn_out", "mlp_out": "blocks.{layer}.hook_mlp_out",
@@ -86,6 +87,21 @@ get_act_patch_attn_head_pattern_all_pos = _all_pos("pattern")
 def get_act_patch_attn_head_pattern_by_pos(model, corrupted_tokens, clean_cache, metric) -> Tensor:
     """Patch each head's pattern row of each destination position: [n_layers n_heads dest_pos]."""
     return _patch(model, corrupted_tokens, clean_cache, metric, "pattern", ("layer", "head", "pos"))
+
+
+def get_act_patch_attn_head_pattern_dest_src_pos(model, corrupted_tokens, clean_cache, metric) -> Tensor:
+    """Patch each single pattern entry (head, dest, src): [n_layers n_heads dest_pos src_pos]."""
+    pos = corrupted_tokens.shape[-1]
+    out = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, pos, pos)
+    with torch.no_grad():
+        for layer in range(model.cfg.n_layers):
+            name = _TEMPLATES["pattern"].format(layer=layer)
+            for head in range(model.cfg.n_heads):
+                for dest in range(pos):
+                    for src in range(pos):
+                        logits = patch(model, corrupted_tokens, clean_cache, name, (head, dest, src))
+                        out[layer, head, dest, src] = float(metric(logits))
+    return out
 
 
 def _pad_heads(t: Tensor, n_heads: int) -> Tensor:
