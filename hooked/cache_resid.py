@@ -226,24 +226,6 @@ class ResidualStreamMethods:
         return (stack, labels) if return_labels else stack
 
     # ------------------------------------------------------------------------- attribution
-    def _accumulated_bias(self, layer: int, mlp_input: bool, include_mlp_biases: bool) -> Tensor:
-        """The sum of the output biases every block before `layer` writes (TL's accumulated_bias)."""
-        total = torch.zeros(self.model.cfg.d_model, dtype=self["embed"].dtype, device=self["embed"].device)
-        for l in range(layer + (1 if mlp_input else 0)):
-            block = self.model.blocks[l]
-            for path in ("attn.o_proj", "mlp.down_proj", "mixer.out_proj"):
-                if l == layer and path != "attn.o_proj":
-                    continue
-                if path == "mlp.down_proj" and not include_mlp_biases:
-                    continue
-                try:
-                    bias = block.get_submodule(path).bias
-                except AttributeError:
-                    continue
-                if bias is not None:
-                    total = total + bias
-        return total
-
     def get_full_resid_decomposition(self, layer: int | None = None, mlp_input: bool = False,
                                      expand_neurons: bool = True, apply_ln: bool = False,
                                      pos_slice: SliceInput = None, return_labels: bool = False):
@@ -264,7 +246,7 @@ class ResidualStreamMethods:
             if key in self.cache_dict:
                 parts.append(slice_pos(self.cache_dict[key], pos_slice)[None])
                 labels.append(key[len("hook_"):])
-        bias = self._accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons)
+        bias = self.model.accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons).to(heads.dtype)
         parts.append(bias.expand((1, *heads.shape[1:])))
         labels.append("bias")
         stack = torch.cat(parts)

@@ -197,6 +197,43 @@ class ModelWeights:
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.unembed.weight.device)
         return self.unembed.weight[ids]
 
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
+        """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj) every block before
+        `layer` writes, plus block `layer`'s attention bias when `mlp_input` (TL's): [d_model]."""
+        total = self.embed.weight.new_zeros(self.cfg.d_model)
+        for l in range(layer + (1 if mlp_input else 0)):
+            block = self.blocks[l]
+            for path in ("attn.o_proj", "mlp.down_proj", "mixer.out_proj"):
+                if (l == layer and path != "attn.o_proj") or (path == "mlp.down_proj" and not include_mlp_biases):
+                    continue
+                try:
+                    bias = block.get_submodule(path).bias
+                except AttributeError:
+                    continue
+                if bias is not None:
+                    total = total + bias
+        return total
+
+    def set_use_attn_result(self, use: bool) -> None:
+        """TL's switch for caching hook_result: here it makes hook_result part of a bare
+        run_with_cache() (True) or a lazy, opt-in hook again (False). The hook always exists."""
+        for name, point in self.hook_dict.items():
+            if name.endswith("attn.hook_result"):
+                point.lazy = not use
+
+    def set_use_split_qkv_input(self, use: bool) -> None:
+        """TL's switch; a no-op here (the attention input is always hooked: blocks.{l}.hook_attn_in)."""
+
+    def set_use_hook_mlp_in(self, use: bool) -> None:
+        """TL's switch; a no-op here (blocks.{l}.hook_mlp_in always exists)."""
+
+    def set_use_attn_in(self, use: bool) -> None:
+        """TL's switch; a no-op here (blocks.{l}.hook_attn_in always exists, shared by the heads)."""
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """The string of one token id (TL's)."""
+        return self.tokenizer.decode([int(int_token)])
+
     def stacked_weight(self, name: str) -> Tensor:
         """`name` of every block's attn / mlp / mixer, stacked: [n_layers, ...]."""
         module = _MODULE_OF[name]

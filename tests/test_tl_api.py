@@ -110,6 +110,26 @@ def test_permanent_hooks_layer_and_ctx() -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_model_helpers_and_switches_equal_tls(arch) -> None:
+    ours, theirs, _, _ = get(arch)
+    for layer, mlp_input, incl in [(0, False, True), (2, True, True), (3, False, False)]:
+        torch.testing.assert_close(ours.accumulated_bias(layer, mlp_input, incl),
+                                   theirs.accumulated_bias(layer, mlp_input, incl))
+    assert ours.to_single_str_token(9) == theirs.to_single_str_token(9)
+    with torch.no_grad():
+        assert "blocks.0.attn.hook_result" not in ours.run_with_cache(tokens())[1]
+        ours.set_use_attn_result(True)
+        _, cache = ours.run_with_cache(tokens())
+        ours.set_use_attn_result(False)
+        theirs.set_use_attn_result(True)
+        _, tl_cache = theirs.run_with_cache(tokens())
+        theirs.set_use_attn_result(False)
+    torch.testing.assert_close(cache["blocks.1.attn.hook_result"], tl_cache["blocks.1.attn.hook_result"],
+                               rtol=1e-4, atol=1e-5)
+    assert "blocks.0.attn.hook_result" not in ours.run_with_cache(tokens())[1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_return_types_equal_tls(arch) -> None:
     ours, theirs, _, _ = get(arch)
     toks = tokens()
