@@ -107,3 +107,9 @@ def test_incremental_logits_equal_full_recompute_on_gpu(arch, cuda) -> None:
     fast = model.generate(tokens[:, :5], max_new_tokens=5, do_sample=False, stop_at_eos=False)
     assert torch.equal(fast, model.generate(tokens[:, :5], max_new_tokens=5, do_sample=False, stop_at_eos=False,
                                             use_past_kv_cache=False))
+
+
+def test_decoding_past_gpt2s_context_is_refused_by_name() -> None:
+    model = perturbed("gpt2")  # n_ctx = 32
+    with pytest.raises(ValueError, match="n_ctx=32"):
+        model.generate(torch.randint(0, 50, (1, 30)), max_new_tokens=5, do_sample=False, stop_at_eos=False)

@@ -86,8 +86,9 @@ class GPT2(HookedModel):
         return TransformerBlock(LayerNorm(cfg.d_model, cfg.eps), attn, LayerNorm(cfg.d_model, cfg.eps), mlp)
 
     def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        if tokens.shape[1] > self.cfg.n_ctx:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than GPT-2's n_ctx={self.cfg.n_ctx}")
+        if tokens.shape[1] > self.cfg.n_ctx or (ctx.state is not None and ctx.state.length + tokens.shape[1] > self.cfg.n_ctx):
+            length = tokens.shape[1] + (ctx.state.length if ctx.state is not None else 0)
+            raise ValueError(f"sequence of {length} tokens is longer than GPT-2's n_ctx={self.cfg.n_ctx}")
         embed = self.embed(tokens)
         embed = self.hook_embed(embed)
         pos_embed = self.pos_embed(ctx.position_ids)
