@@ -1,4 +1,5 @@
-"""TransformerLens's `utils` names that a TL user's code imports: `get_act_name`, `lm_cross_entropy_loss`.
+"""TransformerLens's `utils` names that a TL user's code imports: `get_act_name`, `lm_cross_entropy_loss`,
+`test_prompt`.
 
 get_act_name(name, layer=None, layer_type=None) builds a hook name the way TL 3.9 does
 ("pattern", 3) -> "blocks.3.attn.hook_pattern", ("resid_pre", 0) -> "blocks.0.hook_resid_pre",
@@ -51,3 +52,47 @@ def lm_cross_entropy_loss(logits, tokens, attention_mask=None, per_token: bool =
     """Mean next-token cross-entropy (TL's): over positions whose token and next token are real."""
     mask = None if attention_mask is None else attention_mask.bool()
     return _lm_loss(logits, tokens, mask, per_token)
+
+
+def test_prompt(prompt: str, answer: str | list[str], model, prepend_space_to_answer: bool = True,
+                print_details: bool = True, prepend_bos: bool | None = None, top_k: int = 10):
+    """TL's `utils.test_prompt`: the rank, logit and probability of the answer's tokens after `prompt`
+    (several answers: their first tokens), and the top-k tokens at each answer position. Prints as
+    TL does (plain text) and returns [(answer token, rank), ...] per answer position."""
+    import torch
+
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    if prepend_space_to_answer:
+        answers = [a if a.startswith(" ") else " " + a for a in answers]
+    prompt_tokens = model.to_tokens(prompt, prepend_bos=prepend_bos)
+    answer_rows = [model.to_tokens(a, prepend_bos=False)[0] for a in answers]
+    length = 1 if len(answers) > 1 else len(answer_rows[0])
+    tokens = torch.cat([prompt_tokens.repeat(len(answers), 1),
+                        torch.stack([r[:length] for r in answer_rows]).to(prompt_tokens.device)], dim=1)
+    n_prompt = prompt_tokens.shape[1]
+    if print_details:
+        print("Tokenized prompt:", model.to_str_tokens(prompt_tokens[0]))
+        print("Tokenized answer" + ("s:" if len(answers) > 1 else ":"),
+              [model.to_str_tokens(r[:length]) for r in answer_rows] if len(answers) > 1
+              else model.to_str_tokens(answer_rows[0]))
+    with torch.no_grad():
+        logits = model(tokens)
+    probs = logits.softmax(-1)
+    ranks = []
+    for index in range(n_prompt, n_prompt + length):
+        wanted = tokens[:, index]
+        order = probs[:, index - 1].argsort(-1, descending=True)
+        rank = order.argsort(-1)[torch.arange(len(answers)), wanted].tolist()
+        strings = [model.to_single_str_token(int(t)) for t in wanted]
+        ranks.append(list(zip(strings, rank)))
+        if print_details:
+            for i in range(len(answers)):
+                print(f"Rank: {rank[i]: <8} Logit: {logits[i, index - 1, wanted[i]].item():5.2f} "
+                      f"Prob: {probs[i, index - 1, wanted[i]].item():6.2%} Token: |{strings[i]}|")
+            for k in range(top_k):
+                t = int(order[0, k])
+                print(f"Top {k}th token. Logit: {logits[0, index - 1, t].item():5.2f} "
+                      f"Prob: {probs[0, index - 1, t].item():6.2%} Token: |{model.to_single_str_token(t)}|")
+    if print_details:
+        print("Ranks of the answer tokens:", ranks)
+    return ranks

@@ -174,6 +174,11 @@ class ModelWeights:
         return pos.weight
 
     @property
+    def W_E_pos(self) -> Tensor:
+        """[d_vocab + n_ctx, d_model]: the token and position embeddings stacked (TL's)."""
+        return torch.cat([self.W_E, self.W_pos], dim=0)
+
+    @property
     def W_U(self) -> Tensor:
         return self.unembed.weight.T
 

@@ -141,6 +141,11 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
 PROCESSING = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
 
 
+def from_pretrained_no_processing(path_or_repo_id: str | Path, **kwargs: Any) -> Any:
+    """TL's name for loading without weight processing: here the same as `from_pretrained`."""
+    return from_pretrained(path_or_repo_id, **kwargs)
+
+
 def _processed(model: Any, processing: dict[str, bool]) -> Any:
     """Apply the weight processing asked for by keyword (all off by default)."""
     unknown = sorted(set(processing) - set(PROCESSING))

@@ -129,6 +129,20 @@ def test_model_helpers_and_switches_equal_tls(arch) -> None:
     assert "blocks.0.attn.hook_result" not in ours.run_with_cache(tokens())[1]
 
 
+def test_test_prompt_ranks_equal_tls(capsys) -> None:
+    from transformer_lens import utils as tl_utils
+
+    ours, theirs, _, _ = get("llama_gqa")
+    for answer in ("w5 w6", ["w5", "w7", "w9"]):
+        ranks = utils.test_prompt("w1 w2 w3", answer, ours, print_details=True, top_k=3)
+        assert "Rank:" in capsys.readouterr().out
+        tl_utils.test_prompt("w1 w2 w3", answer, theirs, print_details=True, top_k=3)
+        tl_out = capsys.readouterr().out
+        for position in ranks:
+            for token, rank in position:
+                assert f"Rank: {rank: <8}" in tl_out and f"|{token}|" in tl_out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_return_types_equal_tls(arch) -> None:
     ours, theirs, _, _ = get(arch)

@@ -15,7 +15,7 @@ from tests.tl_oracle import pair, tl_model
 
 ARCHS = ["gpt2", "llama_gqa"]
 NAMES = ["W_E", "W_U", "b_U", "W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_in", "W_out", "b_in", "b_out"]
-EXTRA = {"gpt2": ["W_pos"], "llama_gqa": ["W_gate"]}
+EXTRA = {"gpt2": ["W_pos", "W_E_pos"], "llama_gqa": ["W_gate"]}
 PROCESSING = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
 
 
