@@ -172,3 +172,30 @@ def test_apply_ln_on_unprocessed_weights_applies_the_norm_weight() -> None:
         _, cache = ours.run_with_cache(tokens())
     parts = cache.decompose_resid(apply_ln=True)
     close(parts.sum(0) + ours.ln_final.bias, cache["ln_final.hook_normalized"], "apply_ln sum", rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_methods_on_processed_weights_equal_tls_defaults(arch) -> None:
+    """TL's from_pretrained defaults (fold_ln, centring, value biases) on both sides, norms not unit."""
+    from loaders.load import from_hf
+    from tests.tl_oracle import tl_model
+
+    _, _, tok, hf = get_pair(arch, unit_norms=False)
+    processing = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
+    ours, theirs = from_hf(hf, **processing), tl_model(arch, hf, tok, **processing)
+    toks = tokens()
+    with torch.no_grad():
+        _, c_ours = ours.run_with_cache(toks)
+        _, c_tl = theirs.run_with_cache(toks)
+    for layer in (None, 1):
+        close(c_ours.accumulated_resid(layer, apply_ln=True, pos_slice=-1),
+              c_tl.accumulated_resid(layer, apply_ln=True, pos_slice=-1), f"accumulated_resid({layer})")
+        close(c_ours.decompose_resid(layer, apply_ln=True), c_tl.decompose_resid(layer, apply_ln=True),
+              f"decompose_resid({layer})")
+        close(c_ours.stack_head_results(layer if layer else -1, apply_ln=True),
+              c_tl.stack_head_results(layer if layer else -1, apply_ln=True), f"stack_head_results({layer})")
+        close(c_ours.get_full_resid_decomposition(layer, apply_ln=True),
+              c_tl.get_full_resid_decomposition(layer, apply_ln=True), f"get_full_resid_decomposition({layer})")
+    answer, wrong = tokens(2, 1, seed=3)[:, 0], tokens(2, 1, seed=4)[:, 0]
+    close(c_ours.logit_attrs(c_ours.stack_head_results(pos_slice=-1), answer, wrong, pos_slice=-1),
+          c_tl.logit_attrs(c_tl.stack_head_results(pos_slice=-1), answer, wrong, pos_slice=-1), "logit_attrs")
