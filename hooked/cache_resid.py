@@ -17,6 +17,10 @@ matrix (`fold_ln`); on unprocessed weights the weight belongs there for the resu
 and on processed weights it is 1, so both agree with TL on the weights TL uses.
 accumulated_resid(apply_ln=True) at the final layer normalises each component with its own
 statistics (the logit lens), as TL 3.9 does; elsewhere the scale of the full residual.
+
+Dispatched models (loaders/dispatch.py): weights read here (norms, W_O, W_out) are brought in with
+`hooked.devices.onloaded`, and stacks of activations from several devices are moved to the last
+one's device.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from hooked.devices import onloaded
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
@@ -40,6 +46,14 @@ def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2) -> Tensor:
     index = [slice(None)] * t.ndim
     index[dim] = pos_slice
     return t[tuple(index)]
+
+
+def _stack(parts: list[Tensor], cat: bool = False) -> Tensor:
+    """torch.stack (or cat) of tensors that may sit on several devices (a dispatched model's layers):
+    all moved to the last one's device."""
+    device = parts[-1].device
+    parts = [p.to(device) for p in parts]
+    return torch.cat(parts) if cat else torch.stack(parts)
 
 
 class ResidualStreamMethods:
@@ -74,15 +88,17 @@ class ResidualStreamMethods:
         if has_batch_dim and batch_slice is not None:
             residual_stack = slice_pos(residual_stack, batch_slice, dim=1)
         norm, prefix = self._norm_at(layer, mlp_input)
-        if recompute_ln and layer == self.n_layers:
-            return norm.normalize_fresh(residual_stack)
-        key = f"{prefix}.hook_scale"
-        if key not in self.cache_dict:
-            raise KeyError(f"apply_ln needs {key!r} in the cache (a bare run_with_cache() has it)")
-        scale = slice_pos(self.cache_dict[key], pos_slice)
-        if has_batch_dim and batch_slice is not None and self.has_batch_dim:
-            scale = slice_pos(scale, batch_slice, dim=0)
-        return norm.normalize_with_scale(residual_stack, scale)
+        with onloaded(self.model, norm):
+            device = norm.weight.device
+            if recompute_ln and layer == self.n_layers:
+                return norm.normalize_fresh(residual_stack.to(device))
+            key = f"{prefix}.hook_scale"
+            if key not in self.cache_dict:
+                raise KeyError(f"apply_ln needs {key!r} in the cache (a bare run_with_cache() has it)")
+            scale = slice_pos(self.cache_dict[key], pos_slice)
+            if has_batch_dim and batch_slice is not None and self.has_batch_dim:
+                scale = slice_pos(scale, batch_slice, dim=0)
+            return norm.normalize_with_scale(residual_stack.to(device), scale.to(device))
 
     # --------------------------------------------------------------------------- residuals
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
@@ -101,7 +117,7 @@ class ResidualStreamMethods:
             if (incl_mid and l < layer) or (mlp_input and l == layer):
                 parts.append(self[("resid_mid", l)])
                 labels.append(f"{l}_mid")
-        stack = torch.stack([slice_pos(p, pos_slice) for p in parts])
+        stack = _stack([slice_pos(p, pos_slice) for p in parts])
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice,
                                            recompute_ln=layer == self.n_layers)
@@ -131,7 +147,7 @@ class ResidualStreamMethods:
                     parts.append(self.cache_dict[name])
                     labels.append(f"{l}_{name.split('hook_')[-1]}")
         like = slice_pos(self["embed"], pos_slice)
-        stack = torch.stack([slice_pos(p, pos_slice) for p in parts]) if parts else like.new_zeros((0, *like.shape))
+        stack = _stack([slice_pos(p, pos_slice) for p in parts]) if parts else like.new_zeros((0, *like.shape))
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack
@@ -139,7 +155,7 @@ class ResidualStreamMethods:
     def stack_activation(self, activation_name: str, layer: int = -1, sublayer_type: str | None = None) -> Tensor:
         """One activation of every block < layer (-1: all), stacked: [layer, ...] (TL's)."""
         layer = self._final_layer(layer)
-        return torch.stack([self[(activation_name, l, sublayer_type)] for l in range(layer)])
+        return _stack([self[(activation_name, l, sublayer_type)] for l in range(layer)])
 
     # ------------------------------------------------------------------------------- heads
     def _head_sites(self, l: int, incl_shared: bool) -> list[tuple[str, str]]:
@@ -159,7 +175,10 @@ class ResidualStreamMethods:
             if source is None or f"{module_path}.{source}" not in self.cache_dict:
                 continue
             module = self.model.get_submodule(module_path)
-            self.cache_dict[name] = module.head_writes(self.cache_dict[f"{module_path}.{source}"])
+            with onloaded(self.model, module):
+                x = self.cache_dict[f"{module_path}.{source}"]
+                device = next(module.parameters()).device
+                self.cache_dict[name] = module.head_writes(x.to(device)).to(x.device)
 
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: SliceInput = None, apply_ln: bool = False, incl_shared: bool = False):
@@ -183,10 +202,10 @@ class ResidualStreamMethods:
         if not parts and layer > 0 and not incl_remainder:
             raise KeyError("no per-head results and no hook_z / hook_gated in the cache to compute them from")
         like = slice_pos(self["embed"], pos_slice)
-        stack = torch.cat(parts) if parts else like.new_zeros((0, *like.shape))
+        stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))
         if incl_remainder:
             total = slice_pos(self[("resid_post", layer - 1)], pos_slice) if layer > 0 else like
-            stack = torch.cat([stack, (total - stack.sum(0))[None]])
+            stack = torch.cat([stack, (total.to(stack.device) - stack.sum(0))[None]])
             labels.append("remainder")
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
@@ -196,7 +215,9 @@ class ResidualStreamMethods:
     def get_neuron_results(self, layer: int, neuron_slice: SliceInput = None, pos_slice: SliceInput = None) -> Tensor:
         """Each neuron's write [(batch,) pos, d_mlp, d_model]: post * W_out (bias left out)."""
         post = slice_pos(self[("post", layer, "mlp")], pos_slice)
-        W_out = self.model.blocks[layer].mlp.down_proj.weight.T  # [d_mlp d_model]
+        mlp = self.model.blocks[layer].mlp
+        with onloaded(self.model, mlp):
+            W_out = mlp.down_proj.weight.T.to(post.device)  # [d_mlp d_model]
         if neuron_slice is not None:
             post = slice_pos(post, neuron_slice, dim=-1)
             W_out = slice_pos(W_out, neuron_slice, dim=0)
@@ -216,7 +237,7 @@ class ResidualStreamMethods:
                             neuron_slice, dim=0)
             labels += [f"L{l}N{int(i)}" for i in ids.reshape(-1)]
         like = slice_pos(self["embed"], pos_slice)
-        stack = torch.cat(parts) if parts else like.new_zeros((0, *like.shape))
+        stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))
         if incl_remainder:
             total = slice_pos(self[("resid_post", layer - 1)], pos_slice) if layer > 0 else like
             stack = torch.cat([stack, (total - stack.sum(0))[None]])
@@ -246,10 +267,10 @@ class ResidualStreamMethods:
             if key in self.cache_dict:
                 parts.append(slice_pos(self.cache_dict[key], pos_slice)[None])
                 labels.append(key[len("hook_"):])
-        bias = self.model.accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons).to(heads.dtype)
+        bias = self.model.accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons).to(heads)
         parts.append(bias.expand((1, *heads.shape[1:])))
         labels.append("bias")
-        stack = torch.cat(parts)
+        stack = _stack([p.to(heads.device) for p in parts], cat=True)
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack

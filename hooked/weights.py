@@ -204,19 +204,29 @@ class ModelWeights:
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj) every block before
-        `layer` writes, plus block `layer`'s attention bias when `mlp_input` (TL's): [d_model]."""
-        total = self.embed.weight.new_zeros(self.cfg.d_model)
+        `layer` writes, plus block `layer`'s attention bias when `mlp_input` (TL's): [d_model].
+        On a dispatched model each bias is read through `onloaded` and summed on the CPU."""
+        from hooked.devices import onloaded
+
+        dispatched = getattr(self, "hf_device_map", None) is not None
+        total = None
         for l in range(layer + (1 if mlp_input else 0)):
             block = self.blocks[l]
             for path in ("attn.o_proj", "mlp.down_proj", "mixer.out_proj"):
                 if (l == layer and path != "attn.o_proj") or (path == "mlp.down_proj" and not include_mlp_biases):
                     continue
                 try:
-                    bias = block.get_submodule(path).bias
+                    linear = block.get_submodule(path)
                 except AttributeError:
                     continue
-                if bias is not None:
-                    total = total + bias
+                with onloaded(self, linear):
+                    bias = linear.bias
+                    if bias is not None:
+                        bias = bias.detach().to("cpu") if dispatched else bias
+                        total = bias if total is None else total + bias.to(total.device)
+        if total is None:
+            weight = self.unembed.weight
+            total = torch.zeros(self.cfg.d_model, dtype=weight.dtype, device="cpu" if dispatched else weight.device)
         return total
 
     def set_use_attn_result(self, use: bool) -> None:
