@@ -270,7 +270,7 @@ class HookedRootModule(nn.Module):
         token = _RECORDING.set(on_fire)
         try:
             with torch.no_grad():
-                self(self._example_input(pos))
+                self(self._example_input() if pos == 2 else self._example_input(pos))  # roots may take no length
         finally:
             _RECORDING.reset(token)
         recorded[key] = sizes
