@@ -113,3 +113,26 @@ def test_decoding_past_gpt2s_context_is_refused_by_name() -> None:
     model = perturbed("gpt2")  # n_ctx = 32
     with pytest.raises(ValueError, match="n_ctx=32"):
         model.generate(torch.randint(0, 50, (1, 30)), max_new_tokens=5, do_sample=False, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "granitemoehybrid", "jamba", "nemotron_h"])
+def test_incremental_logits_equal_full_recompute_on_hybrid_families(family) -> None:
+    """The hybrid families (issue 15) compose the same attention and mixers: they decode incrementally too."""
+    import importlib
+
+    from loaders.load import from_hf
+
+    module = importlib.import_module(f"tests.test_parity_{family}")
+    first = next(iter(module.CASES.values()))
+    hf = module.make_hf(first[0], **first[1]) if family == "nemotron_h" else module.make_hf(**first[0])
+    model = from_hf(hf)
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        full = model(tokens, mask)
+        state = DecodeState()
+        step = torch.cat([model(tokens[:, :7], mask[:, :7], state=state)]
+                         + [model(tokens[:, i:i + 1], state=state) for i in range(7, 12)], dim=1)
+    real = mask.bool()
+    assert ((step - full)[real].abs().max() / full[real].abs().max()).item() < 1e-5
