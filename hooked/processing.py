@@ -37,7 +37,15 @@ from hooked.models.norms import LayerNorm
 
 def process_weights(model: Any, fold_ln: bool = True, center_writing_weights: bool = True,
                     center_unembed: bool = True, fold_value_biases: bool = True) -> Any:
-    """Apply the chosen steps in place (TL's order) and return the model."""
+    """Apply the chosen steps in place (TL's order) and return the model.
+
+    Refused on a dispatched model with offloaded weights (meta between forwards): processing
+    rewrites weights in place, which an offload store would not keep."""
+    offloaded = sorted({n.rsplit(".", 1)[0] for n, p in model.named_parameters() if p.is_meta})
+    if offloaded:
+        raise ValueError(f"weight processing needs every weight in memory; {len(offloaded)} modules are offloaded "
+                         f"({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): load the model "
+                         "without device_map to process its weights")
     with torch.no_grad():
         if fold_ln:
             fold_layer_norm(model)

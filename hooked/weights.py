@@ -16,6 +16,9 @@ Glossary (shapes as TL has them; "view" = shares memory with our parameter)
         b_U [d_vocab]; every per-module name stacked over the blocks ([n_layers, ...], a copy), when
         every block has that module (hybrids: use model.blocks[l].<module>.W_*); QK and OV as
         FactoredMatrix [n_layers n_heads d_model d_model].
+    dispatched models (loaders/dispatch.py): the model-level names read offloaded modules through
+        `hooked.devices.onloaded`, so they are real weights (copies); a module-level name on an
+        offloaded module (meta between forwards) is refused with the way to read it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
 
 
@@ -33,6 +37,10 @@ def _linear(module: nn.Module, name: str) -> nn.Linear:
     if not isinstance(lin, nn.Linear):
         raise ValueError(f"{type(module).__name__}.{name} is {type(lin).__name__}, not an nn.Linear: "
                              "its weight has no single matrix to show")
+    if lin.weight.is_meta:
+        raise ValueError(f"{type(module).__name__}.{name}'s weight is offloaded (meta between forwards on a "
+                         "dispatched model): read the model-level name (model.W_Q, ...), or read this one inside "
+                         "`with hooked.devices.onloaded(model, module):`")
     return lin
 
 
@@ -162,16 +170,23 @@ _MODULE_OF = {name: module for module, names in _STACKED.items() for name in nam
 class ModelWeights:
     """Model-level names (mixed into HookedModel): embeddings, unembedding, stacked block weights."""
 
+    def _read(self, module: nn.Module, read: Any) -> Tensor:
+        """read(module) with real weights: on a dispatched model, inside `onloaded`, as a copy."""
+        if not any(p.is_meta for p in module.parameters()):
+            return read(module)
+        with onloaded(self, module):
+            return read(module).clone()
+
     @property
     def W_E(self) -> Tensor:
-        return self.embed.weight
+        return self._read(self.embed, lambda m: m.weight)
 
     @property
     def W_pos(self) -> Tensor:
         pos = getattr(self, "pos_embed", None)
         if pos is None:
             raise AttributeError(f"{type(self).__name__} has no learned position embedding (W_pos)")
-        return pos.weight
+        return self._read(pos, lambda m: m.weight)
 
     @property
     def W_E_pos(self) -> Tensor:
@@ -180,12 +195,15 @@ class ModelWeights:
 
     @property
     def W_U(self) -> Tensor:
-        return self.unembed.weight.T
+        return self._read(self.unembed, lambda m: m.weight.T)
 
     @property
     def b_U(self) -> Tensor:
-        bias = getattr(self.unembed, "bias", None)
-        return bias if bias is not None else self.unembed.weight.new_zeros(self.unembed.weight.shape[0])
+        def read(m: nn.Module) -> Tensor:
+            bias = getattr(m, "bias", None)
+            return bias if bias is not None else m.weight.new_zeros(m.weight.shape[0])
+
+        return self._read(self.unembed, read)
 
     @property
     def QK(self) -> FactoredMatrix:
@@ -256,7 +274,7 @@ class ModelWeights:
         if missing:
             raise AttributeError(f"{name}: blocks {missing} have no {module!r} module; "
                                  f"read model.blocks[l].{module}.{name} (or a shared block's) instead")
-        return torch.stack([getattr(getattr(b, module), name) for b in self.blocks])
+        return torch.stack([self._read(getattr(b, module), lambda m: getattr(m, name)) for b in self.blocks])
 
     def __getattr__(self, name: str) -> Any:
         if name in _MODULE_OF:

@@ -329,3 +329,31 @@ def test_gguf_checkpoint_dispatches_bit_identical(tmp_path):
     tokens = plain.to_tokens("The capital of France is")
     with torch.no_grad():
         assert torch.equal(model(tokens), plain(tokens))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_weight_properties_read_real_weights(pair, name):
+    """Model-level TL names read offloaded modules through `onloaded` (never meta); a module-level name
+    on an offloaded module is refused with the way to read it; weight processing refuses by name."""
+    plain, model = pair(name)
+    inner = "mixer" if hasattr(plain.blocks[1], "mixer") else "attn"
+    names = ["W_E", "W_U", "b_U"] + (["W_Q", "W_K", "W_O", "b_O"] if inner == "attn" else ["W_in_proj", "W_out_proj"])
+    for n in names:
+        got, want = getattr(model, n), getattr(plain, n)
+        assert not got.is_meta and torch.equal(got.cpu(), want), n
+    assert any(p.is_meta for p in model.blocks[1].parameters())  # dropped again
+    weight = "W_Q" if inner == "attn" else "W_in_proj"
+    with pytest.raises(ValueError, match="offloaded"):
+        getattr(getattr(model.blocks[1], inner), weight)
+    with onloaded(model, getattr(model.blocks[1], inner)) as m:
+        assert torch.equal(getattr(m, weight), getattr(getattr(plain.blocks[1], inner), weight))
+
+
+def test_weight_processing_refuses_offloaded_weights(pair):
+    from hooked.processing import process_weights
+
+    plain, model = pair("llama")
+    before = model(TOKENS)
+    with pytest.raises(ValueError, match="offloaded"):
+        process_weights(model)
+    assert torch.equal(model(TOKENS), before)  # nothing changed
