@@ -6,7 +6,8 @@ Glossary
     target      the last token (position -1: rows are left-padded)
     p, p_ko     probability of the answer's first token at the last position, clean / knocked out
     change      100 * (p_ko - p) / p, the relative change in %, per fact, source set and window;
-                reported as the mean over facts with a t-interval (95% by default)
+                reported as the mean over facts with a t-interval (95% by default); beside it the
+                answer log-prob change log(p_ko / p) (nats) with its t-interval
     prefix reuse  blocks before the window are untouched by the knockout, so the clean residual
                 entering block l (one cached clean run per batch) is the start of every window at l
 
@@ -56,8 +57,12 @@ class InfoFlowResult:
         for s, name in enumerate(self.sources):
             for w, (start, end) in enumerate(zip(self.starts, self.ends)):
                 mean, lo, hi = mean_interval(self.changes[:, s, w], self.confidence)
+                # the continuous metric beside it: answer log-prob change log(p_ko / p), in nats
+                logp = torch.log((1 + self.changes[:, s, w] / 100).clamp(min=1e-12))
+                lp_mean, lp_lo, lp_hi = mean_interval(logp, self.confidence)
                 rows.append({"source": name, "window_start": start, "window_end": end, "mean": mean,
-                             "ci_low": lo, "ci_high": hi, "n": n})
+                             "ci_low": lo, "ci_high": hi, "logprob_change": lp_mean, "logprob_ci_low": lp_lo,
+                             "logprob_ci_high": lp_hi, "n": n})
         return rows
 
     def to_json(self, path: str | Path) -> None:

@@ -430,7 +430,10 @@ def through_hook(hook: HookPoint, value: Tensor,
     """Pass a lazily built tensor through its hook: (value after the hook, value before it | None).
 
     The second item is None when the hooks changed nothing (returned None, the same tensor, or an
-    equal copy), so that the model keeps its fast path and stays bit-identical. An in-place edit is
+    equal copy), so that the model keeps its fast path and stays bit-identical. An equal tensor that
+    carries its own gradient path (it requires grad and is not the value: a hook's
+    `act.detach().requires_grad_()` or `act.clone()` under autograd) counts as an edit: dropping it
+    would cut d metric / d hooked quantity, which attribution patching reads. An in-place edit is
     seen through the tensor's version counter and the original is rebuilt with `rebuild()`; tensors
     made under torch.inference_mode() have no counter, so a copy is kept to compare with.
     """
@@ -447,7 +450,8 @@ def through_hook(hook: HookPoint, value: Tensor,
             raise RuntimeError(f"{hook.name}: edited in place, and its original cannot be rebuilt")
     else:
         original = value
-    if original is value and (out is value or torch.equal(out, value)):
+    carries_grad = out is not value and out.requires_grad and torch.is_grad_enabled()
+    if original is value and not carries_grad and (out is value or torch.equal(out, value)):
         return out, None
     return out, original
 

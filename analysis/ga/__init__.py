@@ -1,7 +1,9 @@
 """Gather-and-Aggregate (Bick, Xing, Gu 2025): which heads gather segments and which aggregate them.
 
-    ranking  `rank_heads` (accuracy drop when each unit is ablated, pairs too), `head_units`,
-             `expert_units` (mixture-of-experts experts as units), `HeadRanking`
+    ranking  `rank_heads` (accuracy drop when each unit is ablated, pairs too; method="screened" verifies
+             only the units an attribution pass picks), `head_units`, `expert_units` (mixture-of-experts
+             experts as units), `HeadRanking`
+    screening  `estimate_effects` (every unit's ablation effect from one forward and backward)
     scores   `ga_scores` (gather / aggregate mass from patterns and SSM kernels), masking experiments
              (`gather_only`, `aggregate_only`, `restrict_heads`, `masked_accuracy`), the one definition
              of a head's mixing weights (`weights_hook`, `as_weights`)
@@ -13,10 +15,12 @@
 
 from analysis.ga.ranking import HeadRanking, Unit, expert_units, head_units, rank_heads
 from analysis.ga.reads import reads
+from analysis.ga.screening import estimate_effects
 from analysis.ga.report import ga_report
 from analysis.ga.scores import aggregate_only, ga_scores, gather_only, masked_accuracy, restrict_heads
 from analysis.tasks.scoring import score_choices
 from analysis.tasks.text import kv_retrieval
 
-__all__ = ["HeadRanking", "Unit", "expert_units", "head_units", "rank_heads", "reads", "ga_report", "aggregate_only",
+__all__ = ["HeadRanking", "Unit", "expert_units", "head_units", "rank_heads", "estimate_effects", "reads",
+           "ga_report", "aggregate_only",
            "ga_scores", "gather_only", "masked_accuracy", "restrict_heads", "score_choices", "kv_retrieval"]

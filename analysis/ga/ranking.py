@@ -13,6 +13,24 @@ Glossary
                     computed once per layer (`stop_at_layer`) and every ablated run starts there.
     pair ablation   redundant heads hide from single-unit ranking (ablating one, its twin takes
                     over), so the top-k units are also ablated two at a time.
+    method          "exhaustive": every unit ablated exactly. "screened": every unit's effect
+                    estimated by attribution (`analysis.ga.screening`, one forward + backward),
+                    then the `verify_top` best by estimated (accuracy drop, log-prob drop), by
+                    estimated log-prob drop and by estimated margin drop, the `pair_with` units and
+                    `n_control` random others ablated exactly (experts have no estimate yet and are
+                    always verified); rows say `verified` (exact) or not
+                    (estimates only, drop = NaN), and `control` marks the random draws.
+    prescreen       (prescreen_n) every unit ablated exactly on a few prompts: a candidate source that
+                    sees nonlinear effects first-order estimates miss (saturated attention).
+    screen recall   the control units that beat the screen's own 10th unit (a miss of the screen,
+                    caught by chance): `HeadRanking.screen["control_misses"]`; their share of the
+                    controls estimates the share of unverified units the screen missed.
+    replicas        batched interventions: r units of one layer ablated in one forward of r tiled
+                    copies of the batch (`ablate_heads_rows`); `replicas_for` is the rule.
+    intervals       per verified unit: Clopper-Pearson interval of its accuracy, paired bootstrap
+                    intervals of its accuracy drop and log-prob drop; `separability` says, for each
+                    of the top 10, whether its effect differs from the next unit's (paired bootstrap
+                    interval of the difference excludes 0), for both metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,8 +49,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from analysis.interventions.ablation import ablate_heads, head_layout
+from analysis.interventions.ablation import ablate_heads, ablate_heads_rows, head_layout
 from analysis.interventions.experts import ablate_experts, moe_layout
+from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example
@@ -93,12 +114,18 @@ def head_units(model: Any, channel_group: int | None = None) -> list[Unit]:
 @dataclass
 class HeadRanking:
     baseline: dict[str, float]
-    rows: list[dict[str, Any]]  # one per unit, sorted by accuracy drop then log-prob drop
+    rows: list[dict[str, Any]]  # one per unit, sorted by accuracy drop then log-prob drop (verified first)
     pairs: list[dict[str, Any]] = field(default_factory=list)
     n_examples: int = 0
+    method: str = "exhaustive"
+    screen: dict[str, Any] = field(default_factory=dict)  # screened: counts, control units, misses
+    separability: list[dict[str, Any]] = field(default_factory=list)
 
     def top(self, k: int = 2) -> list[str]:
         return [r["unit"] for r in self.rows[:k]]
+
+    def verified(self) -> list[str]:
+        return [r["unit"] for r in self.rows if r["verified"]]
 
     def matrix(self, key: str = "drop", n_layers: int | None = None) -> Tensor:
         """[layer, head] of `key` for the layers' own heads (NaN elsewhere; Zamba2 shared heads, Falcon-H1's
@@ -118,58 +145,251 @@ class HeadRanking:
         save_table(self.rows, path)
 
 
-def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None, *,
-               batch_size: int = 16, reuse_prefix: bool = True, pairs_top_k: int = 4, mode: str = "zero",
-               mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
-               pair_with: Sequence[Unit | str] = ()) -> HeadRanking:
-    """Accuracy (and answer log-prob) drop when each unit is ablated; then pairs.
+def replicas_for(model: Any, scorer: ChoiceScorer, limit: int | None = None) -> int:
+    """How many units one forward ablates (rows tiled per unit), the batching rule.
 
-    Pairs: every pair among the top `pairs_top_k` units by single-unit drop plus the units in
-    `pair_with` (Units or labels; e.g. the best aggregate scorers): redundant heads each cost little
-    alone, so single-unit ranking alone would never pair them.
+    On an accelerator: as many as keep a forward under 512 rows (its throughput grows with the
+    batch). On CPU a forward of a few hundred thousand activation elements per layer
+    (rows x positions x d_model) is already compute-bound, and tiling only saves the per-forward
+    overhead (hooks, small kernels): units are batched while one forward stays under 2**17 elements
+    (benchmarks/bench_screening.py measures both). `limit` caps the answer.
     """
-    scorer = ChoiceScorer(model, examples, batch_size)
-    units = list(units) if units is not None else head_units(model, channel_group)
-    base = scorer.metrics(scorer.scores())
-    bar = tqdm(total=len(units), desc="rank_heads", disable=not progress)
-    results: dict[str, dict[str, float]] = {}
+    rows = max(len(b.tokens) for b in scorer.batches)
+    width = max(b.tokens.shape[1] for b in scorer.batches)
+    if next(model.parameters()).device.type != "cpu":
+        r = max(1, 512 // rows)
+    else:
+        r = max(1, 2**17 // (rows * width * model.cfg.d_model))
+    return max(1, min(r, 32, limit or 32))
 
-    def run(unit: Unit, start: int | None, resids: list[Tensor] | None) -> None:
-        with ablated(model, [unit], mode, mean_cache):
-            results[unit.label] = scorer.metrics(scorer.scores(start, resids))
-        bar.update()
+
+def _exact(model: Any, scorer: ChoiceScorer, units: Sequence[Unit], mode: str, mean_cache: Any,
+           reuse_prefix: bool, replicas: int, bar: Any) -> dict[str, Tensor]:
+    """Scores [example choice] with each unit ablated alone; units of a layer `replicas` per forward."""
+    out: dict[str, Tensor] = {}
+
+    def run(chunk: list[Unit], start: int | None, resids: list[Tensor] | None) -> None:
+        if len(chunk) == 1 and chunk[0].kind != "head":  # experts: one ablation per forward
+            with ablated(model, chunk, mode, mean_cache):
+                scores = scorer.scores(start, resids)
+        else:
+            with ablate_heads_rows(model, [u.specs() for u in chunk], mode=mode, mean_cache=mean_cache):
+                scores = scorer.scores(start, resids, replicas=len(chunk))
+        for u, sc in zip(chunk, scores if len(chunk) > 1 else [scores]):
+            out[u.label] = sc
+        bar.update(len(chunk))
+
+    def chunks(layer_units: list[Unit]) -> list[list[Unit]]:
+        heads = [u for u in layer_units if u.kind == "head"]
+        return [heads[i:i + replicas] for i in range(0, len(heads), replicas)] + [[u] for u in layer_units
+                                                                                 if u.kind != "head"]
 
     layers = sorted({u.layer for u in units})
     if reuse_prefix:
         for layer, resids in scorer.prefixes(layers):
-            for unit in (u for u in units if u.layer == layer):
-                run(unit, layer, resids)
+            for chunk in chunks([u for u in units if u.layer == layer]):
+                run(chunk, layer, resids)
     else:
-        for unit in units:
-            run(unit, None, None)
-    bar.close()
-    rows = [{"unit": u.label, "layer": u.layer, "module": u.module, "kind": u.kind, "index": _index(u),
-             "heads": " ".join(map(str, u.heads)), **results[u.label],
-             "drop": base["accuracy"] - results[u.label]["accuracy"],
-             "logprob_drop": base["logprob"] - results[u.label]["logprob"]} for u in units]
-    rows.sort(key=lambda r: (-r["drop"], -r["logprob_drop"]))
-    ranking = HeadRanking(base, rows, n_examples=len(scorer.examples))
+        for chunk in chunks(list(units)):
+            run(chunk, None, None)
+    return out
+
+
+def _row(unit: Unit, scores: Tensor, scorer: ChoiceScorer, base_ex: dict[str, Tensor], confidence: float,
+         seed: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    ex = scorer.per_example(scores)
+    n = len(ex["correct"])
+    acc_lo, acc_hi = clopper_pearson(int(ex["correct"].sum()), n, confidence)
+    d_lo, d_hi = paired_interval(base_ex["correct"] - ex["correct"], confidence, seed=seed)
+    l_lo, l_hi = paired_interval(base_ex["logprob"] - ex["logprob"], confidence, seed=seed)
+    m = scorer.metrics(scores)
+    base = {k: v.mean().item() for k, v in base_ex.items()}
+    return ({"unit": unit.label, "layer": unit.layer, "module": unit.module, "kind": unit.kind, "index": _index(unit),
+             "heads": " ".join(map(str, unit.heads)), **m, "accuracy_lo": acc_lo, "accuracy_hi": acc_hi,
+             "drop": base["correct"] - m["accuracy"], "drop_lo": d_lo, "drop_hi": d_hi,
+             "logprob_drop": base["logprob"] - m["logprob"], "logprob_drop_lo": l_lo, "logprob_drop_hi": l_hi},
+            ex)
+
+
+def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None, *,
+               method: str = "exhaustive", batch_size: int = 16, reuse_prefix: bool = True, pairs_top_k: int = 4,
+               mode: str = "zero", mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
+               pair_with: Sequence[Unit | str] = (), verify_top: int = 60, n_control: int = 10, seed: int = 0,
+               replicas: int | None = None, confidence: float = 0.95, prescreen_n: int | None = None) -> HeadRanking:
+    """Accuracy (and answer log-prob) drop when each unit is ablated, with intervals; then pairs.
+
+    method: "exhaustive" (every unit exact) or "screened" (see the glossary). replicas: units per
+    forward (None: `replicas_for`'s rule; 1: one ablation per forward). prescreen_n (screened): also
+    ablate every unit exactly on the first `prescreen_n` prompts and verify its `verify_top` best.
+    Pairs: every pair among the top `pairs_top_k` units by single-unit drop plus the units in
+    `pair_with` (Units or labels; e.g. the best aggregate scorers): redundant heads each cost little
+    alone, so single-unit ranking alone would never pair them.
+    """
+    if method not in ("exhaustive", "screened"):
+        raise ValueError(f"method must be 'exhaustive' or 'screened', got {method!r}")
+    scorer = ChoiceScorer(model, examples, batch_size)
+    units = list(units) if units is not None else head_units(model, channel_group)
     by_label = {u.label: u for u in units}
-    top = [by_label[r["unit"]] for r in rows[:pairs_top_k]]
-    for extra in pair_with:
-        unit = by_label.get(extra if isinstance(extra, str) else extra.label)
+    extra = []
+    for e in pair_with:
+        unit = by_label.get(e if isinstance(e, str) else e.label)
         if unit is None:
-            raise KeyError(f"pair_with: {extra!r} is not one of the ranked units")
-        if unit not in top:
-            top.append(unit)
-    for a, b in tqdm(list(itertools.combinations(top, 2)), desc="pairs", disable=not progress):
-        with ablated(model, [a, b], mode, mean_cache):
-            m = scorer.metrics(scorer.scores())
-        drop = base["accuracy"] - m["accuracy"]
-        singles = results[a.label], results[b.label]
-        ranking.pairs.append({"pair": f"{a.label}+{b.label}", **m, "drop": drop,
-                              "single_drops": sum(base["accuracy"] - s["accuracy"] for s in singles)})
+            raise KeyError(f"pair_with: {e!r} is not one of the ranked units")
+        extra.append(unit)
+    base_scores = scorer.scores()
+    base, base_ex = scorer.metrics(base_scores), scorer.per_example(base_scores)
+    n = len(scorer.examples)
+    base.update(zip(("accuracy_lo", "accuracy_hi"), clopper_pearson(int(base_ex["correct"].sum()), n, confidence)))
+    estimates: dict[str, dict[str, float]] = {}
+    control: list[Unit] = []
+    if method == "screened":
+        from analysis.ga.screening import estimate_effects
+
+        heads = [u for u in units if u.kind == "head"]
+        others = [u for u in units if u.kind != "head"]  # experts: no attribution yet, always verified
+        estimates = estimate_effects(model, scorer, heads, mode, mean_cache)
+        estimates.update({u.label: dict.fromkeys(("est_drop", "est_logprob_drop", "est_margin_drop"), math.nan)
+                          for u in others})
+        pre: list[Unit] = []
+        if prescreen_n:
+            pre = _prescreen(model, scorer, units, prescreen_n, batch_size, mode, mean_cache, reuse_prefix,
+                             replicas, estimates, progress)
+        chosen = list(dict.fromkeys(candidates(heads, estimates, verify_top) + pre[:verify_top] + others + extra))
+        rest = [u for u in units if u not in chosen]
+        control = random.Random(seed).sample(rest, min(n_control, len(rest)))
+        to_verify = [u for u in units if u in set(chosen) | set(control)]  # forward order
+    else:
+        to_verify = units
+    r = replicas or replicas_for(model, scorer)
+    bar = tqdm(total=len(to_verify), desc="rank_heads", disable=not progress)
+    exact = _exact(model, scorer, to_verify, mode, mean_cache, reuse_prefix, r, bar)
+    bar.close()
+    rows, per_ex = [], {}
+    for u in units:
+        if u.label in exact:
+            row, per_ex[u.label] = _row(u, exact[u.label], scorer, base_ex, confidence, seed)
+        else:
+            row = {"unit": u.label, "layer": u.layer, "module": u.module, "kind": u.kind, "index": _index(u),
+                   "heads": " ".join(map(str, u.heads)), "drop": math.nan, "logprob_drop": math.nan}
+        row["verified"] = u.label in exact
+        if estimates:
+            row.update(estimates[u.label], control=u in control)
+        rows.append(row)
+    rows.sort(key=lambda r: (not r["verified"], -_or(r["drop"], r.get("est_drop")),
+                             -_or(r["logprob_drop"], r.get("est_logprob_drop"))))
+    ranking = HeadRanking(base, rows, n_examples=n, method=method)
+    ranking.separability = _separability(rows, per_ex, confidence, seed)
+    if method == "screened":
+        verified = [r for r in rows if r["verified"]]
+        picked = [r for r in verified if not r["control"]] or verified
+        tenth = picked[min(9, len(picked) - 1)]  # the screen's own 10th unit
+        bar = (tenth["drop"], tenth["logprob_drop"])
+        misses = [r["unit"] for r in verified if r["control"] and (r["drop"], r["logprob_drop"]) > bar]
+        ranking.screen = {"n_units": len(units), "n_verified": len(to_verify),
+                          "n_candidates": len(to_verify) - len(control),
+                          "n_control": len(control), "control_units": [u.label for u in control],
+                          "control_misses": misses, "tenth_drop": tenth["drop"],
+                          "estimate_vs_exact": estimate_agreement(rows)}
+    top = [by_label[r["unit"]] for r in rows[:pairs_top_k] if r["verified"]]
+    top += [u for u in extra if u not in top]
+    pairs = list(itertools.combinations(top, 2))
+    pair_scores = _pairs_exact(model, scorer, pairs, mode, mean_cache, reuse_prefix, progress)
+    for a, b in pairs:
+        scores = pair_scores[(a.label, b.label)]
+        m, ex = scorer.metrics(scores), scorer.per_example(scores)
+        singles = per_ex[a.label], per_ex[b.label]
+        ranking.pairs.append({"pair": f"{a.label}+{b.label}", **m, "drop": base["accuracy"] - m["accuracy"],
+                              **dict(zip(("drop_lo", "drop_hi"), paired_interval(base_ex["correct"] - ex["correct"],
+                                                                               confidence, seed=seed))),
+                              "logprob_drop": base["logprob"] - m["logprob"],
+                              "single_drops": sum(base["accuracy"] - s["correct"].mean().item() for s in singles)})
     return ranking
+
+
+def candidates(units: Sequence[Unit], estimates: dict[str, dict[str, float]], verify_top: int) -> list[Unit]:
+    """The screen's picks: the `verify_top` best units by estimated (accuracy drop, log-prob drop), by
+    estimated log-prob drop and by estimated margin drop (union, in that order)."""
+    def best(key: Any) -> list[Unit]:
+        return sorted(units, key=key)[:verify_top]
+
+    e = estimates
+    picks = (best(lambda u: (-e[u.label]["est_drop"], -e[u.label]["est_logprob_drop"]))
+             + best(lambda u: -e[u.label]["est_logprob_drop"]) + best(lambda u: -e[u.label]["est_margin_drop"]))
+    return list(dict.fromkeys(picks))
+
+
+def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int, batch_size: int, mode: str,
+               mean_cache: Any, reuse_prefix: bool, replicas: int | None, estimates: dict, progress: bool) -> list[Unit]:
+    """Every unit ablated exactly on the first `n` prompts only; units sorted by that (drop, log-prob drop).
+
+    The fallback where first-order estimates fail (saturated attention or output: the organisms):
+    it costs n / n_prompts of an exhaustive ranking and sees every nonlinearity.
+    """
+    sub = ChoiceScorer(model, scorer.examples[:n], batch_size)
+    base = sub.per_example(sub.scores())
+    bar = tqdm(total=len(units), desc="prescreen", disable=not progress)
+    exact = _exact(model, sub, units, mode, mean_cache, reuse_prefix, replicas or replicas_for(model, sub), bar)
+    bar.close()
+    for u in units:
+        ex = sub.per_example(exact[u.label])
+        estimates[u.label].update(pre_drop=(base["correct"] - ex["correct"]).mean().item(),
+                                  pre_logprob_drop=(base["logprob"] - ex["logprob"]).mean().item())
+    return sorted(units, key=lambda u: (-estimates[u.label]["pre_drop"], -estimates[u.label]["pre_logprob_drop"]))
+
+
+def _pairs_exact(model: Any, scorer: ChoiceScorer, pairs: list[tuple[Unit, Unit]], mode: str, mean_cache: Any,
+                 reuse_prefix: bool, progress: bool) -> dict[tuple[str, str], Tensor]:
+    """Scores with both units of each pair ablated; each run starts at the pair's first layer (prefix reuse)."""
+    out = {}
+    bar = tqdm(total=len(pairs), desc="pairs", disable=not progress)
+
+    def run(a: Unit, b: Unit, start: int | None, resids: list[Tensor] | None) -> None:
+        with ablated(model, [a, b], mode, mean_cache):
+            out[(a.label, b.label)] = scorer.scores(start, resids)
+        bar.update()
+
+    if reuse_prefix and pairs:
+        starts = sorted({min(a.layer, b.layer) for a, b in pairs})
+        for layer, resids in scorer.prefixes(starts):
+            for a, b in pairs:
+                if min(a.layer, b.layer) == layer:
+                    run(a, b, layer, resids)
+    else:
+        for a, b in pairs:
+            run(a, b, None, None)
+    bar.close()
+    return out
+
+
+def _or(value: float, fallback: float | None) -> float:
+    return fallback if (value is None or math.isnan(value)) and fallback is not None else value
+
+
+def _separability(rows: list[dict[str, Any]], per_ex: dict[str, dict[str, Tensor]], confidence: float,
+                  seed: int, k: int = 10) -> list[dict[str, Any]]:
+    """For each of the top k verified units: is its effect different from the next verified unit's?"""
+    verified = [r["unit"] for r in rows if r["verified"]][: k + 1]
+    out = []
+    for a, b in zip(verified, verified[1:]):
+        item = {"unit": a, "next": b}
+        for metric, key in (("correct", "drop"), ("logprob", "logprob_drop")):
+            # drop_a - drop_b = (base - a) - (base - b) = b - a, per example
+            yes, (lo, hi) = separable(per_ex[b][metric], per_ex[a][metric], confidence, seed=seed)
+            item.update({f"{key}_diff_lo": lo, f"{key}_diff_hi": hi, f"{key}_separable": yes})
+        out.append(item)
+    return out
+
+
+def estimate_agreement(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Pearson correlation of estimated and exact drops over the verified units (screened rankings)."""
+    out: dict[str, float | None] = {}
+    ver = [r for r in rows if r["verified"] and "est_drop" in r]
+    for key in ("drop", "logprob_drop"):
+        x = torch.tensor([r[f"est_{key}"] for r in ver], dtype=torch.float64)
+        y = torch.tensor([r[key] for r in ver], dtype=torch.float64)
+        ok = len(ver) > 2 and x.std() > 0 and y.std() > 0
+        out[f"pearson_{key}"] = torch.corrcoef(torch.stack([x, y]))[0, 1].item() if ok else None
+    return out
 
 
 def _index(unit: Unit) -> int:

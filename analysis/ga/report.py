@@ -6,6 +6,11 @@ Glossary
     ranking      `rank_heads` on the first size: accuracy and answer log-prob drop per unit, with
                  its gather and aggregate scores (`ga_scores`) and their percentile among all units;
                  pairs among the top `--top-k` units and the two best gather and aggregate scorers.
+                 Screened by default (attribution estimate for every unit, exact ablation of the
+                 `--verify-top` candidates and `--controls` random units; unverified rows hold
+                 estimates only); `--exhaustive` ablates every unit exactly.
+    intervals    accuracy: Clopper-Pearson; drops: paired bootstrap over prompts (analysis.intervals);
+                 `separability` in summary.json says which of the top 10 differ from the next.
     control      the top two units ablated together vs random pairs of other units of the same head
                  modules (`n_random` seeded draws: their mean, min and max), beside the unablated accuracy.
     task         how prompts are made: `kv_retrieval` (the text task of METHODS.md A) for language
@@ -14,7 +19,8 @@ Glossary
     agreement    Spearman rank correlation, over all units, between each score (gather, aggregate,
                  their maximum) and the ablation drops (accuracy, answer log-prob): does a unit that
                  looks like a G&A head by its pattern/kernel matter when removed?
-    files        accuracy.csv, ranking.csv/.json, pairs.csv, summary.json, drop_heatmap.png,
+    files        accuracy.csv, ranking.csv/.json, pairs.csv, summary.json, timing.json, drop_heatmap.png,
+                 est_logprob_drop_heatmap.png (screened),
                  logprob_drop_heatmap.png, top1_<unit>.png, top2_<unit>.png (pattern or min-max
                  normalised kernel on the first prompt), scores_vs_drop.png.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,7 @@ from analysis.interventions.ablation import ablate_heads, head_layout
 from analysis.ga.ranking import HeadRanking, Unit, head_units, rank_heads
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.ga.scores import ga_scores, weights_hook
+from analysis.intervals import clopper_pearson, paired_interval
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks.text import Example, kv_retrieval
 from analysis.validate import positive_int, writable_dir
@@ -58,10 +66,16 @@ def task_for(model_name: str) -> Task:
 
 def accuracy_by_size(model: Any, sizes: list[int], n: int, seed: int = 0, batch_size: int = 16,
                      task: Task = kv_retrieval) -> list[dict]:
+    """Per size: accuracy with its Clopper-Pearson interval, answer log-prob with a bootstrap interval."""
     rows = []
     for size in sizes:
         scorer = ChoiceScorer(model, task(size, n, seed), batch_size)
-        rows.append({"pairs": size, "n": n, **scorer.metrics(scorer.scores()), "chance": 1 / size})
+        scores = scorer.scores()
+        ex = scorer.per_example(scores)
+        lo, hi = clopper_pearson(int(ex["correct"].sum()), len(ex["correct"]))
+        lp_lo, lp_hi = paired_interval(ex["logprob"])
+        rows.append({"pairs": size, "n": n, **scorer.metrics(scores), "accuracy_lo": lo, "accuracy_hi": hi,
+                     "logprob_lo": lp_lo, "logprob_hi": lp_hi, "chance": 1 / size})
     return rows
 
 
@@ -119,12 +133,15 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def agreement(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Spearman correlation of each G&A score with each ablation drop over the ranking's rows."""
+    """Spearman correlation of each G&A score with each ablation drop over the ranking's rows that have it
+    (screened rankings: exact drops over the verified units, the estimated log-prob drop over all)."""
     out = {}
+    drops = ["drop", "logprob_drop"] + (["est_logprob_drop"] if rows and "est_logprob_drop" in rows[0] else [])
     for score in ("gather", "aggregate", "ga_max"):
-        xs = [max(r["gather"], r["aggregate"]) if score == "ga_max" else r[score] for r in rows]
-        for drop in ("drop", "logprob_drop"):
-            rho = spearman(xs, [r[drop] for r in rows])
+        for drop in drops:
+            have = [r for r in rows if not math.isnan(r[drop])]
+            xs = [max(r["gather"], r["aggregate"]) if score == "ga_max" else r[score] for r in have]
+            rho = spearman(xs, [r[drop] for r in have]) if len(have) > 1 else math.nan
             out[f"{score}~{drop}"] = None if math.isnan(rho) else rho
     return out
 
@@ -132,6 +149,7 @@ def agreement(rows: list[dict[str, Any]]) -> dict[str, float]:
 def plot_agreement(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """Answer log-prob drop against max(gather, aggregate) score, one point per unit (top 5 labelled)."""
     corr = agreement(rows)["ga_max~logprob_drop"]
+    rows = [r for r in rows if not math.isnan(r["logprob_drop"])]  # screened: the verified units
     return scatter_plot([max(r["gather"], r["aggregate"]) for r in rows], [r["logprob_drop"] for r in rows], path,
                         f"{title} (Spearman {'n/a' if corr is None else f'{corr:+.2f}'})", "max(gather, aggregate) score",
                         "answer log-prob drop when ablated", [r["unit"] for r in rows], n_labels=5)
@@ -151,20 +169,31 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
 
 def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
-              progress: bool = True, task: Task = kv_retrieval, n_random: int = 5) -> dict[str, Any]:
+              progress: bool = True, task: Task = kv_retrieval, n_random: int = 5, method: str = "screened",
+              verify_top: int = 60, n_control: int = 10, replicas: int | None = None) -> dict[str, Any]:
+    """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds."""
     n, batch_size = positive_int(n, "n"), positive_int(batch_size, "batch_size")
     rank_n = None if rank_n is None else positive_int(rank_n, "rank_n")
     if not sizes:
         raise ValueError("sizes needs at least one dictionary size")
+    timing: dict[str, dict[str, float]] = {}
+    clock = [time.perf_counter(), time.process_time()]
+
+    def lap(stage: str) -> None:
+        now = [time.perf_counter(), time.process_time()]
+        timing[stage] = {"wall_s": now[0] - clock[0], "cpu_s": now[1] - clock[1]}
+        clock[:] = now
+
     out = writable_dir(out, "out")
-    acc = accuracy_by_size(model, sizes, n, seed, batch_size, task)
-    save_table(acc, out / "accuracy.csv")
     examples = task(sizes[0], rank_n or n, seed)
     units = head_units(model, channel_group)
     scores = ga_scores(model, examples, units)
+    lap("ga_scores")
     best = {kind: sorted(units, key=lambda u: -scores[u.label][kind])[:2] for kind in ("gather", "aggregate")}
-    ranking = rank_heads(model, examples, units, batch_size=batch_size, pairs_top_k=pairs_top_k,
-                         progress=progress, pair_with=best["aggregate"] + best["gather"])
+    ranking = rank_heads(model, examples, units, method=method, batch_size=batch_size, pairs_top_k=pairs_top_k,
+                         progress=progress, pair_with=best["aggregate"] + best["gather"], verify_top=verify_top,
+                         n_control=n_control, seed=seed, replicas=replicas)
+    lap("rank_heads")
     gathers = [s["gather"] for s in scores.values()]
     aggregates = [s["aggregate"] for s in scores.values()]
     for row in ranking.rows:
@@ -174,23 +203,47 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     ranking.to_csv(out / "ranking.csv")
     ranking.to_json(out / "ranking.json")
     save_table(ranking.pairs or [{"pair": None}], out / "pairs.csv")
+    acc = accuracy_by_size(model, sizes, n, seed, batch_size, task)  # after the ranking: its files come first
+    save_table(acc, out / "accuracy.csv")
+    lap("accuracy_by_size")
     n_layers = model.cfg.n_layers
     heatmap(ranking.matrix("drop", n_layers), out / "drop_heatmap.png", f"accuracy drop, n={sizes[0]}",
             "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
     heatmap(ranking.matrix("logprob_drop", n_layers), out / "logprob_drop_heatmap.png",
             f"answer log-prob drop, n={sizes[0]}", "head (Mamba-1: channel group)", "layer", centered=True)
+    if method == "screened":
+        heatmap(ranking.matrix("est_logprob_drop", n_layers), out / "est_logprob_drop_heatmap.png",
+                f"estimated answer log-prob drop (attribution), n={sizes[0]}", "head (Mamba-1: channel group)",
+                "layer", centered=True)
     plot_agreement(ranking.rows, out / "scores_vs_drop.png", f"G&A scores vs ablation, n={sizes[0]}")
     by_label = {u.label: u for u in units}
     for rank, label in enumerate(ranking.top(2), 1):
         w, toks, is_kernel = unit_weights(model, by_label[label], examples[0])
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
-    summary = {"sizes": acc, "baseline": ranking.baseline, "top": ranking.rows[:10], "pairs": ranking.pairs,
-               "control": control(model, examples, ranking, units, seed, batch_size, n_random),
-               "agreement": agreement(ranking.rows), "n_units": len(units),
-               "rank_examples": len(examples)}
+    summary = {"sizes": acc, "baseline": ranking.baseline, "method": method, "top": ranking.rows[:10],
+               "pairs": ranking.pairs, "control": control(model, examples, ranking, units, seed, batch_size, n_random),
+               "agreement": agreement(ranking.rows), "n_units": len(units), "rank_examples": len(examples),
+               "screen": ranking.screen, "separability": ranking.separability,
+               "separability_statement": separability_statement(ranking)}
+    lap("plots_and_control")
+    timing["total"] = {k: sum(t[k] for t in timing.values()) for k in ("wall_s", "cpu_s")}
+    summary["timing"] = timing
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "timing.json").write_text(json.dumps(timing, indent=1))
     return summary
+
+
+def separability_statement(ranking: HeadRanking, k: int = 10) -> str:
+    """Which of the top k units are separable from the next (paired bootstrap, both metrics), in words."""
+    if not ranking.separability:
+        return "no separability: fewer than two verified units"
+    acc = [s["unit"] for s in ranking.separability[:k] if s["drop_separable"]]
+    lp = [s["unit"] for s in ranking.separability[:k] if s["logprob_drop_separable"]]
+    n = len(ranking.separability[:k])
+    return (f"Of the top {n} units, {len(acc)} differ from the next in accuracy drop ({', '.join(acc) or 'none'}) "
+            f"and {len(lp)} in answer log-prob drop ({', '.join(lp) or 'none'}), by 95% paired bootstrap intervals "
+            f"over {ranking.n_examples} prompts; the rest of the order is within noise.")
 
 
 def add_ga_parser(subparsers: Any) -> Any:
@@ -206,6 +259,12 @@ def add_ga_parser(subparsers: Any) -> Any:
     p.add_argument("--top-k", type=int, default=4, help="top units ablated in pairs (default 4)")
     p.add_argument("--channel-group", type=int, default=None, help="Mamba-1 channels per unit (default d_inner/16)")
     p.add_argument("--random-draws", type=int, default=5, help="random head pairs in the control (default 5)")
+    p.add_argument("--exhaustive", action="store_true", help="ablate every unit exactly (default: screened)")
+    p.add_argument("--verify-top", type=int, default=60,
+                   help="screened: candidates verified exactly, by each estimate "
+                        "(default 60: 9/10 of the exhaustive top 10 on SmolLM2-135M)")
+    p.add_argument("--controls", type=int, default=10, help="screened: random units verified exactly (default 10)")
+    p.add_argument("--replicas", type=int, default=None, help="units ablated per forward (default: the batching rule)")
     p.add_argument("--out", default="out/ga", help="output directory")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run_ga, func=run_ga)
@@ -232,12 +291,21 @@ def run_ga(args: Any) -> int:
     model = from_pretrained(args.model)
     summary = ga_report(model, args.out, sizes, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
                         args.channel_group, progress=not args.no_progress, task=task_for(args.model),
-                        n_random=args.random_draws)
+                        n_random=args.random_draws, method="exhaustive" if args.exhaustive else "screened",
+                        verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas)
     for row in summary["sizes"]:
         print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
     for row in summary["top"][:5]:
-        print(f"{row['unit']:>10}  drop {row['drop']:+.3f}  logprob drop {row['logprob_drop']:+.3f}  "
+        print(f"{row['unit']:>10}  drop {row['drop']:+.3f} [{row['drop_lo']:+.3f}, {row['drop_hi']:+.3f}]  "
+              f"logprob drop {row['logprob_drop']:+.3f} [{row['logprob_drop_lo']:+.3f}, {row['logprob_drop_hi']:+.3f}]  "
               f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
+    print(summary["separability_statement"])
+    if summary["screen"]:
+        sc = summary["screen"]
+        print(f"screened: {sc['n_verified']} of {sc['n_units']} units ablated exactly ({sc['n_control']} random "
+              f"controls; beating the screen's 10th unit: {', '.join(sc['control_misses']) or 'none'})")
+    t = summary["timing"]["total"]
+    print(f"time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU")
     rho = summary["agreement"]
     print("Spearman(score, drop): " + ", ".join(f"{k} {'n/a' if v is None else f'{v:+.2f}'}" for k, v in rho.items()))
     c = summary["control"]

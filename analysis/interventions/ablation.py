@@ -167,6 +167,44 @@ def _ablation_hook(module: HeadModule, heads: list[int], mean: Tensor | None) ->
     return hook
 
 
+@contextlib.contextmanager
+def ablate_heads_rows(model: Any, groups: Sequence[Iterable[HeadSpec]], mode: str = "zero",
+                      mean_cache: Any = None) -> Iterator[Any]:
+    """Batched ablation: the batch is split into len(groups) equal blocks of rows, block j runs with
+    the heads of groups[j] ablated (zero or mean, as `ablate_heads`), so r different ablations cost one
+    forward of r tiled copies of the input (`ChoiceScorer.scores(replicas=r)` tiles that way).
+
+    Each row's values equal `ablate_heads(model, groups[j])` on that row alone up to the rounding of
+    a larger matmul (tests: within 1e-6). When it pays, see `analysis.ga.ranking.replicas_for`.
+    """
+    if mode not in ("zero", "mean"):
+        raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
+    layout = head_layout(model)
+    chosen = [resolve_heads(model, g) for g in groups]
+    hooks = []
+    for prefix in sorted({p for c in chosen for p in c}):
+        module = layout[prefix]
+        masks = torch.stack([_write_mask(module, c.get(prefix, []), torch.device("cpu")) for c in chosen])
+        mean = _mean_of(mean_cache, module.hook) if mode == "mean" else None
+        hooks.append((module.hook, _row_ablation_hook(masks, mean), False))
+    with attached(model, hooks):
+        yield model
+
+
+def _row_ablation_hook(masks: Tensor, mean: Tensor | None) -> Callable:
+    """masks [groups, *trailing write axes]; rows of block j get masks[j]."""
+    def hook(act: Tensor, hook: Any) -> Tensor:
+        groups = masks.shape[0]
+        if act.shape[0] % groups:
+            raise ValueError(f"{hook.name}: {act.shape[0]} rows do not split into {groups} equal blocks")
+        per_row = masks.to(act.device).repeat_interleave(act.shape[0] // groups, dim=0)  # [batch ...]
+        per_row = per_row.reshape(act.shape[0], *([1] * (act.ndim - masks.ndim)), *masks.shape[1:])
+        fill = torch.zeros((), dtype=act.dtype, device=act.device) if mean is None else mean.to(act)
+        return torch.where(per_row, fill, act)
+
+    return hook
+
+
 # ---------------------------------------------------------------------------------- layers
 @contextlib.contextmanager
 def skip_layers(model: Any, layers: Iterable[int]) -> Iterator[Any]:

@@ -23,6 +23,8 @@ Glossary
                   and every patched run starts there (`start_at_layer`).
     attribution patching   the first-order estimate metric(base) + (source - base) . d metric /
                   d activation, from one forward and one backward on the base run (Nanda 2023).
+    screened patching      `screened_patch`: the estimate everywhere, exact patches for the indices
+                  with the largest estimated effect and a random control set (issue 17).
 """
 
 from __future__ import annotations
@@ -400,24 +402,54 @@ def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metr
     return out.permute(*[0 if a == "layer" else 1 + inner.index(a) for a in over])
 
 
-LAZY = ("hook_A_bar", "hook_B_bar", "hook_h", "hook_kernel", "hook_head_out", "hook_result")  # DESIGN.md 4
-
-
 def _on_graph(act: Tensor, name: str) -> Tensor:
     """A copy of `act` that the model uses downstream, so d metric / d copy is the attribution gradient.
 
-    A lazy quantity (DESIGN.md section 4) that comes back from its hook with unchanged values is
-    treated as unedited and left off the graph; one element is moved by one ulp so that the model
-    takes its exact (and differentiable) edit path instead. The change is below rounding.
+    A lazy quantity (DESIGN.md section 4) returned equal but carrying its own gradient path is an
+    edit to the model (`hooked.hook_points.through_hook`), so it stays on the path to the logits.
     """
-    x = act.clone() if act.requires_grad else act.detach().clone().requires_grad_(True)
-    if name.rsplit(".", 1)[-1] not in LAZY:
-        return x
+    return act.clone() if act.requires_grad else act.detach().clone().requires_grad_(True)
+
+
+def screened_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook_name_template: str,
+                   over: Sequence[str] = ("layer", "pos"), *, attention_mask: Tensor | None = None,
+                   verify_top: int = 20, n_control: int = 5, seed: int = 0,
+                   baseline: float | None = None) -> dict[str, Tensor]:
+    """`act_patch` screened: `attribution_patch` for every index, then exact patches of the `verify_top`
+    indices with the largest |estimate - baseline| and of `n_control` random others.
+
+    Returns {"estimate": attribution tensor, "exact": act_patch values where verified (NaN elsewhere),
+    "verified": bool tensor, "control": bool tensor}; the axes are those of `act_patch`. baseline:
+    the unpatched metric (default: computed on `tokens`), from which the estimates' size is measured.
+    """
+    import random
+
+    over = tuple(over)
+    est = attribution_patch(model, tokens, clean_cache, metric, hook_name_template, over, attention_mask=attention_mask)
+    if baseline is None:
+        with torch.no_grad():
+            baseline = float(metric(model(tokens, attention_mask)))
+    size = (est - baseline).abs().nan_to_num(-1.0).reshape(-1)
+    order = size.argsort(descending=True).tolist()
+    valid = [i for i in order if size[i] >= 0]
+    top = valid[:verify_top]
+    rest = valid[verify_top:]
+    control = random.Random(seed).sample(rest, min(n_control, len(rest)))
+    exact = torch.full_like(est, float("nan"))
+    verified = torch.zeros(est.shape, dtype=torch.bool)
+    is_control = torch.zeros(est.shape, dtype=torch.bool)
     with torch.no_grad():
-        bump = torch.zeros_like(act)
-        first = act.reshape(-1)[0]
-        bump.view(-1)[0] = torch.nextafter(first, torch.full_like(first, float("inf"))) - first
-    return x + bump
+        for flat in top + control:
+            idx = dict(zip(over, torch.unravel_index(torch.tensor(flat), est.shape)))
+            idx = {a: int(v) for a, v in idx.items()}
+            layer = idx.pop("layer", None)
+            name = hook_name_template.format(layer=layer) if layer is not None else hook_name_template
+            logits = patch(model, tokens, clean_cache, name, {("head" if a == "channel" else a): v for a, v in idx.items()},
+                           attention_mask=attention_mask)
+            exact.view(-1)[flat] = float(metric(logits))
+            verified.view(-1)[flat] = True
+            is_control.view(-1)[flat] = flat in control
+    return {"estimate": est, "exact": exact, "verified": verified, "control": is_control}
 
 
 def compare_attribution(exact: Tensor, approx: Tensor, baseline: float = 0.0) -> dict[str, float]:

@@ -127,31 +127,47 @@ class ChoiceScorer:
             yield items[0][0], [resid for _, resid in items]
 
     def scores(self, start_at_layer: int | None = None, resids: Sequence[Tensor] | None = None,
-               context: Callable[[ChoiceBatch], Any] | None = None) -> Float[Tensor, "example choice"]:
+               context: Callable[[ChoiceBatch], Any] | None = None, replicas: int = 1) -> Float[Tensor, "example choice"]:
         """Summed log-probs [n_examples, max_choices] (-inf where an example has fewer choices).
 
         start_at_layer + resids: run from those residuals (see `prefixes`). context(batch): a
         context manager entered around each batch's forward (masking experiments).
+        replicas = r > 1: each batch is tiled r times along the batch axis (replica j holds rows
+        [j * rows, (j + 1) * rows)), for r different interventions in one forward (the context
+        applies a per-replica edit); the result is [r, n_examples, max_choices].
         Only the scored positions go through the final norm and the unembedding.
         """
-        model, n = self.model, self.model.cfg.n_layers
-        flat = torch.zeros(len(self.examples) * self.n_choices, dtype=torch.float64)
+        model, n, r = self.model, self.model.cfg.n_layers, replicas
+        flat = torch.zeros(r, len(self.examples) * self.n_choices, dtype=torch.float64)
         with torch.no_grad():
             for b, batch in enumerate(self.batches):
+                mask = None if batch.attention_mask is None else batch.attention_mask.repeat(r, 1)
+                tokens = batch.tokens.repeat(r, 1)
                 with context(batch) if context is not None else contextlib.nullcontext():
                     if start_at_layer is None:
-                        resid = model(batch.tokens, batch.attention_mask, stop_at_layer=n)
+                        resid = model(tokens, mask, stop_at_layer=n)
                     else:
-                        resid = model(resids[b], batch.attention_mask, start_at_layer=start_at_layer,
-                                      stop_at_layer=n, tokens=batch.tokens)
-                picked = resid[batch.rows, batch.cols]
+                        resid = model(resids[b].repeat(r, 1, 1), mask, start_at_layer=start_at_layer,
+                                      stop_at_layer=n, tokens=tokens)
+                rows = batch.rows + len(batch.tokens) * torch.arange(r, device=batch.rows.device)[:, None]
+                picked = resid[rows.reshape(-1), batch.cols.repeat(r)]
                 logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
-                values = logp.gather(1, batch.targets[:, None])[:, 0].double().cpu()
-                flat.index_add_(0, batch.owner.cpu(), values)
-        out = flat.view(len(self.examples), self.n_choices)
+                values = logp.gather(1, batch.targets.repeat(r)[:, None])[:, 0].double().cpu().view(r, -1)
+                flat.index_add_(1, batch.owner.cpu(), values)
+        out = flat.view(r, len(self.examples), self.n_choices)
         for i, ex in enumerate(self.examples):
-            out[i, len(ex.choices):] = float("-inf")
-        return out
+            out[:, i, len(ex.choices):] = float("-inf")
+        return out[0] if r == 1 else out
+
+    def answers(self) -> Tensor:
+        return torch.tensor([e.answer for e in self.examples])
+
+    def per_example(self, scores: Tensor) -> dict[str, Tensor]:
+        """Per example: "correct" (1.0 when the answer has the top score) and "logprob" (answer log-prob
+        normalised over the choices); their means are `metrics`."""
+        answers = self.answers()
+        return {"correct": (scores.argmax(-1) == answers).double(),
+                "logprob": scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]}
 
     def metrics(self, scores: Tensor) -> dict[str, float]:
         return {"accuracy": accuracy(scores, self.examples), "logprob": answer_logprob(scores, self.examples)}
