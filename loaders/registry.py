@@ -71,7 +71,7 @@ def _import_all() -> None:
     import importlib
 
     for mod in ("gpt2", "llama", "mamba", "mamba2", "zamba2", "bamba", "granitemoehybrid", "falcon_h1",
-                "nemotron_h", "jamba"):
+                "nemotron_h", "jamba", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"):
         try:
             importlib.import_module(f"loaders.{mod}")
         except ModuleNotFoundError as e:  # an architecture not written yet

@@ -56,3 +56,36 @@ def compare(hf: nn.Module, blocks: nn.ModuleList, model: nn.Module, tokens: Tens
     labels = ["embed"] + [f"resid_post {l}" for l in range(len(resids) - 2)] + ["ln_final"]
     for label, ours, theirs in zip(labels, resids, hf_resids, strict=True):
         rel_close(ours[real], theirs[real], rel, label)
+
+
+def build_hf(config, cls, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             perturb: float = 0.1, seed: int = 0) -> nn.Module:
+    """A tiny random HF causal LM (eager attention, every parameter perturbed) in `dtype`, its rotary
+    buffers kept in float32 as `from_pretrained(dtype=)` keeps them (`.to(dtype)` would round them to
+    bf16 and move every angle)."""
+    from conftest import build_tiny_hf
+
+    hf = build_tiny_hf(config, cls, seed=seed, perturb=perturb)
+    rotary = hf.model.rotary_emb
+    fp32 = {n: b.clone() for n, b in rotary.named_buffers()}
+    hf = hf.to(device=device, dtype=dtype)
+    for n, b in fp32.items():
+        setattr(rotary, n, b.to(device))
+    return hf
+
+
+def config_matches(cfg, hc) -> None:
+    """The sizes every attention family shares, read from the HF config `hc`."""
+    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, cfg.d_vocab) == (
+        hc.num_hidden_layers, hc.hidden_size, hc.num_attention_heads, hc.num_key_value_heads, head_dim,
+        hc.intermediate_size, hc.vocab_size)
+    assert cfg.tie_word_embeddings == hc.tie_word_embeddings
+
+
+def key_map_matches(arch, cfg, model: nn.Module, hf: nn.Module) -> None:
+    """The key map names exactly our parameters, and each one's checkpoint name is in HF's state dict."""
+    keys = arch.key_map(cfg)
+    assert set(keys) == {n for n, _ in model.named_parameters()}
+    hf_names = set(hf.state_dict())
+    assert all(any(k in hf_names for k in key.names) for key in keys.values())

@@ -9,13 +9,24 @@ Glossary
     q_pos, k_pos  query (target, row) and key (source, column) positions of the pattern
     scale         multiplier of q.k (d_head^-1/2 unless the architecture says otherwise)
     rotary        an `ops.rotary.Rotary` (Llama) or None (GPT-2: positions enter as embeddings)
+    window        sliding window W (Mistral, Qwen2/3, Gemma 2/3 local layers): a query sees itself
+                  and the W - 1 keys before it (key k visible from query q iff q - W < k <= q, HF's
+                  `sliding_window_overlay`); the window is part of the mask, so hook_pattern shows it.
+                  None: full causal attention
+    q_norm, k_norm  optional per-head norms of q and k over d_head, applied before rotary (Qwen3,
+                  Gemma 3); their outputs are hooked as `q_norm.hook_normalized`, `k_norm.hook_normalized`
+    softcap       optional `SoftCap` of the scaled scores before the mask (Gemma 2): hooks
+                  `softcap.hook_in` (before the cap) and `softcap.hook_out` (after it)
 
 Hooks, under `blocks.{l}.attn.`:
     hook_q         [batch pos n_heads d_head]       queries (before rotary)
     hook_k, hook_v [batch pos n_kv_heads d_head]    keys, values (kv heads are not repeated)
     hook_rot_q     [batch pos n_heads d_head]       queries after rotary (rotary models only)
     hook_rot_k     [batch pos n_kv_heads d_head]    keys after rotary (rotary models only)
-    hook_attn_scores [batch n_heads q_pos k_pos]    scale * q.k, masked, before softmax
+    q_norm.hook_normalized [batch pos n_heads d_head]  normalised queries (q/k-norm models only)
+    k_norm.hook_normalized [batch pos n_kv_heads d_head]  normalised keys (q/k-norm models only)
+    hook_attn_scores [batch n_heads q_pos k_pos]    scale * q.k (soft-capped where capped), masked,
+                                                    before softmax
     hook_pattern   [batch n_heads q_pos k_pos]      softmax of the scores over k_pos
     hook_z         [batch pos n_heads d_head]       pattern-weighted values
     hook_result    [batch pos n_heads d_out]        each head's write, z_h @ W_O[:, h]^T; built only
@@ -48,6 +59,7 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
 from hooked.models.base import Context
+from hooked.models.softcap import SoftCap
 from hooked.ops.rotary import Rotary, apply_rotary
 from hooked.weights import AttentionWeights
 
@@ -61,18 +73,26 @@ class Attention(AttentionWeights, nn.Module):
 
     def __init__(self, d_in: int, n_heads: int, n_kv_heads: int, d_head: int, d_out: int | None = None, *,
                  qkv_bias: bool = False, o_bias: bool = False, rotary: Rotary | None = None,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, window: int | None = None, q_norm: nn.Module | None = None,
+                 k_norm: nn.Module | None = None, softcap: float | None = None) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("give both q_norm and k_norm, or neither")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must hold at least one key, got {window}")
         d_out = d_in if d_out is None else d_out
         self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head
         self.scale = d_head**-0.5 if scale is None else scale
         self.rotary = rotary
+        self.window = window
         self.q_proj = nn.Linear(d_in, n_heads * d_head, bias=qkv_bias)
         self.k_proj = nn.Linear(d_in, n_kv_heads * d_head, bias=qkv_bias)
         self.v_proj = nn.Linear(d_in, n_kv_heads * d_head, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * d_head, d_out, bias=o_bias)
+        self.q_norm, self.k_norm = q_norm, k_norm  # [.. d_head] -> [.. d_head], or None
+        self.softcap = SoftCap(softcap) if softcap is not None else None
         self.hook_q = HookPoint()  # [batch pos n_heads d_head]
         self.hook_k = HookPoint()  # [batch pos n_kv_heads d_head]
         self.hook_v = HookPoint()  # [batch pos n_kv_heads d_head]
@@ -91,6 +111,8 @@ class Attention(AttentionWeights, nn.Module):
         k = self.hook_k(k)
         v = rearrange(self.v_proj(x), "batch pos (n_kv_heads d_head) -> batch pos n_kv_heads d_head", d_head=self.d_head)
         v = self.hook_v(v)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # hooked as q_norm.hook_normalized, k_norm.hook_normalized
         if self.rotary is not None:
             cos, sin = self.rotary(ctx.position_ids, q.dtype)
             rot_q = apply_rotary(q, cos, sin)
@@ -104,7 +126,9 @@ class Attention(AttentionWeights, nn.Module):
 
         scores = einsum(q, k, "batch q_pos n_heads d_head, batch k_pos n_heads d_head -> batch n_heads q_pos k_pos")
         scores = scores * self.scale
-        visible = self.visible(ctx, scores.shape[-1], scores.device, q_len=scores.shape[-2])
+        if self.softcap is not None:
+            scores = self.softcap(scores)
+        visible = self.visible(ctx, scores.shape[-1], scores.device, q_len=scores.shape[-2], window=self.window)
         attn_scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
         attn_scores = self.hook_attn_scores(attn_scores)
         softmax_dtype = torch.promote_types(attn_scores.dtype, torch.float32)
@@ -128,12 +152,17 @@ class Attention(AttentionWeights, nn.Module):
         return t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
 
     @staticmethod
-    def visible(ctx: Context, pos: int, device: torch.device, q_len: int | None = None) -> Tensor:
-        """Bool [q_pos k_pos] (no padding) or [batch 1 q_pos k_pos]: key at or before the query, not padding.
+    def visible(ctx: Context, pos: int, device: torch.device, q_len: int | None = None,
+                window: int | None = None) -> Tensor:
+        """Bool [q_pos k_pos] (no padding) or [batch 1 q_pos k_pos]: key at or before the query (and
+        within `window` of it), not padding. The window counts sequence indices, which is the distance
+        in real tokens too: padding sits on one side.
 
         While decoding, the q_len queries are the last q_len of the pos keys."""
         q_len = pos if q_len is None else q_len
         causal = torch.ones(q_len, pos, dtype=torch.bool, device=device).tril(pos - q_len)
+        if window is not None:  # drop k <= q - W, q counted over all pos keys
+            causal = causal & ~torch.ones(q_len, pos, dtype=torch.bool, device=device).tril(pos - q_len - window)
         mask = ctx.keys_mask()
         if mask is None:
             return causal
@@ -148,22 +177,31 @@ class Attention(AttentionWeights, nn.Module):
 
     def extra_repr(self) -> str:
         rope = f", rotary={self.rotary}" if self.rotary is not None else ""
-        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, scale={self.scale:.4g}{rope}"
+        window = f", window={self.window}" if self.window is not None else ""
+        return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, "
+                f"scale={self.scale:.4g}{window}{rope}")
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: resid + attn(ln1(resid)), then + mlp(ln2(.)). GPT-2 and Llama differ only in parts.
 
-    Hooks: blocks.{l}.hook_resid_pre, hook_attn_in, ln1.*, attn.*, hook_attn_out, hook_resid_mid,
-    hook_mlp_in, ln2.*, mlp.*, hook_mlp_out, hook_resid_post (all [batch pos d_model] but attn/mlp).
-    hook_attn_in / hook_mlp_in are the sublayer's input (the residual before ln1 / ln2): an edit
-    there changes what the sublayer reads, not the residual stream. (TransformerLens's hook_attn_in
-    has one copy per head, [batch pos n_heads d_model]; ours is the shared input.)
+    With post-norms (Gemma 2/3, "sandwich" norms): resid + ln1_post(attn(ln1(resid))), then
+    + ln2_post(mlp(ln2(.))); hook_attn_out and hook_mlp_out are then the post-norms' outputs (what is
+    added to the residual, as in TransformerLens), and the head results sum to ln1_post's input.
+
+    Hooks: blocks.{l}.hook_resid_pre, hook_attn_in, ln1.*, attn.*, [ln1_post.*], hook_attn_out,
+    hook_resid_mid, hook_mlp_in, ln2.*, mlp.*, [ln2_post.*], hook_mlp_out, hook_resid_post (all
+    [batch pos d_model] but attn/mlp). hook_attn_in / hook_mlp_in are the sublayer's input (the
+    residual before ln1 / ln2): an edit there changes what the sublayer reads, not the residual
+    stream. (TransformerLens's hook_attn_in has one copy per head, [batch pos n_heads d_model]; ours
+    is the shared input.)
     """
 
-    def __init__(self, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module, *,
+                 ln1_post: nn.Module | None = None, ln2_post: nn.Module | None = None) -> None:
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+        self.ln1_post, self.ln2_post = ln1_post, ln2_post  # None: no post-norm
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
         self.hook_attn_in = HookPoint()  # [batch pos d_model]
         self.hook_attn_out = HookPoint()  # [batch pos d_model]
@@ -176,11 +214,15 @@ class TransformerBlock(nn.Module):
         resid_pre = self.hook_resid_pre(resid)
         attn_in = self.hook_attn_in(resid_pre)
         attn_out = self.attn(self.ln1(attn_in), ctx)
+        if self.ln1_post is not None:
+            attn_out = self.ln1_post(attn_out)
         attn_out = self.hook_attn_out(attn_out)
         resid_mid = resid_pre + attn_out
         resid_mid = self.hook_resid_mid(resid_mid)
         mlp_in = self.hook_mlp_in(resid_mid)
         mlp_out = self.mlp(self.ln2(mlp_in))
+        if self.ln2_post is not None:
+            mlp_out = self.ln2_post(mlp_out)
         mlp_out = self.hook_mlp_out(mlp_out)
         resid_post = resid_mid + mlp_out
         resid_post = self.hook_resid_post(resid_post)

@@ -6,6 +6,8 @@ Glossary
     tied       W_U is the token embedding's weight: `model.unembed.weight is model.embed.weight`
     scale      a constant multiplying the logits (Granite's 1 / logits_scaling, Falcon-H1's
                lm_head_multiplier); 1 elsewhere. Logit attributions through W_U must apply it too.
+    softcap    optional final-logit soft-capping after the scale (Gemma 2): logits = cap * tanh(logits / cap),
+               hooks `unembed.softcap.hook_in` (before the cap) and `unembed.softcap.hook_out` (softcap.py)
 
 A tied Unembed does not own a parameter: it reads the embedding's weight when called. The tie is
 therefore structural, and survives what breaks ties held as two references to one Parameter
@@ -22,12 +24,16 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from hooked.models.softcap import SoftCap
+
 
 class Unembed(nn.Module):
-    def __init__(self, d_model: int, d_vocab: int, tied_to: nn.Embedding | None = None, scale: float = 1.0) -> None:
+    def __init__(self, d_model: int, d_vocab: int, tied_to: nn.Embedding | None = None, scale: float = 1.0,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.scale = float(scale)
         self.__dict__["_tied_to"] = tied_to  # a plain reference, not a submodule
+        self.softcap = SoftCap(softcap) if softcap is not None else None
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
             nn.init.normal_(self.weight, std=0.02)
@@ -44,7 +50,8 @@ class Unembed(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
         logits = F.linear(x, self.weight, self.bias)  # bias: only weight processing (fold_ln) gives one
-        return logits if self.scale == 1.0 else logits * self.scale
+        logits = logits if self.scale == 1.0 else logits * self.scale
+        return logits if self.softcap is None else self.softcap(logits)
 
     def extra_repr(self) -> str:
         d_vocab, d_model = self.weight.shape

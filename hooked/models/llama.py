@@ -74,7 +74,7 @@ class Llama(HookedModel):
         self.cfg = cfg
         rotary = cfg.rotary  # one spec shared by every layer (a dataclass, not a module)
         self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        self.blocks = nn.ModuleList([self._block(cfg, rotary) for _ in range(cfg.n_layers)])
+        self.blocks = nn.ModuleList([self._block(cfg, rotary, l) for l in range(cfg.n_layers)])
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tie_word_embeddings else None)
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -82,7 +82,8 @@ class Llama(HookedModel):
         self.setup()
 
     @staticmethod
-    def _block(cfg: LlamaConfig, rotary: Rotary) -> TransformerBlock:
+    def _block(cfg: LlamaConfig, rotary: Rotary, layer: int) -> TransformerBlock:
+        """Block `layer` (the same for every layer here; families built on Llama vary it)."""
         attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, qkv_bias=cfg.attention_bias,
                          o_bias=cfg.attention_bias, rotary=rotary)
         mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)

@@ -14,6 +14,10 @@ bit-identical to the plain norm.
 scale of the full residual (a cached hook_scale), so that the map stays linear and the components
 of a decomposition still sum to the normalised residual (bias left out); `normalize_fresh(stack)`
 normalises each component with its own statistics (the logit lens).
+
+`UnitOffsetRMSNorm` is Gemma's RMSNorm: its stored weight w acts as (1 + w). RMSNorms also serve as
+per-head q/k norms (Qwen3, Gemma 3), on [batch pos heads d_head] (hook_scale [batch pos heads 1]):
+any leading axes are accepted.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
-from hooked.ops.norms import layer_norm, rms_norm
+from hooked.ops.norms import layer_norm, rms_norm, rms_norm_unit_offset
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +35,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
-        self.hook_scale = HookPoint()  # [batch pos 1]
-        self.hook_normalized = HookPoint()  # [batch pos d]
+        self.hook_scale = HookPoint()  # [batch pos 1] ([batch pos heads 1] as a q/k norm)
+        self.hook_normalized = HookPoint()  # [batch pos d] ([batch pos heads d_head] as a q/k norm)
 
-    def forward(self, x: Float[Tensor, "batch pos d"]) -> Float[Tensor, "batch pos d"]:
+    def forward(self, x: Float[Tensor, "*lead d"]) -> Float[Tensor, "*lead d"]:
         if not self.hook_scale.is_active:
             return self.hook_normalized(rms_norm(x, self.weight, self.eps))
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -50,6 +54,33 @@ class RMSNorm(nn.Module):
     def normalize_fresh(self, stack: Float[Tensor, "*comp d"]) -> Float[Tensor, "*comp d"]:
         """The norm applied to each component with its own statistics (no hooks fire)."""
         return rms_norm(stack, self.weight, self.eps)
+
+
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: (1 + w) * x / rms(x), the product in float32 (`ops.norms.rms_norm_unit_offset`).
+
+    The parameter keeps HF's name and value (`weight` = w, zero at initialisation): loading is a copy.
+    """
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__(d, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: Float[Tensor, "*lead d"]) -> Float[Tensor, "*lead d"]:
+        if not self.hook_scale.is_active:
+            return self.hook_normalized(rms_norm_unit_offset(x, self.weight, self.eps))
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        scale = x32.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
+        scale, scale_was = through_hook(self.hook_scale, scale)
+        if scale_was is None:
+            return self.hook_normalized(rms_norm_unit_offset(x, self.weight, self.eps))
+        return self.hook_normalized(((x32 / scale) * (1.0 + self.weight.to(x32.dtype))).to(x.dtype))
+
+    def normalize_with_scale(self, stack: Float[Tensor, "*comp d"], scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
+        return (1.0 + self.weight) * (stack / scale.to(stack.dtype))
+
+    def normalize_fresh(self, stack: Float[Tensor, "*comp d"]) -> Float[Tensor, "*comp d"]:
+        return rms_norm_unit_offset(stack, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):

@@ -15,6 +15,15 @@ def rms_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float) 
     return weight * normed.to(x.dtype)
 
 
+def rms_norm_unit_offset(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float) -> Float[Tensor, "... d"]:
+    """(1 + weight) * x / sqrt(mean(x^2) + eps) as Gemma computes it: the weight is stored as an offset
+    from 1, and the product too is taken in at least float32 before casting back to x's dtype
+    (Llama's `rms_norm` casts first, then multiplies)."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.to(x32.dtype))).to(x.dtype)
+
+
 def layer_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], bias: Float[Tensor, "d"] | None,
                eps: float) -> Float[Tensor, "... d"]:
     return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
