@@ -42,6 +42,13 @@ FAMILIES = {  # family -> (HF config class, HF model class, base config, {varian
                                  **{**QWEN_SLIDING, "max_window_layers": 0}),
         "window_off": dict(num_key_value_heads=2, use_sliding_window=False, sliding_window=16, max_window_layers=0),
     }),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**COMMON, "head_dim": 24}, {
+        "gqa_2": dict(num_key_value_heads=2),
+        "tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
+        "mqa_bias": dict(num_key_value_heads=1, attention_bias=True),
+        "head_dim_16": dict(num_key_value_heads=4, head_dim=16),
+        "sliding_top_layers": dict(num_key_value_heads=2, **QWEN_SLIDING),
+    }),
 }
 INPUTS = {  # name -> (real lengths per row, padding side)
     "len1": ([1, 1], "left"),

@@ -1,0 +1,38 @@
+"""Qwen3 checkpoints (HF `Qwen3ForCausalLM`, model_type "qwen3") -> `hooked.models.qwen3.Qwen3`.
+
+Tensor names and layout are Llama's (loaders/llama.py), plus per layer
+`self_attn.q_norm.weight` and `self_attn.k_norm.weight` [head_dim]. Windows are read as for Qwen2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from hooked.models.qwen3 import Qwen3, Qwen3Config
+from loaders import llama
+from loaders.qwen2 import windows_from_hf
+from loaders.registry import Architecture, Key, register
+
+
+def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
+    return Qwen3Config(**asdict(llama.config_from_hf(hf)), qkv_bias=False, **windows_from_hf(hf))
+
+
+def key_map(cfg: Qwen3Config) -> dict[str, Key]:
+    keys = llama.key_map(cfg)
+    for l in range(cfg.n_layers):
+        for norm in ("q_norm", "k_norm"):
+            keys[f"blocks.{l}.attn.{norm}.weight"] = Key.of(f"model.layers.{l}.self_attn.{norm}.weight",
+                                                            f"layers.{l}.self_attn.{norm}.weight")
+    return keys
+
+
+ARCHITECTURE = register(Architecture(
+    name="qwen3",
+    hf_classes=("Qwen3ForCausalLM", "Qwen3Model"),
+    model_types=("qwen3",),
+    config_from_hf=config_from_hf,
+    build=Qwen3,
+    key_map=key_map,
+))
