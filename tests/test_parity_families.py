@@ -21,6 +21,7 @@ from loaders.registry import REGISTRY, find_architecture
 VOCAB = 101
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128, rms_norm_eps=1e-5, pad_token_id=0)
+GEMMA = {**COMMON, "head_dim": 24, "sliding_window": 16, "query_pre_attn_scalar": 24}
 QWEN_SLIDING = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=3)
 
 FAMILIES = {  # family -> (HF config class, HF model class, base config, {variant: overrides})
@@ -48,6 +49,14 @@ FAMILIES = {  # family -> (HF config class, HF model class, base config, {varian
         "mqa_bias": dict(num_key_value_heads=1, attention_bias=True),
         "head_dim_16": dict(num_key_value_heads=4, head_dim=16),
         "sliding_top_layers": dict(num_key_value_heads=2, **QWEN_SLIDING),
+    }),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, GEMMA, {
+        "gqa_2": dict(num_key_value_heads=2),  # default caps (50, 30): barely active
+        "caps_active": dict(num_key_value_heads=2, attn_logit_softcapping=0.5, final_logit_softcapping=0.25),
+        "untied_mha_no_caps": dict(num_key_value_heads=4, tie_word_embeddings=False, attn_logit_softcapping=None,
+                                   final_logit_softcapping=None),
+        "mqa_3_layers": dict(num_key_value_heads=1, num_hidden_layers=3, query_pre_attn_scalar=7),
+        "window_1_bias": dict(num_key_value_heads=2, sliding_window=1, attention_bias=True),
     }),
 }
 INPUTS = {  # name -> (real lengths per row, padding side)
@@ -82,7 +91,8 @@ def test_parity_cpu_float32(family: str, variant: str, inputs: str, assert_rel_c
     compare(hf, hf.model.layers, model, tokens, mask, 1e-4, assert_rel_close)
 
 
-OTHER_DTYPES = [(f, v) for f, v in CASES if v in ("gqa_2", "tied", "sliding_top_layers", "mqa_tied")]
+OTHER_DTYPES = [(f, v) for f, v in CASES if v in ("gqa_2", "tied", "sliding_top_layers", "mqa_tied", "caps_active",
+                                                  "local_global")]
 
 
 @pytest.mark.parametrize("dtype, rel, inputs", [(torch.float64, 1e-4, ["len67"]),
@@ -164,3 +174,15 @@ def test_qwen2_raw_config_windows(raw: dict, window, types) -> None:
     assert (cfg.sliding_window, cfg.layer_types) == (window, types)
     hc = transformers.Qwen2Config(**{**COMMON, "num_hidden_layers": 3, **raw})
     assert (hc.sliding_window, tuple(hc.layer_types)) == (window, types)
+
+
+def test_gemma2_soft_caps_are_active_and_bound() -> None:
+    """In "caps_active" both caps saturate (inputs far beyond the cap), and the outputs stay inside it."""
+    model = from_hf(make_hf("gemma2", "caps_active"))
+    tokens, _ = make_batch([67], "left")
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: "softcap" in n)
+    for where, cap in [("blocks.0.attn.softcap", 0.5), ("blocks.1.attn.softcap", 0.5), ("unembed.softcap", 0.25)]:
+        before, after = cache[f"{where}.hook_in"], cache[f"{where}.hook_out"]
+        assert before.abs().max() > 4 * cap, where
+        assert after.abs().max() <= cap
+        torch.testing.assert_close(after, cap * torch.tanh(before / cap))
