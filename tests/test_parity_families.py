@@ -15,6 +15,7 @@ import transformers
 
 import attention_parity
 from attention_parity import build_hf, compare, config_matches, key_map_matches
+from hooked.ops.rotary import rope_inv_freq
 from loaders.load import from_hf
 from loaders.registry import REGISTRY, find_architecture
 
@@ -22,6 +23,9 @@ VOCAB = 101
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128, rms_norm_eps=1e-5, pad_token_id=0)
 GEMMA = {**COMMON, "head_dim": 24, "sliding_window": 16, "query_pre_attn_scalar": 24}
+GEMMA3 = {**GEMMA, "num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+          "rope_parameters": {"full_attention": dict(rope_type="default", rope_theta=1e6),
+                              "sliding_attention": dict(rope_type="default", rope_theta=100.0)}}
 QWEN_SLIDING = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=3)
 
 FAMILIES = {  # family -> (HF config class, HF model class, base config, {variant: overrides})
@@ -57,6 +61,16 @@ FAMILIES = {  # family -> (HF config class, HF model class, base config, {varian
                                    final_logit_softcapping=None),
         "mqa_3_layers": dict(num_key_value_heads=1, num_hidden_layers=3, query_pre_attn_scalar=7),
         "window_1_bias": dict(num_key_value_heads=2, sliding_window=1, attention_bias=True),
+    }),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3, {
+        "local_global": dict(num_key_value_heads=2),  # layers: local, global, local
+        "global_linear_rope_untied": dict(num_key_value_heads=1, tie_word_embeddings=False, rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+            "sliding_attention": dict(rope_type="default", rope_theta=10.0)}),
+        "default_pattern_7_layers": dict(num_key_value_heads=2, num_hidden_layers=7, layer_types=None,
+                                         sliding_window=8),  # five local, one global, one local
+        "final_cap_mha": dict(num_key_value_heads=4, final_logit_softcapping=0.25,
+                              attn_logit_softcapping=0.5),  # HF's Gemma 3 ignores the attention cap: so do we
     }),
 }
 INPUTS = {  # name -> (real lengths per row, padding side)
@@ -135,6 +149,12 @@ def test_config_windows_and_key_map(family: str, variant: str) -> None:
                   else hf.config.sliding_window for layer in hf.model.layers]
     assert [b.attn.window for b in model.blocks] == hf_windows
     key_map_matches(arch, cfg, model, hf)
+    rotary, kinds = hf.model.rotary_emb, getattr(hf.config, "layer_types", None)
+    for l, block in enumerate(model.blocks):  # Gemma 3: one table per layer kind
+        expected = getattr(rotary, f"{kinds[l]}_inv_freq", None) if kinds else None
+        expected = rotary.inv_freq if expected is None else expected
+        rope = block.attn.rotary
+        torch.testing.assert_close(rope_inv_freq(rope.d_rot, rope.theta, dict(rope.scaling)), expected, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- per family
