@@ -52,6 +52,20 @@ def mamba_dir(tmp_path_factory):
         vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2))
 
 
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):  # soft-caps, post-norms, alternating windows (issue 14)
+    return _save(tmp_path_factory, "gemma2", lambda t: t.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=3, query_pre_attn_scalar=8))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):  # q/k norms (issue 14)
+    return _save(tmp_path_factory, "qwen3", lambda t: t.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8))
+
+
 def _table(text: str) -> dict[str, list[str]]:
     """Rows of a markdown table printed by the CLI, keyed by their first cell."""
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
@@ -60,7 +74,7 @@ def _table(text: str) -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------------------------------------ hooks
-@pytest.mark.parametrize("which", ["llama_dir", "mamba_dir"])
+@pytest.mark.parametrize("which", ["llama_dir", "mamba_dir", "gemma2_dir", "qwen3_dir"])
 def test_hooks_lists_every_hook_with_its_shape(which, request, capsys):
     d = request.getfixturevalue(which)
     assert main(["hooks", str(d)]) == 0
@@ -97,7 +111,8 @@ def test_unloadable_model_exits_2(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------- parity
 @pytest.mark.parametrize("which, figure, first", [("llama_dir", "pattern.png", "embed"),
-                                                  ("mamba_dir", "kernel.png", "resid_post 0")])
+                                                  ("mamba_dir", "kernel.png", "resid_post 0"),
+                                                  ("gemma2_dir", "pattern.png", "embed")])
 def test_parity_writes_table_and_figure(which, figure, first, request, tmp_path, capsys):
     d = request.getfixturevalue(which)
     out = tmp_path / "out"
