@@ -91,6 +91,12 @@ def make_hf(family: str, variant: str, dtype: torch.dtype = torch.float32, devic
     return build_hf(hf_config(family, variant), FAMILIES[family][1], dtype, device)
 
 
+def hf_windows(hf) -> list[int | None]:
+    """Each HF layer's window (Mistral's attention reads the config's; the others keep their own)."""
+    return [layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window") else hf.config.sliding_window
+            for layer in hf.model.layers]
+
+
 def make_batch(lengths, side, device="cpu"):
     return attention_parity.make_batch(lengths, side, VOCAB, 1, device)
 
@@ -145,9 +151,7 @@ def test_config_windows_and_key_map(family: str, variant: str) -> None:
     cfg = arch.config_from_hf(hf.config.to_dict())
     config_matches(cfg, hf.config)
     model = arch.build(cfg)
-    hf_windows = [layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window")
-                  else hf.config.sliding_window for layer in hf.model.layers]
-    assert [b.attn.window for b in model.blocks] == hf_windows
+    assert [b.attn.window for b in model.blocks] == hf_windows(hf)
     key_map_matches(arch, cfg, model, hf)
     rotary, kinds = hf.model.rotary_emb, getattr(hf.config, "layer_types", None)
     for l, block in enumerate(model.blocks):  # Gemma 3: one table per layer kind
@@ -206,3 +210,59 @@ def test_gemma2_soft_caps_are_active_and_bound() -> None:
         assert before.abs().max() > 4 * cap, where
         assert after.abs().max() <= cap
         torch.testing.assert_close(after, cap * torch.tanh(before / cap))
+
+
+# --------------------------------------------------------------- released checkpoints' configs
+REAL = {  # config.json fields shaped like released checkpoints (no weights): sizes, windows, rope, caps
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096,
+                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
+                    tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
+                  intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False,
+                  sliding_window=32768, max_window_layers=21, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
+                  intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                  use_sliding_window=False, sliding_window=None, max_window_layers=28, tie_word_embeddings=True),
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=256000, hidden_size=2304,
+                   intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   sliding_window=4096, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=10000.0),
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144, hidden_size=1152,
+                   intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=256, query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+                   rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling=None, max_position_embeddings=32768,
+                   final_logit_softcapping=None, attn_logit_softcapping=None),
+}
+
+
+@pytest.mark.parametrize("family", list(REAL))
+def test_released_config_builds_hf_shapes(family: str) -> None:
+    """A config.json like a released checkpoint's, read as loaders.read_config reads it (through
+    HF's config class): every tensor of our key map has HF's shape (both models on the meta device),
+    and the layer windows and rope bases are HF's."""
+    from loaders.load import normalise_config, params_on_meta
+
+    raw = normalise_config(dict(REAL[family]))
+    arch = find_architecture(raw)
+    assert arch is REGISTRY[family]
+    cfg = arch.config_from_hf(raw)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**REAL[family]))
+    with params_on_meta():
+        model = arch.build(cfg)
+    theirs = {n: t.shape for n, t in hf.state_dict().items()}
+    ours = dict(model.named_parameters())
+    for name, key in arch.key_map(cfg).items():
+        source = next(n for n in key.names if n in theirs)
+        assert tuple(ours[name].shape) == tuple(theirs[source]), name
+    assert [b.attn.window for b in model.blocks] == hf_windows(hf)
+    rotary, kinds = type(hf.model.rotary_emb)(hf.config), getattr(hf.config, "layer_types", None)  # off meta
+    for l, block in enumerate(model.blocks):
+        expected = getattr(rotary, f"{kinds[l]}_inv_freq", None) if kinds else None
+        expected = rotary.inv_freq if expected is None else expected
+        rope = block.attn.rotary
+        torch.testing.assert_close(rope_inv_freq(rope.d_rot, rope.theta, dict(rope.scaling)), expected,
+                                   rtol=0, atol=0)
