@@ -266,3 +266,18 @@ def test_released_config_builds_hf_shapes(family: str) -> None:
         rope = block.attn.rotary
         torch.testing.assert_close(rope_inv_freq(rope.d_rot, rope.theta, dict(rope.scaling)), expected,
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family, variant", [("mistral", "tied"), ("qwen2", "sliding_top_layers"), ("qwen3", "mqa_bias"),
+                                             ("gemma2", "untied_mha_no_caps"), ("gemma3", "local_global")])
+def test_saved_checkpoint_loads_like_the_model_in_memory(family: str, variant: str, tmp_path) -> None:
+    """save_pretrained (safetensors, config.json as HF writes it) -> from_pretrained == from_hf, bit for bit."""
+    from loaders import from_pretrained
+
+    hf = make_hf(family, variant)
+    hf.save_pretrained(tmp_path)
+    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
+    assert loaded.cfg == direct.cfg
+    tokens, mask = make_batch(*INPUTS["left_pad"])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens, mask), direct(tokens, mask))
