@@ -15,7 +15,10 @@ import transformers
 
 import attention_parity
 from attention_parity import build_hf, compare, config_matches, key_map_matches
+from hooked.models.gemma2 import Gemma2Config
+from hooked.models.qwen2 import Qwen2Config
 from hooked.ops.rotary import rope_inv_freq
+from loaders import gemma2, gemma3, mistral, qwen2, qwen3  # noqa: F401  (each registers its architecture)
 from loaders.load import from_hf
 from loaders.registry import REGISTRY, find_architecture
 
@@ -210,6 +213,23 @@ def test_gemma2_soft_caps_are_active_and_bound() -> None:
         assert before.abs().max() > 4 * cap, where
         assert after.abs().max() <= cap
         torch.testing.assert_close(after, cap * torch.tanh(before / cap))
+
+
+@pytest.mark.parametrize("config_cls", [Qwen2Config, Gemma2Config])
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(layer_types=("full_attention",)), "1 entries for 2 layers"),
+    (dict(layer_types=("full_attention", "chunked_attention")), "unknown layer types"),
+    (dict(layer_types=("sliding_attention", "full_attention"), sliding_window=None), "sliding_window is None"),
+])
+def test_bad_layer_types_are_named(config_cls, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        config_cls(n_layers=2, d_model=16, n_heads=2, d_mlp=8, d_vocab=10, **kwargs)
+
+
+def test_gemma_bidirectional_attention_is_refused() -> None:
+    raw = transformers.Gemma3TextConfig(**{**GEMMA3, "use_bidirectional_attention": True}).to_dict()
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        REGISTRY["gemma3"].config_from_hf(raw)
 
 
 # --------------------------------------------------------------- released checkpoints' configs

@@ -9,7 +9,7 @@ Glossary (TransformerLens names; HF Gemma2Config names in brackets)
     query_pre_attn_scalar          scores are q.k * query_pre_attn_scalar^-1/2 (not d_head^-1/2)
     attn_softcap [attn_logit_softcapping]    cap on the scaled scores (None: no cap)
     final_softcap [final_logit_softcapping]  cap on the logits (None: no cap)
-    sliding_window, layer_types    as qwen2.py; HF's default makes even layers (0, 2, ..) slide
+    sliding_window, layer_types    as windows.py; HF's default makes even layers (0, 2, ..) slide
     (1 + w) RMSNorm                every norm's stored weight w acts as 1 + w (`UnitOffsetRMSNorm`)
 
     resid_0 = W_E[token] * sqrt(d_model)                       hook_embed (after the scale: the
@@ -42,7 +42,7 @@ from hooked.models.base import Context, HookedModel
 from hooked.models.embed import Unembed
 from hooked.models.mlp import GatedMLP
 from hooked.models.norms import UnitOffsetRMSNorm
-from hooked.models.qwen2 import check_layer_types
+from hooked.models.windows import check_layer_types, layer_window
 from hooked.ops.rotary import Rotary
 
 
@@ -78,8 +78,7 @@ class Gemma2Config:
         check_layer_types(self.layer_types, self.n_layers, self.sliding_window)
 
     def window(self, layer: int) -> int | None:
-        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
-        return self.sliding_window if sliding else None
+        return layer_window(self.layer_types, self.sliding_window, layer)
 
     def rotary_of(self, layer: int) -> Rotary:
         return Rotary.of(self.d_head, self.rope_theta, self.rope_scaling)

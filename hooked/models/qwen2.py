@@ -27,22 +27,8 @@ from hooked.models.attention import Attention, TransformerBlock
 from hooked.models.llama import Llama, LlamaConfig
 from hooked.models.mlp import GatedMLP
 from hooked.models.norms import RMSNorm
+from hooked.models.windows import check_layer_types, layer_window
 from hooked.ops.rotary import Rotary
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def check_layer_types(layer_types: tuple[str, ...] | None, n_layers: int, sliding_window: int | None) -> None:
-    """Raise naming the problem when `layer_types` does not fit the model."""
-    if layer_types is None:
-        return
-    if len(layer_types) != n_layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
-    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"unknown layer types {unknown}; supported: {', '.join(LAYER_TYPES)}")
-    if "sliding_attention" in layer_types and sliding_window is None:
-        raise ValueError("layer_types has sliding layers but sliding_window is None")
 
 
 @dataclass(frozen=True)
@@ -56,8 +42,7 @@ class Qwen2Config(LlamaConfig):
         check_layer_types(self.layer_types, self.n_layers, self.sliding_window)
 
     def window(self, layer: int) -> int | None:
-        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
-        return self.sliding_window if sliding else None
+        return layer_window(self.layer_types, self.sliding_window, layer)
 
 
 class Qwen2(Llama):
