@@ -15,11 +15,11 @@ import copy
 import pytest
 import torch
 import transformers
+from conftest import build_tiny_hf, rel_close
 from torch import Tensor
 
 from analysis.ablation import ablate_heads
 from analysis.knockout import knockout
-from conftest import build_tiny_hf, rel_close
 from loaders.load import from_hf
 
 VOCAB = 61

@@ -9,12 +9,12 @@ padding. Family-specific checks (window in the pattern, config derivations) foll
 
 from __future__ import annotations
 
+import attention_parity
 import pytest
 import torch
 import transformers
-
-import attention_parity
 from attention_parity import build_hf, compare, config_matches, key_map_matches
+
 from hooked.models.gemma2 import Gemma2Config
 from hooked.models.qwen2 import Qwen2Config
 from hooked.ops.rotary import rope_inv_freq
