@@ -18,8 +18,7 @@ import transformers
 from conftest import build_tiny_hf, rel_close
 from torch import Tensor
 
-from analysis.ablation import ablate_heads
-from analysis.knockout import knockout
+from analysis.interventions import ablate_heads, knockout
 from loaders.load import from_hf
 
 VOCAB = 61
