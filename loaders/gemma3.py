@@ -11,8 +11,14 @@ Soft-caps: `final_logit_softcapping` is applied as in Gemma 2; `attn_logit_softc
 because HF's Gemma 3 attention ignores it (transformers 5.24; every released Gemma 3 sets it to None).
 
 Tensor names are Gemma 2's (loaders/gemma2.py) plus `self_attn.q_norm.weight`, `self_attn.k_norm.weight`
-[head_dim]. The multimodal `Gemma3ForConditionalGeneration` checkpoints (language_model.* names,
-a vision tower) are not read here.
+[head_dim].
+
+Multimodal checkpoints (HF `Gemma3ForConditionalGeneration`, model_type "gemma3": Gemma 3 4B, 12B,
+27B) load as their language model: the config is `text_config`, the tensors are the text model's
+under `model.language_model.` (transformers >= 5) or `language_model.model.` (the released files),
+and the vision tower and projector are left out (listed in `ignore`). Images are not supported.
+No soft-cap is applied there: HF's multimodal class never reads final_logit_softcapping (None in
+every released Gemma 3 anyway).
 """
 
 from __future__ import annotations
@@ -60,4 +66,41 @@ ARCHITECTURE = register(Architecture(
     config_from_hf=config_from_hf,
     build=Gemma3,
     key_map=key_map,
+))
+
+
+MULTIMODAL_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def multimodal_config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
+    """The language model's config; the top-level tie flag wins where both are written."""
+    text = dict(hf.get("text_config") or {})
+    if not text:
+        raise ValueError("a Gemma3ForConditionalGeneration config without text_config")
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    text["final_logit_softcapping"] = None  # HF's Gemma3ForConditionalGeneration never applies it
+    return config_from_hf(text)
+
+
+def multimodal_key_map(cfg: Gemma3Config) -> dict[str, Key]:
+    """The text key map with each `model.X` name read under the multimodal prefixes."""
+    keys = {}
+    for ours, key in key_map(cfg).items():
+        if ours == "unembed.weight":
+            keys[ours] = Key.of("lm_head.weight", "language_model.lm_head.weight")
+            continue
+        inner = key.names[0].removeprefix("model.")
+        keys[ours] = Key.of(*(prefix + inner for prefix in MULTIMODAL_PREFIXES))
+    return keys
+
+
+MULTIMODAL = register(Architecture(
+    name="gemma3_multimodal",
+    hf_classes=("Gemma3ForConditionalGeneration",),
+    model_types=("gemma3",),
+    config_from_hf=multimodal_config_from_hf,
+    build=Gemma3,
+    key_map=multimodal_key_map,
+    ignore=(r"^(model\.)?vision_tower\.", r"^(model\.)?multi_modal_projector\."),
 ))

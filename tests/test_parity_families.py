@@ -9,11 +9,15 @@ padding. Family-specific checks (window in the pattern, config derivations) foll
 
 from __future__ import annotations
 
+import re
+
 import attention_parity
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from attention_parity import build_hf, compare, config_matches, key_map_matches
+from conftest import build_tiny_hf
 
 from hooked.models.gemma2 import Gemma2Config
 from hooked.models.qwen2 import Qwen2Config
@@ -230,6 +234,34 @@ def test_gemma_bidirectional_attention_is_refused() -> None:
     raw = transformers.Gemma3TextConfig(**{**GEMMA3, "use_bidirectional_attention": True}).to_dict()
     with pytest.raises(NotImplementedError, match="bidirectional"):
         REGISTRY["gemma3"].config_from_hf(raw)
+
+
+@pytest.mark.parametrize("inputs", ["len1", "left_pad", "right_pad"])
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(inputs: str, assert_rel_close, tmp_path) -> None:
+    """Gemma3ForConditionalGeneration (4B and larger): text in, the language model's logits out;
+    the vision tower's tensors are ignored, not reported as unexpected, in memory and on disk."""
+    from loaders import from_pretrained
+
+    text = {**GEMMA3, "final_logit_softcapping": 3.0}  # set, and not applied by HF's multimodal class
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    hf = build_tiny_hf(config, transformers.Gemma3ForConditionalGeneration, perturb=0.1)
+    model = from_hf(hf)
+    assert type(model).__name__ == "Gemma3" and model.unembed.softcap is None
+    tokens, mask = make_batch(*INPUTS[inputs])
+    compare(hf, hf.model.language_model.layers, model, tokens, mask, 1e-4, assert_rel_close)
+    hf.save_pretrained(tmp_path)
+    legacy = tmp_path / "legacy"  # the released files' names: language_model.model.*, vision_tower.*
+    hf.save_pretrained(legacy)
+    state = safetensors.torch.load_file(legacy / "model.safetensors")
+    renamed = {re.sub(r"^model\.language_model\.", "language_model.model.", re.sub(r"^model\.(vision_tower|multi_modal)",
+                                                                                 r"\1", n)): t for n, t in state.items()}
+    assert any(n.startswith("language_model.model.layers.") for n in renamed)
+    safetensors.torch.save_file(renamed, legacy / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        for d in (tmp_path, legacy):
+            assert torch.equal(from_pretrained(d)(tokens, mask), model(tokens, mask)), d
 
 
 # --------------------------------------------------------------- released checkpoints' configs
