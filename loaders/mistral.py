@@ -18,7 +18,8 @@ from loaders.registry import Architecture, register
 def config_from_hf(hf: dict[str, Any]) -> MistralConfig:
     types = set(hf.get("layer_types") or ())
     if len(types) > 1:
-        raise NotImplementedError(f"a Mistral config with mixed layer_types {sorted(types)} is Ministral's; not supported")
+        raise NotImplementedError(f"a Mistral config with mixed layer_types {sorted(types)} is Ministral's; "
+                                  "not supported")
     return MistralConfig(**asdict(llama.config_from_hf(hf)), sliding_window=hf.get("sliding_window"))
 
 

@@ -255,8 +255,11 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(inputs: str, asse
     legacy = tmp_path / "legacy"  # the released files' names: language_model.model.*, vision_tower.*
     hf.save_pretrained(legacy)
     state = safetensors.torch.load_file(legacy / "model.safetensors")
-    renamed = {re.sub(r"^model\.language_model\.", "language_model.model.", re.sub(r"^model\.(vision_tower|multi_modal)",
-                                                                                 r"\1", n)): t for n, t in state.items()}
+    def released(name: str) -> str:
+        name = re.sub(r"^model\.(vision_tower|multi_modal)", r"\1", name)
+        return re.sub(r"^model\.language_model\.", "language_model.model.", name)
+
+    renamed = {released(n): t for n, t in state.items()}
     assert any(n.startswith("language_model.model.layers.") for n in renamed)
     safetensors.torch.save_file(renamed, legacy / "model.safetensors", metadata={"format": "pt"})
     with torch.no_grad():
@@ -320,8 +323,9 @@ def test_released_config_builds_hf_shapes(family: str) -> None:
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family, variant", [("mistral", "tied"), ("qwen2", "sliding_top_layers"), ("qwen3", "mqa_bias"),
-                                             ("gemma2", "untied_mha_no_caps"), ("gemma3", "local_global")])
+@pytest.mark.parametrize("family, variant", [("mistral", "tied"), ("qwen2", "sliding_top_layers"),
+                                             ("qwen3", "mqa_bias"), ("gemma2", "untied_mha_no_caps"),
+                                             ("gemma3", "local_global")])
 def test_saved_checkpoint_loads_like_the_model_in_memory(family: str, variant: str, tmp_path) -> None:
     """save_pretrained (safetensors, config.json as HF writes it) -> from_pretrained == from_hf, bit for bit."""
     from loaders import from_pretrained

@@ -54,5 +54,6 @@ class Qwen2(Llama):
                                 RMSNorm(cfg.d_model, cfg.eps), mlp)
 
     def _attention(self, cfg: Qwen2Config, rotary: Rotary, layer: int, **parts: nn.Module) -> Attention:
-        return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, qkv_bias=cfg.qkv_bias or cfg.attention_bias,
-                         o_bias=cfg.attention_bias, rotary=rotary, window=cfg.window(layer), **parts)
+        return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head,
+                         qkv_bias=cfg.qkv_bias or cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
+                         window=cfg.window(layer), **parts)
