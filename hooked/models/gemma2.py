@@ -23,8 +23,9 @@ Glossary (TransformerLens names; HF Gemma2Config names in brackets)
     logits  = softcap(ln_final(resid) @ W_U^T)                 unembed.softcap.hook_in / hook_out
 
 W_U is the token embedding's weight (unscaled) when tied, as in every released Gemma. The embedding
-scale is rounded to the weights' dtype first (as HF does: sqrt(3072) = 55.43 becomes 55.5 in bf16). The other
-hooks are attention.py's and mlp.py's; the head results sum to ln1_post's input, not to hook_attn_out.
+scale is rounded to the weights' dtype first (as HF does: sqrt(3072) = 55.43 becomes 55.5 in bf16).
+The other hooks are attention.py's and mlp.py's; the head results sum to ln1_post's input, not to
+hook_attn_out.
 """
 
 from __future__ import annotations
