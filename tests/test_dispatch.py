@@ -37,6 +37,9 @@ def _configs():
                                  layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=4,
                                  mamba_ngroups=2, num_attention_heads=4, intermediate_size=24, chunk_size=8,
                                  adapter_rank=3, max_position_embeddings=64, use_shared_attention_adapter=True),
+        "gemma2": t.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=N_LAYERS,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
+                                 query_pre_attn_scalar=8, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
     }
 
 
