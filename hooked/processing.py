@@ -46,6 +46,9 @@ def process_weights(model: Any, fold_ln: bool = True, center_writing_weights: bo
         raise ValueError(f"weight processing needs every weight in memory; {len(offloaded)} modules are offloaded "
                          f"({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): load the model "
                          "without device_map to process its weights")
+    if center_unembed and getattr(getattr(model, "unembed", None), "softcap", None) is not None:
+        raise ValueError("center_unembed shifts each position's logits by a constant, which the final soft-cap "
+                         "(Gemma 2) does not pass through: the probabilities would change; use center_unembed=False")
     with torch.no_grad():
         if fold_ln:
             fold_layer_norm(model)
@@ -119,7 +122,8 @@ def fold_layer_norm(model: Any) -> None:
     _untie(model)
     for norm, readers in _readers(model):
         center = isinstance(norm, LayerNorm)
-        w, b = norm.weight.detach().clone(), getattr(norm, "bias", None)
+        offset = getattr(norm, "weight_offset", 0.0)  # Gemma's (1 + w) norms: the gain is w + 1
+        w, b = norm.weight.detach().clone() + offset, getattr(norm, "bias", None)
         for lin in readers:
             if b is not None:
                 delta = lin.weight @ b
@@ -127,7 +131,7 @@ def fold_layer_norm(model: Any) -> None:
             lin.weight.mul_(w)
             if center:
                 lin.weight.sub_(lin.weight.mean(-1, keepdim=True))
-        norm.weight.fill_(1.0)
+        norm.weight.fill_(1.0 - offset)
         if b is not None:
             b.zero_()
 

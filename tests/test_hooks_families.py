@@ -63,27 +63,31 @@ def expected_hooks(model) -> dict[str, tuple[int, ...]]:
     cfg = model.cfg
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
     resid, q, k = (BATCH, POS, d), (BATCH, POS, h, dh), (BATCH, POS, kv, dh)
+    one, q1, k1 = (BATCH, POS, 1), (BATCH, POS, h, 1), (BATCH, POS, kv, 1)
     scores, mlp = (BATCH, h, POS, POS), (BATCH, POS, cfg.d_mlp)
     hooks = {"hook_embed": resid}
     for l, block in enumerate(model.blocks):
         p = f"blocks.{l}."
-        hooks |= {p + "hook_resid_pre": resid, p + "ln1.hook_normalized": resid, p + "attn.hook_q": q,
+        hooks |= {p + "hook_resid_pre": resid, p + "hook_attn_in": resid, p + "ln1.hook_scale": one,
+                  p + "ln1.hook_normalized": resid, p + "attn.hook_q": q,
                   p + "attn.hook_k": k, p + "attn.hook_v": k}
         if block.attn.q_norm is not None:
-            hooks |= {p + "attn.q_norm.hook_normalized": q, p + "attn.k_norm.hook_normalized": k}
+            hooks |= {p + "attn.q_norm.hook_scale": q1, p + "attn.q_norm.hook_normalized": q,
+                      p + "attn.k_norm.hook_scale": k1, p + "attn.k_norm.hook_normalized": k}
         hooks |= {p + "attn.hook_rot_q": q, p + "attn.hook_rot_k": k}
         if block.attn.softcap is not None:
             hooks |= {p + "attn.softcap.hook_in": scores, p + "attn.softcap.hook_out": scores}
         hooks |= {p + "attn.hook_attn_scores": scores, p + "attn.hook_pattern": scores, p + "attn.hook_z": q,
                   p + "attn.hook_result": (BATCH, POS, h, d)}
         if block.ln1_post is not None:
-            hooks[p + "ln1_post.hook_normalized"] = resid
-        hooks |= {p + "hook_attn_out": resid, p + "hook_resid_mid": resid, p + "ln2.hook_normalized": resid,
+            hooks |= {p + "ln1_post.hook_scale": one, p + "ln1_post.hook_normalized": resid}
+        hooks |= {p + "hook_attn_out": resid, p + "hook_resid_mid": resid, p + "hook_mlp_in": resid,
+                  p + "ln2.hook_scale": one, p + "ln2.hook_normalized": resid,
                   p + "mlp.hook_pre": mlp, p + "mlp.hook_pre_linear": mlp, p + "mlp.hook_post": mlp}
         if block.ln2_post is not None:
-            hooks[p + "ln2_post.hook_normalized"] = resid
+            hooks |= {p + "ln2_post.hook_scale": one, p + "ln2_post.hook_normalized": resid}
         hooks |= {p + "hook_mlp_out": resid, p + "hook_resid_post": resid}
-    hooks["ln_final.hook_normalized"] = resid
+    hooks |= {"ln_final.hook_scale": one, "ln_final.hook_normalized": resid}
     if model.unembed.softcap is not None:
         hooks |= {"unembed.softcap.hook_in": (BATCH, POS, VOCAB), "unembed.softcap.hook_out": (BATCH, POS, VOCAB)}
     return hooks
@@ -113,7 +117,7 @@ def test_identity_hooks_and_full_cache_leave_logits_bit_identical(pair, batch) -
     _, _, model = pair
     plain = model(*batch)
     hooked = model.run_with_hooks(*batch, fwd_hooks=[(lambda n: True, lambda x, hook: x)])
-    cached, cache = model.run_with_cache(*batch)
+    cached, cache = model.run_with_cache(*batch, incl_lazy=True)
     assert torch.equal(plain, hooked) and torch.equal(plain, cached)
     assert len(cache) == len(model.hook_dict)
 
@@ -121,7 +125,7 @@ def test_identity_hooks_and_full_cache_leave_logits_bit_identical(pair, batch) -
 def test_head_results_sum_to_the_attention_output(pair, batch, assert_rel_close) -> None:
     """sum_h result_h + b_O is the attention output: hook_attn_out, or what ln1_post turns into it."""
     _, _, model = pair
-    _, cache = model.run_with_cache(*batch)
+    _, cache = model.run_with_cache(*batch, incl_lazy=True)
     for l, block in enumerate(model.blocks):
         bias = block.attn.o_proj.bias if block.attn.o_proj.bias is not None else 0.0
         summed = cache["result", l].sum(2) + bias
@@ -130,12 +134,13 @@ def test_head_results_sum_to_the_attention_output(pair, batch, assert_rel_close)
 
 
 def test_decomposition_through_the_frozen_final_norm(pair, batch, assert_rel_close) -> None:
-    """The final norm applied with the final residual's scale to the summed components is ln_final's output."""
+    """The final norm applied with the final residual's scale (hook_scale) to the summed components
+    is ln_final's output ((1 + w) for Gemma)."""
     _, _, model = pair
     _, cache = model.run_with_cache(*batch)
     parts = cache.decompose_resid()
     assert_rel_close(parts.sum(0), cache["resid_post", -1], 1e-5, "decompose_resid")
-    frozen = model.ln_final.apply_frozen(parts, cache["resid_post", -1]).sum(0)
+    frozen = model.ln_final.normalize_with_scale(parts, cache["ln_final.hook_scale"]).sum(0)
     assert_rel_close(frozen, cache["ln_final.hook_normalized"], 1e-5, "apply_frozen")
 
 
@@ -221,3 +226,58 @@ def test_knockout_outside_the_window_changes_nothing(pair, mode: str) -> None:
         if full:
             with knockout(model, [source], [j], full, attention=mode):
                 assert (model(toks)[:, j] - clean[:, j]).abs().max() > 1e-4
+
+
+def test_incremental_decoding_equals_recompute_past_the_window(pair) -> None:
+    """A DecodeState (prefix, then one token at a time, then two) gives the full forward's logits, with
+    the window (4) shorter than the 12 tokens, and a left-padded row."""
+    from hooked.generate import DecodeState
+
+    _, _, model = pair
+    toks, mask = tokens(), torch.ones(BATCH, POS, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        full = model(toks, mask)
+        state = DecodeState()
+        parts = [model(toks[:, :6], mask[:, :6], state=state)]
+        parts += [model(toks[:, i:i + 1], state=state) for i in range(6, 10)]
+        parts.append(model(toks[:, 10:], state=state))
+    real = mask.bool()
+    rel_close(torch.cat(parts, dim=1)[real], full[real], 1e-5, "incremental logits")
+
+
+def test_edited_scale_is_what_the_norm_divides_by(pair, batch) -> None:
+    """Doubling ln_final.hook_scale halves ln_final's output, (1 + w)-norms included."""
+    _, _, model = pair
+    _, plain = model.run_with_cache(*batch, names_filter="ln_final.hook_normalized")
+    with model.hooks(fwd_hooks=[("ln_final.hook_scale", lambda x, hook: 2 * x)]):
+        _, edited = model.run_with_cache(*batch, names_filter="ln_final.hook_normalized")
+    rel_close(edited["ln_final.hook_normalized"], plain["ln_final.hook_normalized"] / 2, 1e-6, "halved")
+
+
+def test_fold_ln_keeps_the_logits(pair, batch) -> None:
+    """fold_ln moves each pre-norm's gain ((1 + w) for Gemma) into its readers: same logits; the
+    post-norms read no residual and stay. A final soft-cap refuses center_unembed, by name."""
+    from hooked.processing import process_weights
+
+    _, _, model = pair
+    folded = process_weights(copy.deepcopy(model), fold_ln=True, center_writing_weights=False,
+                             center_unembed=False, fold_value_biases=True)
+    with torch.no_grad():
+        rel_close(folded(*batch)[batch[1].bool()], model(*batch)[batch[1].bool()], 1e-5, "fold_ln")
+    if model.unembed.softcap is not None:
+        with pytest.raises(ValueError, match="soft-cap"):
+            process_weights(copy.deepcopy(model), center_unembed=True)
+
+
+def test_transformerlens_weight_names(pair) -> None:
+    """TL's weight names read the new families' modules: shapes as TL has them (kv heads repeated for
+    W_K, W_V), W_O[l, h] is head h's o_proj columns, W_U is W_E^T when tied."""
+    _, _, model = pair
+    cfg, n, h = model.cfg, model.cfg.n_layers, model.cfg.n_heads
+    assert model.W_Q.shape == model.W_K.shape == model.W_V.shape == (n, h, cfg.d_model, cfg.d_head)
+    assert model.W_O.shape == (n, h, cfg.d_head, cfg.d_model) and model.OV.shape == (n, h, cfg.d_model, cfg.d_model)
+    o_proj = model.blocks[1].attn.o_proj.weight
+    assert torch.equal(model.W_O[1, 2], o_proj[:, 2 * cfg.d_head:3 * cfg.d_head].T)
+    if cfg.tie_word_embeddings:
+        assert torch.equal(model.W_U, model.W_E.T)

@@ -60,7 +60,10 @@ class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: (1 + w) * x / rms(x), the product in float32 (`ops.norms.rms_norm_unit_offset`).
 
     The parameter keeps HF's name and value (`weight` = w, zero at initialisation): loading is a copy.
+    `weight_offset` tells weight processing (fold_ln) that the gain is weight + 1.
     """
+
+    weight_offset = 1.0
 
     def __init__(self, d: int, eps: float) -> None:
         super().__init__(d, eps)
@@ -76,7 +79,8 @@ class UnitOffsetRMSNorm(RMSNorm):
             return self.hook_normalized(rms_norm_unit_offset(x, self.weight, self.eps))
         return self.hook_normalized(((x32 / scale) * (1.0 + self.weight.to(x32.dtype))).to(x.dtype))
 
-    def normalize_with_scale(self, stack: Float[Tensor, "*comp d"], scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
+    def normalize_with_scale(self, stack: Float[Tensor, "*comp d"],
+                             scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
         return (1.0 + self.weight) * (stack / scale.to(stack.dtype))
 
     def normalize_fresh(self, stack: Float[Tensor, "*comp d"]) -> Float[Tensor, "*comp d"]:
