@@ -70,25 +70,32 @@ class BambaConfig:
     n_ctx: int = 262144
 
     def __post_init__(self) -> None:
-        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        put("layer_types", tuple(self.layer_types))
-        put("dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
-        if self.d_inner is None:
-            put("d_inner", 2 * self.d_model)
-        if self.d_head is None:
-            put("d_head", self.d_inner // self.n_heads)
-        if self.n_attn_kv_heads is None:
-            put("n_attn_kv_heads", self.n_attn_heads)
-        if self.d_attn_head is None:
-            put("d_attn_head", self.d_model // self.n_attn_heads)
-        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if bad or len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types must hold {self.n_layers} entries from {LAYER_TYPES}; got "
-                             f"{len(self.layer_types)}{f', unknown {bad}' if bad else ''}")
+        fill_hybrid_defaults(self, LAYER_TYPES)
 
     @property
     def rotary(self) -> Rotary:
         return Rotary.of(int(self.d_attn_head * self.partial_rotary_factor), self.rope_theta, self.rope_scaling)
+
+
+def fill_hybrid_defaults(cfg: Any, layer_kinds: Sequence[str]) -> None:
+    """Derived sizes and checks shared by the Mamba-2 + attention hybrid configs (Bamba, Granite 4):
+    d_inner = 2 d_model, d_head = d_inner / n_heads, kv heads and attention head size from the
+    attention fields; `layer_types` must name one kind from `layer_kinds` per layer."""
+    put = lambda name, value: object.__setattr__(cfg, name, value)  # noqa: E731
+    put("layer_types", tuple(cfg.layer_types))
+    put("dt_limit", (float(cfg.dt_limit[0]), float(cfg.dt_limit[1])))
+    if cfg.d_inner is None:
+        put("d_inner", 2 * cfg.d_model)
+    if cfg.d_head is None:
+        put("d_head", cfg.d_inner // cfg.n_heads)
+    if cfg.n_attn_kv_heads is None:
+        put("n_attn_kv_heads", cfg.n_attn_heads)
+    if cfg.d_attn_head is None:
+        put("d_attn_head", cfg.d_model // cfg.n_attn_heads)
+    bad = sorted(set(cfg.layer_types) - set(layer_kinds))
+    if bad or len(cfg.layer_types) != cfg.n_layers:
+        raise ValueError(f"layer_types must hold {cfg.n_layers} entries from {tuple(layer_kinds)}; got "
+                         f"{len(cfg.layer_types)}{f', unknown {bad}' if bad else ''}")
 
 
 def mamba2_layer(cfg: Any) -> Mamba2Mixer:

@@ -33,7 +33,7 @@ from typing import Any
 from torch import nn
 
 from hooked.models.attention import Attention
-from hooked.models.bamba import mamba2_layer
+from hooked.models.bamba import fill_hybrid_defaults, mamba2_layer
 from hooked.models.decoder import DecoderBlock, HybridLM
 from hooked.models.mlp import GatedMLP
 from hooked.models.moe import MoE, SoftmaxTopK
@@ -80,21 +80,7 @@ class GraniteMoeHybridConfig:
     n_ctx: int = 2048
 
     def __post_init__(self) -> None:
-        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        put("layer_types", tuple(self.layer_types))
-        put("dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
-        if self.d_inner is None:
-            put("d_inner", 2 * self.d_model)
-        if self.d_head is None:
-            put("d_head", self.d_inner // self.n_heads)
-        if self.n_attn_kv_heads is None:
-            put("n_attn_kv_heads", self.n_attn_heads)
-        if self.d_attn_head is None:
-            put("d_attn_head", self.d_model // self.n_attn_heads)
-        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if bad or len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types must hold {self.n_layers} entries from {LAYER_TYPES}; got "
-                             f"{len(self.layer_types)}{f', unknown {bad}' if bad else ''}")
+        fill_hybrid_defaults(self, LAYER_TYPES)
         if self.n_experts and not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be in [1, n_experts = {self.n_experts}]")
 
