@@ -28,6 +28,7 @@ from typing import Any
 from hooked.models.gemma3 import Gemma3, Gemma3Config
 from loaders import gemma2
 from loaders.llama import rope_from_hf
+from loaders.qwen3 import qk_norm_keys
 from loaders.registry import Architecture, Key, register
 
 
@@ -51,12 +52,7 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
 
 
 def key_map(cfg: Gemma3Config) -> dict[str, Key]:
-    keys = gemma2.key_map(cfg)
-    for l in range(cfg.n_layers):
-        for norm in ("q_norm", "k_norm"):
-            keys[f"blocks.{l}.attn.{norm}.weight"] = Key.of(f"model.layers.{l}.self_attn.{norm}.weight",
-                                                            f"layers.{l}.self_attn.{norm}.weight")
-    return keys
+    return gemma2.key_map(cfg) | qk_norm_keys(cfg.n_layers)
 
 
 ARCHITECTURE = register(Architecture(

@@ -19,13 +19,15 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
     return Qwen3Config(**asdict(llama.config_from_hf(hf)), qkv_bias=False, **windows_from_hf(hf))
 
 
+def qk_norm_keys(n_layers: int) -> dict[str, Key]:
+    """The per-head q / k RMSNorm weights of every layer (Qwen3, Gemma 3)."""
+    return {f"blocks.{l}.attn.{norm}.weight": Key.of(f"model.layers.{l}.self_attn.{norm}.weight",
+                                                     f"layers.{l}.self_attn.{norm}.weight")
+            for l in range(n_layers) for norm in ("q_norm", "k_norm")}
+
+
 def key_map(cfg: Qwen3Config) -> dict[str, Key]:
-    keys = llama.key_map(cfg)
-    for l in range(cfg.n_layers):
-        for norm in ("q_norm", "k_norm"):
-            keys[f"blocks.{l}.attn.{norm}.weight"] = Key.of(f"model.layers.{l}.self_attn.{norm}.weight",
-                                                            f"layers.{l}.self_attn.{norm}.weight")
-    return keys
+    return llama.key_map(cfg) | qk_norm_keys(cfg.n_layers)
 
 
 ARCHITECTURE = register(Architecture(
