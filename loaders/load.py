@@ -123,6 +123,7 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
             device_map= or a device other than cpu.
         FileNotFoundError: nothing at that path, or a repo id neither cached nor downloadable.
     """
+    _check_processing(processing)
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder} \
         if device_map is not None else {}
@@ -146,11 +147,15 @@ def from_pretrained_no_processing(path_or_repo_id: str | Path, **kwargs: Any) ->
     return from_pretrained(path_or_repo_id, **kwargs)
 
 
-def _processed(model: Any, processing: dict[str, bool]) -> Any:
-    """Apply the weight processing asked for by keyword (all off by default)."""
+def _check_processing(processing: dict[str, bool]) -> None:
+    """Refuse unknown processing keywords before anything is read."""
     unknown = sorted(set(processing) - set(PROCESSING))
     if unknown:
         raise TypeError(f"unknown keyword(s) {unknown}; weight processing takes {list(PROCESSING)}")
+
+
+def _processed(model: Any, processing: dict[str, bool]) -> Any:
+    """Apply the weight processing asked for by keyword (all off by default; checked by `_check_processing`)."""
     if not any(processing.values()):
         return model
     if getattr(model, "hf_device_map", None) is not None:
@@ -198,6 +203,7 @@ def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False, *
     **processing: fold_ln, center_writing_weights, center_unembed, fold_value_biases, as in
     from_pretrained (off unless asked; not with share_weights, which would change the HF model).
     """
+    _check_processing(processing)
     hf_config = hf_model.config.to_dict()
     p = next(hf_model.parameters())
     source = MappingSource(hf_model.state_dict(), origin=type(hf_model).__name__)

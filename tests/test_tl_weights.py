@@ -119,3 +119,12 @@ def test_processing_is_opt_in_and_names_unknown_keywords(models) -> None:
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), ours.state_dict().values()))
     with pytest.raises(TypeError, match="fold_lnn"):
         from_hf(hf, fold_lnn=True)
+
+
+def test_unknown_processing_keyword_refused_before_anything_is_read(tmp_path):
+    import pytest
+
+    from loaders import from_pretrained
+
+    with pytest.raises(TypeError, match="unknown keyword.*fold_layernorm"):
+        from_pretrained(tmp_path / "nothing-here", fold_layernorm=True)  # the path is never looked at
