@@ -33,9 +33,11 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from hooked.ops.big_buffer import big_zeros
 from hooked.ops.ssd import _check_positions
 
 CHUNK_ROWS = 64  # chunk length for a few rows or columns (fewer Python steps)
+GROUP_BYTES = 2**19  # a band of rows for this many bytes of channels per matmul (stays in a 1 MiB L2 cache)
 
 
 def _full_chunk(seq_len: int) -> int:
@@ -148,6 +150,50 @@ def _rows_by_chunks(
     return out
 
 
+def _full_by_chunks(
+    steps: Float[Tensor, "batch pos d_inner k"],
+    A: Float[Tensor, "d_inner d_state"],
+    B_bar: Callable[[slice], Float[Tensor, "batch p _d d_state"]],
+    C: Float[Tensor, "batch pos d_state"],
+    chunk: int,
+) -> Float[Tensor, "batch d_inner q_pos k_pos"]:
+    """The whole kernel without autograd, written once into a zeroed output (big_zeros).
+
+    Same entries as _rows_by_chunks for every row, split at the start s of the targets' chunk z:
+    decay(j <- i) = decay(j <- s) * decay(s <- i) for a source i < s, every factor <= 1. The
+    right factors R[:, :, :, i] = decay(s <- i) B_bar_i are carried forwards, multiplied by the
+    decay over each chunk (d_inner * d_state * pos^2 / (2 Q) multiplications), and one matmul
+    per group of channels writes a band of rows, (C_j decay(j <- s)) @ R[..., :s], into a block
+    that stays in cache, then into the kernel. Nothing above the diagonal is written.
+    """
+    batch, seq_len, d_inner, _ = steps.shape
+    d_state = A.shape[1]
+    out = big_zeros((batch, d_inner, seq_len, seq_len), dtype=C.dtype, device=C.device)
+    R = C.new_empty(batch, d_inner, d_state, seq_len)  # [b d n i] decay(start of chunk z <- i) B_bar_i
+    group = max(1, GROUP_BYTES // (C.element_size() * batch * chunk * seq_len))  # channels per matmul
+    block = C.new_empty(batch * min(group, d_inner) * chunk * seq_len)
+    for start in range(0, seq_len, chunk):
+        pos = slice(start, min(start + chunk, seq_len))
+        steps_z, B_z, C_z = steps[:, pos], B_bar(pos), C[:, pos]  # [b p d k], [b p d n], [b p n]
+        p = pos.stop - start
+        entries, W = _own_chunk(torch.exp(steps_z * A), B_z, C_z, torch.arange(p, device=C.device))
+        out[:, :, pos, pos] = entries  # [b d p p], zero above the diagonal
+        if start:  # sources before the chunk: (C_j decay(j <- start)) @ (decay(start <- i) B_bar_i)
+            left = rearrange(W * C_z[:, :, None], "b p d n -> b d p n")
+            for g in range(0, d_inner, group):
+                ch = slice(g, min(g + group, d_inner))
+                band = block[: batch * (ch.stop - g) * p * start].view(batch, ch.stop - g, p, start)
+                out[:, ch, pos, :start] = torch.matmul(left[:, ch], R[:, ch, :, :start], out=band)
+            R[..., :start] *= rearrange(W[:, -1], "b d n -> b d n 1")  # decay over chunk z
+        to_end = F.pad(_reverse_cumsum(steps_z)[:, 1:], (0, 0, 0, 0, 0, 1))  # sum_{t=i+1..end of chunk z}
+        R[..., pos] = rearrange(torch.exp(to_end * A) * B_z, "b p d n -> b d n p")
+    return out
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _sorted_rows(
     rows: Int[Tensor, "row"], seq_len: int, what: str
 ) -> tuple[Int[Tensor, "row"], Int[Tensor, "row"]]:
@@ -189,7 +235,10 @@ def mamba1_kernel_chunked(
     seq_len = dt.shape[1]
     rows = torch.arange(seq_len, device=dt.device)
     chunk_size = chunk_size or _full_chunk(seq_len)
-    return _rows_by_chunks(dt[..., None], A, lambda s: dt[:, s, :, None] * B[:, s, None, :], C, rows, chunk_size)
+    B_bar = lambda s: dt[:, s, :, None] * B[:, s, None, :]  # noqa: E731
+    if _needs_grad(dt, A, B, C):
+        return _rows_by_chunks(dt[..., None], A, B_bar, C, rows, chunk_size)
+    return _full_by_chunks(dt[..., None], A, B_bar, C, chunk_size)
 
 
 def mamba1_kernel_discrete_chunked(
@@ -210,7 +259,9 @@ def mamba1_kernel_discrete_chunked(
     rows = torch.arange(A_bar.shape[1], device=A_bar.device)
     ones = A_bar.new_ones(A_bar.shape[2:])
     chunk_size = chunk_size or _full_chunk(A_bar.shape[1])
-    return _rows_by_chunks(torch.log(A_bar), ones, lambda s: B_bar[:, s], C, rows, chunk_size)
+    if _needs_grad(A_bar, B_bar, C):
+        return _rows_by_chunks(torch.log(A_bar), ones, lambda s: B_bar[:, s], C, rows, chunk_size)
+    return _full_by_chunks(torch.log(A_bar), ones, lambda s: B_bar[:, s], C, chunk_size)
 
 
 def mamba1_kernel_rows(
