@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from einops import einsum
 from test_ops_ssm import LargestTensor, mamba2_inputs
+from torch.overrides import TorchFunctionMode
 
+from hooked.ops import big_buffer
 from hooked.ops import (
     mamba1_kernel,
     mamba1_kernel_chunked,
@@ -111,6 +113,44 @@ def test_mamba2_chunked_equals_dense_equals_scan(seq_len, dt_scale):
         kernel = mamba2_kernel_chunked(dt, A, B, C, chunk_size=chunk)
         assert kernel.isfinite().all()
         torch.testing.assert_close(kernel, dense, **EXACT)
+
+
+class KernelSized(TorchFunctionMode):
+    """Records the storages of every tensor a torch function returns with at least `numel` elements."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.storages = numel, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                self.storages.add(t.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("mapped", [False, True])  # torch.zeros / a huge-page mapping (big_zeros)
+@pytest.mark.parametrize("seq_len", [1, 16, 17, 33, 300])
+def test_written_in_place_equals_autograd_path(seq_len, mapped, monkeypatch):
+    """Without autograd the kernel is written into its output (big_zeros); with it, built out of
+    place; same numbers, and no other tensor of a quarter of the kernel's size is made."""
+    if mapped:
+        if not big_buffer.thp_offered():
+            pytest.skip("no transparent huge pages to advise here")
+        monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    dt, A, B, C, oracle = mamba1_case("random", seq_len)
+    for chunk in CHUNKS:
+        with KernelSized(oracle.numel() // 4) as probe:
+            kernel = mamba1_kernel_chunked(dt, A, B, C, chunk_size=chunk)
+        if seq_len >= 8 * max(CHUNKS):  # (shorter: a band of chunk rows is itself a quarter)
+            assert probe.storages == {kernel.untyped_storage().data_ptr()}
+        assert kernel.untyped_storage().resizable() is not mapped  # mapped when asked
+        leaves = [t.clone().requires_grad_() for t in (dt, A, B, C)]
+        with_grad = mamba1_kernel_chunked(*leaves, chunk_size=chunk)
+        assert with_grad.requires_grad
+        torch.testing.assert_close(kernel, with_grad.detach(), **EXACT)
+        torch.testing.assert_close(kernel, oracle, **EXACT)
 
 
 # ---------------------------------------------------------------- the discrete kernel (edited A_bar, B_bar)

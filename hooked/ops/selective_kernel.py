@@ -22,6 +22,9 @@ chunk take products of A_bar down the chunk, as the scan does (exact, no logarit
 of a = dt * A are taken on dt (d_state times smaller) and multiplied by A.
 Cost of the whole kernel: a [pos, d_state] x [d_state, pos] matmul per channel, plus
 d_inner x pos x d_state x Q multiplications for the own chunks; no exp of a pos x pos tensor.
+Without autograd the whole kernel is written once into its zeroed output (_full_by_chunks: the
+same factors, split at the start of the targets' chunk); with autograd it is assembled out of
+place (_rows_by_chunks for every row), for the same numbers.
 """
 
 import math
@@ -37,7 +40,7 @@ from hooked.ops.big_buffer import big_zeros
 from hooked.ops.ssd import _check_positions
 
 CHUNK_ROWS = 64  # chunk length for a few rows or columns (fewer Python steps)
-GROUP_BYTES = 2**19  # a band of rows for this many bytes of channels per matmul (stays in a 1 MiB L2 cache)
+GROUP_BYTES = 2**21  # a band of rows for this many bytes of channels per matmul (fastest measured on CPU)
 
 
 def _full_chunk(seq_len: int) -> int:
@@ -72,7 +75,8 @@ def _own_chunk(
     entries = C_rows.new_zeros(batch, d_inner, len(wanted), p)
     W = A_bar.new_empty(batch, len(wanted), d_inner, d_state)
     W_j = A_bar.new_ones(batch, d_inner, d_state)  # prod_{t=0..j} A_bar_t
-    R_j = A_bar.new_zeros(batch, p, d_inner, d_state)  # [b i d n]; rows i > j stay zero
+    # [b i d n]; only rows i <= j are read (for autograd, the rest are zeros carried along)
+    R_j = A_bar.new_zeros(batch, p, d_inner, d_state) if grad else A_bar.new_empty(batch, p, d_inner, d_state)
     k = 0  # next wanted row
     for j in range(wanted[-1] + 1):
         W_j = W_j * A_bar[:, j]
@@ -163,8 +167,10 @@ def _full_by_chunks(
     decay(j <- i) = decay(j <- s) * decay(s <- i) for a source i < s, every factor <= 1. The
     right factors R[:, :, :, i] = decay(s <- i) B_bar_i are carried forwards, multiplied by the
     decay over each chunk (d_inner * d_state * pos^2 / (2 Q) multiplications), and one matmul
-    per group of channels writes a band of rows, (C_j decay(j <- s)) @ R[..., :s], into a block
-    that stays in cache, then into the kernel. Nothing above the diagonal is written.
+    per group of channels writes a band of rows, (C_j decay(j <- s)) @ R[..., :s], into a small
+    contiguous block, then into the kernel (a strided out= makes bmm loop over channels, slower
+    than the copy). Nothing above the diagonal is written: big_zeros' memory is zeroed by the OS,
+    on huge pages where offered (ops/big_buffer.py; page faults otherwise cost as much as the math).
     """
     batch, seq_len, d_inner, _ = steps.shape
     d_state = A.shape[1]
@@ -223,8 +229,9 @@ def mamba1_kernel_chunked(
     """Same result as selective_scan.mamba1_kernel, factorised at chunk boundaries (module docstring).
 
     Stable for any length and decay: every exponential is of a non-positive sum. Memory: the
-    kernel plus O(batch * d_inner * d_state * (pos + chunk_size^2)). With autograd on, the own
-    chunks' products are built out of place (slower, same numbers).
+    kernel plus O(batch * d_inner * d_state * (pos + chunk_size^2)). Without autograd the kernel
+    is written into big_zeros memory (huge pages on Linux CPU), with no temporary of its size;
+    with autograd on, it is built out of place (slower, same numbers).
 
     Args:
         dt, A, B, C: as selective_scan. chunk_size: positions per chunk (speed only; None: about

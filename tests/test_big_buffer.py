@@ -1,0 +1,97 @@
+"""big_zeros: a zero tensor of the asked shape/dtype/device; large CPU ones are huge-page mappings
+that the tensor alone keeps alive (unmapped when it and its views die); elsewhere torch.zeros."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hooked.ops import big_buffer
+from hooked.ops.big_buffer import big_zeros
+
+needs_thp = pytest.mark.skipif(not big_buffer.thp_offered(), reason="no transparent huge pages to advise here")
+
+
+def mapped(ptr: int) -> bool:
+    """Whether address ptr lies in a mapping of this process (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+@pytest.fixture
+def force_mapping(monkeypatch):
+    """Every CPU tensor takes the mapped path, however small."""
+    monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+
+
+CASES = {  # shape, dtype
+    "float32": ((2, 3, 5, 7), torch.float32),
+    "float64": ((4, 1, 9), torch.float64),
+    "bfloat16": ((3, 11), torch.bfloat16),
+    "int64_scalar_like": ((1,), torch.int64),
+}
+
+
+@needs_thp
+@pytest.mark.parametrize("case", CASES)
+def test_mapped_is_zeros_of_shape_and_dtype(case, force_mapping):
+    shape, dtype = CASES[case]
+    t = big_zeros(shape, dtype=dtype, device="cpu")
+    assert t.shape == shape and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    assert (t == 0).all()
+    assert not t.untyped_storage().resizable()  # a mapping, not torch's allocator
+    t.fill_(3)
+    assert (t == 3).all()
+
+
+@needs_thp
+def test_mapping_lives_with_the_tensor_and_its_views(force_mapping):
+    t = big_zeros((1024, 1024), dtype=torch.float32, device="cpu")
+    ptr = t.data_ptr()
+    view = t[10:20].T
+    del t
+    assert mapped(ptr)
+    view.fill_(1)
+    assert view.sum() == 10 * 1024
+    del view
+    assert not mapped(ptr)
+
+
+@needs_thp
+def test_no_leak_under_an_address_space_limit():
+    """64 tensors of 256 MiB (16 GiB) made and dropped in a process limited to its size + 1 GiB."""
+    code = textwrap.dedent("""
+        import resource, torch
+        from hooked.ops.big_buffer import big_zeros
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        for k in range(64):
+            t = big_zeros((64, 2**20), dtype=torch.float32, device="cpu")
+            t[k, :1024] = 1.0  # touches one huge page
+            assert t.untyped_storage().nbytes() == 2**28
+            del t
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_elsewhere_it_is_torch_zeros(monkeypatch):
+    """Small CPU tensors, other devices, and a platform without huge pages get plain torch.zeros."""
+    small = big_zeros((3, 4), dtype=torch.float16, device="cpu")
+    assert small.untyped_storage().resizable()  # torch's allocator, not a mapping
+    assert small.dtype == torch.float16 and (small == 0).all()
+    meta = big_zeros((2**20, 2**10), dtype=torch.float32, device="meta")  # 4 GiB, never allocated
+    assert meta.device.type == "meta" and meta.shape == (2**20, 2**10)
+    monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    monkeypatch.setattr(big_buffer, "thp_offered", lambda: False)
+    plain = big_zeros((5,), dtype=torch.float32, device="cpu")
+    assert plain.untyped_storage().resizable() and (plain == 0).all()
