@@ -180,7 +180,7 @@ def count_calls(monkeypatch, names):
     return calls
 
 
-LAZY_FUNCS = ["linear_scan_heads", "mamba2_kernel_chunked", "_kernel_discrete"]
+LAZY_FUNCS = ["linear_scan_heads", "mamba2_kernel_chunked", "mamba2_kernel_discrete"]
 
 
 def test_lazy_quantities_not_built_without_hooks(monkeypatch):
@@ -199,9 +199,9 @@ def test_lazy_quantities_not_built_without_hooks(monkeypatch):
 
 
 @pytest.mark.parametrize("hook,expected", [
-    ("hook_h", {"linear_scan_heads": 1, "mamba2_kernel_chunked": 0, "_kernel_discrete": 0}),
-    ("hook_kernel", {"linear_scan_heads": 0, "mamba2_kernel_chunked": 1, "_kernel_discrete": 0}),
-    ("hook_A_bar", {"linear_scan_heads": 0, "mamba2_kernel_chunked": 0, "_kernel_discrete": 0}),
+    ("hook_h", {"linear_scan_heads": 1, "mamba2_kernel_chunked": 0, "mamba2_kernel_discrete": 0}),
+    ("hook_kernel", {"linear_scan_heads": 0, "mamba2_kernel_chunked": 1, "mamba2_kernel_discrete": 0}),
+    ("hook_A_bar", {"linear_scan_heads": 0, "mamba2_kernel_chunked": 0, "mamba2_kernel_discrete": 0}),
 ])
 def test_one_lazy_hook_builds_only_its_quantity(monkeypatch, hook, expected):
     model = make_model(dtype=torch.float32)

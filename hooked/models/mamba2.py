@@ -52,7 +52,7 @@ from hooked.models.gated_norm import GatedRMSNorm
 from hooked.models.ssm_block import SSMLanguageModel
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.ssd import linear_scan_heads, ssd_chunked
-from hooked.ops.ssd_kernel import mamba2_kernel_chunked
+from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_discrete
 from hooked.weights import MixerWeights
 
 
@@ -91,23 +91,6 @@ class Mamba2Config:
 def _heads(BC: Float[Tensor, "batch pos n_groups d_state"], n_heads: int) -> Float[Tensor, "batch pos n_heads d_state"]:
     """Each head's B or C: head h reads group h // (n_heads // n_groups)."""
     return repeat(BC, "b l g n -> b l (g r) n", r=n_heads // BC.shape[2])
-
-
-def _kernel_discrete(
-    A_bar: Float[Tensor, "batch pos n_heads"],
-    B_bar: Float[Tensor, "batch pos n_heads d_state"],
-    C: Float[Tensor, "batch pos n_heads d_state"],
-) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
-    """kernel[b, h, j, i] = (C_j . B_bar_i) prod_{t=i+1..j} A_bar_t from (possibly edited) discrete tensors.
-
-    The product is a cumulative product down each column (no logarithm: an edited A_bar may be 0
-    or negative). Private: ops/ssd.py has the kernel from dt and A only.
-    """
-    seq_len = A_bar.shape[1]
-    below = torch.ones(seq_len, seq_len, dtype=torch.bool, device=A_bar.device).tril(-1)
-    steps = repeat(A_bar, "b j h -> b h j i", i=seq_len).masked_fill(~below, 1.0)  # [j, i] = A_bar_j for j > i
-    decay = steps.cumprod(dim=-2).tril()  # prod over i < t <= j; zero above the diagonal
-    return einsum(C, B_bar, "b j h n, b i h n -> b h j i") * decay
 
 
 class Mamba2Mixer(MixerWeights, nn.Module):
@@ -253,7 +236,7 @@ class Mamba2Mixer(MixerWeights, nn.Module):
                 y = y + einsum(linear_scan_heads(A_bar, h - h_was), C_heads, "b l h p n, b l h n -> b l h p")
         if self.hook_kernel.is_active:
             if discrete_edited:
-                kernel_fn = lambda: _kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731
+                kernel_fn = lambda: mamba2_kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731
             else:
                 kernel_fn = lambda: mamba2_kernel_chunked(dt, A, B, C)  # noqa: E731
             kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)

@@ -25,4 +25,10 @@ from hooked.ops.ssd import (
     ssd_sequential,
     ssd_states,
 )
-from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_cols, mamba2_kernel_rows
+from hooked.ops.ssd_kernel import (
+    mamba2_kernel_chunked,
+    mamba2_kernel_cols,
+    mamba2_kernel_discrete,
+    mamba2_kernel_discrete_chunked,
+    mamba2_kernel_rows,
+)

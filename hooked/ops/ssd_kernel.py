@@ -10,7 +10,11 @@ source i before the chunk, the decay splits at the chunk's start,
     exp(sum_{t=i+1..j} a_t) = exp(sum_{t=zQ..j} a_t) * exp(sum_{t=i+1..zQ-1} a_t),
 a rank-1 outer product of factors <= 1 (each sum is its own cumsum; nothing is exp(+S)); sources
 inside the chunk take the stable segment sums. Each block of rows is written once, into the kernel.
+The kernel from discrete (possibly edited) A_bar and B_bar takes the same blocks with
+log(A_bar) as the log-decay when 0 < A_bar <= 1, and an exact cumulative product otherwise.
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +22,46 @@ from einops import einsum, rearrange, repeat
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from hooked.ops.big_buffer import big_zeros
 from hooked.ops.ssd import _check_positions, segsum
 
 CHUNK = 64  # rows per block of mamba2_kernel_chunked (speed only)
+
+
+def _by_row_blocks(
+    a: Float[Tensor, "batch n_heads pos"],
+    CB_rows: Callable[[slice], Float[Tensor, "batch n_heads row k"]],
+    source_factor: Float[Tensor, "batch n_heads pos"] | None,
+    chunk_size: int,
+    grad: bool,
+) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+    """kernel[b, h, j, i] = CB[j, i] * exp(sum_{t=i+1..j} a_t) * source_factor_i for a <= 0, one
+    block of chunk_size rows at a time (module docstring). CB_rows(rows) gives the rows' CB for
+    the sources up to the block's end. Without autograd each block is multiplied straight into a
+    zeroed output (big_zeros: nothing above the diagonal is written, no pos x pos temporary)."""
+    batch, n_heads, seq_len = a.shape
+    shape = (batch, n_heads, seq_len, seq_len)
+    out = a.new_empty(shape) if grad else big_zeros(shape, dtype=a.dtype, device=a.device)
+    for start in range(0, seq_len, chunk_size):
+        rows = slice(start, min(start + chunk_size, seq_len))
+        stop = rows.stop
+        CB = CB_rows(rows)  # [b h r stop]
+        decay = torch.empty_like(CB)  # [b h r stop]
+        if start:  # sources before the chunk: exp(into j) x exp(out of i up to the chunk start)
+            into = torch.exp(a[..., rows].cumsum(-1))  # sum_{t=start..j}
+            out_of = torch.exp(F.pad(a[..., 1:start].flip(-1).cumsum(-1).flip(-1), (0, 1)))  # sum_{t=i+1..start-1}
+            if source_factor is not None:
+                out_of = out_of * source_factor[..., :start]
+            decay[..., :start] = into[..., :, None] * out_of[..., None, :]
+        decay[..., start:] = torch.exp(segsum(a[..., rows]))  # 0 above the diagonal
+        if source_factor is not None:
+            decay[..., start:] *= source_factor[..., None, rows]
+        if grad:
+            out[:, :, rows, :stop] = CB * decay
+            out[:, :, rows, stop:] = 0
+        else:  # straight into the kernel
+            torch.mul(CB, decay, out=out[:, :, rows, :stop])
+    return out
 
 
 def mamba2_kernel_chunked(
@@ -40,29 +81,72 @@ def mamba2_kernel_chunked(
     Returns:
         kernel: [b, h, j, i], row = target j, column = source i.
     """
-    batch, seq_len, n_heads = dt.shape
-    a = rearrange(dt * A, "b l h -> b h l")
-    dt_i = rearrange(dt, "b l h -> b h l")
-    out = dt.new_empty(batch, n_heads, seq_len, seq_len)
-    heads_per_group = n_heads // B.shape[2]
+    heads_per_group = dt.shape[-1] // B.shape[2]
+
+    def CB_rows(rows: slice) -> Tensor:
+        CB = einsum(C[:, rows], B[:, : rows.stop], "b j g n, b i g n -> b g j i")  # [b g r stop]
+        return repeat(CB, "b g j i -> b (g k) j i", k=heads_per_group)
+
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (dt, A, B, C))
-    for start in range(0, seq_len, chunk_size):
-        rows = slice(start, min(start + chunk_size, seq_len))
-        stop = rows.stop
-        CB = einsum(C[:, rows], B[:, :stop], "b j g n, b i g n -> b g j i")  # [b g r stop]
-        CB = repeat(CB, "b g j i -> b (g k) j i", k=heads_per_group)
-        decay = torch.empty_like(CB)  # [b h r stop]
-        if start:  # sources before the chunk: exp(into j) x exp(out of i up to the chunk start)
-            into = torch.exp(a[..., rows].cumsum(-1))  # sum_{t=start..j}
-            out_of = torch.exp(F.pad(a[..., 1:start].flip(-1).cumsum(-1).flip(-1), (0, 1)))  # sum_{t=i+1..start-1}
-            decay[..., :start] = into[..., :, None] * (out_of * dt_i[..., :start])[..., None, :]
-        decay[..., start:] = torch.exp(segsum(a[..., rows])) * dt_i[..., None, rows]  # 0 above the diagonal
-        if grad:
-            out[:, :, rows, :stop] = CB * decay
-        else:  # straight into the kernel: no pos x pos temporary
-            torch.mul(CB, decay, out=out[:, :, rows, :stop])
-        out[:, :, rows, stop:] = 0
-    return out
+    return _by_row_blocks(rearrange(dt * A, "b l h -> b h l"), CB_rows, rearrange(dt, "b l h -> b h l"),
+                          chunk_size, grad)
+
+
+def mamba2_kernel_discrete_chunked(
+    A_bar: Float[Tensor, "batch pos n_heads"],
+    B_bar: Float[Tensor, "batch pos n_heads d_state"],
+    C: Float[Tensor, "batch pos n_heads d_state"],
+    *,
+    chunk_size: int = CHUNK,
+) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+    """mamba2_kernel_discrete for 0 < A_bar <= 1 (every unedited A_bar): log(A_bar) <= 0 is the
+    log-decay of mamba2_kernel_chunked, (C_j . B_bar_i) its CB times dt_i.
+
+    Zeros, negatives or A_bar > 1 are refused (mamba2_kernel_discrete keeps its exact slow path
+    for them): log 0 and signs do not factorise, and factors > 1 could overflow.
+
+    Args:
+        A_bar: decay per position and head (hook_A_bar). B_bar: dt * B per head (hook_B_bar).
+        C: each head's C. chunk_size: rows per block (speed only).
+    Returns:
+        kernel: [b, h, j, i] = (C_j . B_bar_i) prod_{t=i+1..j} A_bar_t, zero for i > j.
+    """
+    if not bool(((A_bar > 0) & (A_bar <= 1)).all()):
+        raise ValueError("mamba2_kernel_discrete_chunked needs 0 < A_bar <= 1 everywhere; "
+                         "use mamba2_kernel_discrete for zeros, negatives or growth")
+
+    def CB_rows(rows: slice) -> Tensor:
+        return einsum(C[:, rows], B_bar[:, : rows.stop], "b j h n, b i h n -> b h j i")
+
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A_bar, B_bar, C))
+    return _by_row_blocks(rearrange(torch.log(A_bar), "b l h -> b h l"), CB_rows, None, chunk_size, grad)
+
+
+def mamba2_kernel_discrete(
+    A_bar: Float[Tensor, "batch pos n_heads"],
+    B_bar: Float[Tensor, "batch pos n_heads d_state"],
+    C: Float[Tensor, "batch pos n_heads d_state"],
+) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+    """The kernel from discrete (possibly edited) A_bar, B_bar: (C_j . B_bar_i) prod_{t=i+1..j} A_bar_t.
+
+    When 0 < A_bar <= 1 everywhere (every unedited A_bar, and edits that keep it a decay),
+    mamba2_kernel_discrete_chunked. Otherwise the exact slow path: the product is a cumulative
+    product down each column (no logarithm: an edited A_bar may be 0, negative or above 1), with
+    pos x pos temporaries.
+
+    Args:
+        A_bar: decay per position and head (hook_A_bar). B_bar: dt * B per head (hook_B_bar).
+        C: each head's C.
+    Returns:
+        kernel: [b, h, j, i], row = target j, column = source i.
+    """
+    if bool(((A_bar > 0) & (A_bar <= 1)).all()):
+        return mamba2_kernel_discrete_chunked(A_bar, B_bar, C)
+    seq_len = A_bar.shape[1]
+    below = torch.ones(seq_len, seq_len, dtype=torch.bool, device=A_bar.device).tril(-1)
+    steps = repeat(A_bar, "b j h -> b h j i", i=seq_len).masked_fill(~below, 1.0)  # [j, i] = A_bar_j for j > i
+    decay = steps.cumprod(dim=-2).tril()  # prod over i < t <= j; zero above the diagonal
+    return einsum(C, B_bar, "b j h n, b i h n -> b h j i") * decay
 
 
 def mamba2_kernel_rows(
