@@ -308,14 +308,25 @@ def test_discrete_edits_feed_the_recurrence(name):
     torch.testing.assert_close(out, ref["out"], **TOL)
 
 
-def test_edited_discrete_tensors_give_the_matching_kernel():
-    """With B_bar edited, hook_kernel is built from the edited tensors and still reconstructs y."""
+def _flip_one_a_bar(a_bar, hook):
+    a_bar = a_bar.clone()
+    a_bar[:, 3, 1] = -a_bar[:, 3, 1]
+    return a_bar
+
+
+DISCRETE_EDITS = {  # hook, edit: B_bar and halved A_bar take the chunked kernel, a negative A_bar the slow one
+    "B_bar_doubled": ("hook_B_bar", lambda b_bar, hook: b_bar * 2),
+    "A_bar_halved": ("hook_A_bar", lambda a_bar, hook: a_bar / 2),
+    "A_bar_negative": ("hook_A_bar", _flip_one_a_bar),
+}
+
+
+@pytest.mark.parametrize("name", DISCRETE_EDITS)
+def test_edited_discrete_tensors_give_the_matching_kernel(name):
+    """With A_bar or B_bar edited, hook_kernel is built from the edited tensors and still reconstructs y."""
     model, tokens = make_model(), tokens_for()
-
-    def double_b_bar(b_bar, hook):
-        return b_bar * 2
-
-    hooks = [("blocks.0.mixer.hook_B_bar", double_b_bar)]
+    hook, edit = DISCRETE_EDITS[name]
+    hooks = [(f"blocks.0.mixer.{hook}", edit)]
     with model.hooks(hooks):
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.0.mixer."))
     y = torch.einsum("bhji,bihp->bjhp", cache["blocks.0.mixer.hook_kernel"], cache["blocks.0.mixer.hook_ssm_in"])

@@ -1,8 +1,9 @@
 """The SSM kernel at the cost of a matmul, and its rows and columns (float64 within 1e-10).
 
 Mamba-1: factorised (mamba1_kernel_chunked) == dense (mamba1_kernel) == the sequential
-recurrence, across chunk boundaries and for extreme decays; Mamba-2: chunked == dense == the scan; the discrete kernel's fast path
-(0 < A_bar <= 1) and slow path (zeros, negatives) == the recurrence; rows and columns == slices
+recurrence, across chunk boundaries and for extreme decays; Mamba-2: chunked == dense == the scan; the discrete kernels' fast
+path (0 < A_bar <= 1) and slow path (zeros, negatives) == the recurrence (Mamba-1 and Mamba-2); written in place
+(no autograd, big_zeros) == the autograd path; rows and columns == slices
 of the whole kernel for Mamba-1 and Mamba-2; rows and columns never build a pos x pos tensor.
 """
 
@@ -11,7 +12,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from einops import einsum
+from einops import einsum, repeat
 from test_ops_ssm import LargestTensor, mamba2_inputs
 from torch.overrides import TorchFunctionMode
 
@@ -26,9 +27,12 @@ from hooked.ops import (
     mamba2_kernel,
     mamba2_kernel_chunked,
     mamba2_kernel_cols,
+    mamba2_kernel_discrete,
+    mamba2_kernel_discrete_chunked,
     mamba2_kernel_rows,
     ssd_sequential,
 )
+from hooked.ops.ssd_kernel import _discrete_by_cumprod
 
 EXACT = dict(atol=1e-10, rtol=1e-10)
 LENGTHS = [1, 2, 15, 16, 17, 33, 64, 300]  # around the chunk lengths 1, 7, 16
@@ -178,6 +182,115 @@ def test_discrete_slow_path_for_other_decays(edit):
     torch.testing.assert_close(mamba1_kernel_discrete(A_bar, B_bar, C), oracle, **EXACT)
     with pytest.raises(ValueError, match="0 < A_bar <= 1"):
         mamba1_kernel_discrete_chunked(A_bar, B_bar, C)
+
+
+# per case: A_bar [batch pos n_heads] from u ~ U(0, 1) and the unedited exp(dt A)
+MAMBA2_DISCRETE = {
+    "scaled": lambda u, a_bar: a_bar * u,  # an edit that keeps a decay
+    "ones": lambda u, a_bar: torch.where(u < 0.3, torch.ones_like(u), a_bar),  # exactly 1 here and there
+    "near_one": lambda u, a_bar: 1 - 1e-7 * u,
+    "near_zero": lambda u, a_bar: 1e-14 * (0.5 + u),
+    "underflow": lambda u, a_bar: torch.exp(-3 - 0.1 * u),  # e^-900 by pos 300: exp(+S) would overflow
+}
+
+
+def mamba2_discrete_case(case, seq_len):
+    """(A_bar, B_bar, C) per head, B_bar any sign, and the recurrence's kernel."""
+    inp = mamba2_inputs(seq_len, n_groups=1)
+    heads = inp["dt"].shape[-1]
+    C = inp["C"].expand(-1, -1, heads, -1)
+    a_bar = torch.exp(inp["dt"] * inp["A"])
+    A_bar = MAMBA2_DISCRETE[case](torch.rand(a_bar.shape, generator=torch.Generator().manual_seed(5),
+                                             dtype=a_bar.dtype), a_bar)
+    B_bar = inp["dt"][..., None] * inp["B"].expand(-1, -1, heads, -1) * torch.linspace(-1, 2, heads)[:, None]
+    oracle = mamba2_kernel_by_recurrence(A_bar, B_bar, C)
+    return A_bar, B_bar, C, oracle
+
+
+def mamba2_kernel_by_recurrence(A_bar, B_bar, C):
+    """Every source's state run forward as linear_scan_heads runs it, read by each target's C."""
+    batch, seq_len, n_heads, d_state = B_bar.shape
+    H = B_bar.new_zeros(batch, n_heads, d_state, seq_len)  # H[..., i] = prod_{t=i+1..j} A_bar_t B_bar_i
+    rows = []
+    for j in range(seq_len):
+        H = H * A_bar[:, j, :, None, None]
+        H[..., j] = B_bar[:, j]
+        rows.append(einsum(H, C[:, j], "b h n i, b h n -> b h i"))
+    return torch.stack(rows, dim=2)  # [b h j i]
+
+
+@pytest.mark.parametrize("case", MAMBA2_DISCRETE)
+@pytest.mark.parametrize("seq_len", LENGTHS + [65])
+def test_mamba2_discrete_chunked_equals_dense_equals_recurrence(case, seq_len):
+    A_bar, B_bar, C, oracle = mamba2_discrete_case(case, seq_len)
+    torch.testing.assert_close(_discrete_by_cumprod(A_bar, B_bar, C), oracle, **EXACT)
+    torch.testing.assert_close(mamba2_kernel_discrete(A_bar, B_bar, C), oracle, **EXACT)
+    for chunk in CHUNKS + [64]:
+        kernel = mamba2_kernel_discrete_chunked(A_bar, B_bar, C, chunk_size=chunk)
+        assert kernel.isfinite().all() and (kernel.triu(1) == 0).all()
+        torch.testing.assert_close(kernel, oracle, **EXACT)
+
+
+def test_mamba2_discrete_of_unedited_equals_the_kernel_from_dt():
+    inp = mamba2_inputs(70)
+    dt, A, B, C = inp["dt"], inp["A"], inp["B"], inp["C"]
+    heads = dt.shape[-1]
+    B_h, C_h = (repeat(t, "b l g n -> b l (g k) n", k=heads // t.shape[2]) for t in (B, C))
+    kernel = mamba2_kernel_discrete(torch.exp(dt * A), dt[..., None] * B_h, C_h)
+    torch.testing.assert_close(kernel, mamba2_kernel(dt, A, B, C), **EXACT)
+
+
+def test_mamba2_discrete_extreme_cases_are_extreme():
+    A_bar, *_ = mamba2_discrete_case("underflow", 300)
+    assert torch.log(A_bar).sum(1).max() < -745
+    assert mamba2_discrete_case("near_zero", 17)[0].max() < 1e-13
+    assert mamba2_discrete_case("near_one", 17)[0].min() > 1 - 1e-6
+    assert (mamba2_discrete_case("ones", 17)[0] == 1).any()
+
+
+@pytest.mark.parametrize("edit", ["zero", "negative", "growth"])
+def test_mamba2_discrete_slow_path_for_other_decays(edit):
+    A_bar, B_bar, C, _ = mamba2_discrete_case("scaled", 33)
+    A_bar = A_bar.clone()
+    A_bar[:, 3::4, 1] = {"zero": 0.0, "negative": -0.7, "growth": 1.3}[edit]
+    oracle = mamba2_kernel_by_recurrence(A_bar, B_bar, C)
+    torch.testing.assert_close(mamba2_kernel_discrete(A_bar, B_bar, C), oracle, **EXACT)
+    with pytest.raises(ValueError, match="0 < A_bar <= 1"):
+        mamba2_kernel_discrete_chunked(A_bar, B_bar, C)
+
+
+def test_mamba2_discrete_chunked_gradients():
+    A_bar, B_bar, C, _ = mamba2_discrete_case("scaled", 5)
+    leaves = [t[:1, :, :2, :2].clone().requires_grad_() for t in (A_bar[..., None], B_bar, C)]
+    fn = lambda a, b, c: mamba2_kernel_discrete_chunked(a[..., 0], b, c, chunk_size=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+MAMBA2_WHOLE = {
+    "from_dt": lambda A_bar, B_bar, C, dt, A, B, Cg, chunk: mamba2_kernel_chunked(dt, A, B, Cg, chunk_size=chunk),
+    "discrete": lambda A_bar, B_bar, C, dt, A, B, Cg, chunk: mamba2_kernel_discrete_chunked(A_bar, B_bar, C,
+                                                                                          chunk_size=chunk),
+}
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+@pytest.mark.parametrize("name", MAMBA2_WHOLE)
+def test_mamba2_written_in_place_equals_autograd_path(name, mapped, monkeypatch):
+    if mapped:
+        if not big_buffer.thp_offered():
+            pytest.skip("no transparent huge pages to advise here")
+        monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    inp = mamba2_inputs(150, n_groups=1)
+    A_bar, B_bar, C, _ = mamba2_discrete_case("scaled", 150)
+    args = [A_bar, B_bar, C, inp["dt"], inp["A"], inp["B"], inp["C"]]
+    for chunk in [7, 16]:  # (a block of chunk rows stays below a quarter of the kernel)
+        with KernelSized(C.shape[0] * C.shape[2] * 150**2 // 4) as probe:
+            kernel = MAMBA2_WHOLE[name](*args, chunk)
+        assert probe.storages == {kernel.untyped_storage().data_ptr()}
+        assert kernel.untyped_storage().resizable() is not mapped
+        with_grad = MAMBA2_WHOLE[name](*[t.clone().requires_grad_() for t in args], chunk)
+        assert with_grad.requires_grad
+        torch.testing.assert_close(kernel, with_grad.detach(), **EXACT)
 
 
 # ---------------------------------------------------------------- rows and columns

@@ -142,6 +142,15 @@ def mamba2_kernel_discrete(
     """
     if bool(((A_bar > 0) & (A_bar <= 1)).all()):
         return mamba2_kernel_discrete_chunked(A_bar, B_bar, C)
+    return _discrete_by_cumprod(A_bar, B_bar, C)
+
+
+def _discrete_by_cumprod(
+    A_bar: Float[Tensor, "batch pos n_heads"],
+    B_bar: Float[Tensor, "batch pos n_heads d_state"],
+    C: Float[Tensor, "batch pos n_heads d_state"],
+) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+    """mamba2_kernel_discrete's exact slow path, for any A_bar (the dense reference of the chunked one)."""
     seq_len = A_bar.shape[1]
     below = torch.ones(seq_len, seq_len, dtype=torch.bool, device=A_bar.device).tril(-1)
     steps = repeat(A_bar, "b j h -> b h j i", i=seq_len).masked_fill(~below, 1.0)  # [j, i] = A_bar_j for j > i
