@@ -1,5 +1,6 @@
 """Pure tensor functions: scans, SSD, kernels, convolutions (no modules, no hooks)."""
 
+from hooked.ops.big_buffer import big_zeros
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.selective_kernel import (
     mamba1_kernel_chunked,
