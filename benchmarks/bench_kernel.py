@@ -37,6 +37,7 @@ processes falls on all alike. The full Mamba-1 kernel is d_inner x pos^2 floats:
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable
 
@@ -71,6 +72,15 @@ def best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, f
     return best
 
 
+def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else unlimited."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return 2**62
+
+
 def once(fn: Callable[[], object]) -> float:
     start = time.process_time()
     fn()
@@ -99,11 +109,15 @@ def kernel_ratio(kind: str, seq_len: int, rounds: int, dense: bool) -> None:
     name = "blocks.0.mixer.hook_kernel"
 
     def with_kernel() -> None:
-        _, cache = model.run_with_cache(resid, names_filter=name, **blocks)
+        _, cache = model.run_with_cache(resid, names_filter=name, max_cache_bytes=2**50, **blocks)
         del cache
 
     inp = ssm_inputs(model, resid)
     kernel_shape = (1, inp["dt"].shape[-1], seq_len, seq_len)
+    need, free = 2 * 4 * math.prod(kernel_shape) + 2**30, available_bytes()
+    if need > free:  # a shared machine: never push others out of memory
+        print(f"{kind} pos {seq_len:5d}   skipped: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available")
+        return
     first = once(with_kernel)
     fns = {"forward": lambda: model(resid, **blocks), "kernel": with_kernel,
            "zeros": lambda: torch.zeros(kernel_shape),

@@ -313,6 +313,21 @@ def test_mamba1_rows_and_cols_are_slices(case, seq_len, chunk):
     torch.testing.assert_close(mamba1_kernel_cols(dt, A, B, C, idx, chunk_size=chunk), oracle[:, :, :, idx], **EXACT)
 
 
+@pytest.mark.skipif(not big_buffer.thp_offered(), reason="no transparent huge pages to advise here")
+@pytest.mark.parametrize("case", ["random", "underflow"])
+def test_mamba1_rows_and_cols_into_mapped_zeros(case, monkeypatch):
+    """Rows are written into big_zeros memory (sources after a row's chunk are left as its zeros)."""
+    monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    dt, A, B, C, oracle = mamba1_case(case, 300)
+    idx = positions(300)
+    rows = mamba1_kernel_rows(dt, A, B, C, idx, chunk_size=7)
+    sorted_rows = mamba1_kernel_rows(dt, A, B, C, idx.sort().values, chunk_size=7)
+    assert not sorted_rows.untyped_storage().resizable()  # the mapping itself (no reordering copy)
+    torch.testing.assert_close(rows, oracle[:, :, idx], **EXACT)
+    torch.testing.assert_close(sorted_rows, oracle[:, :, idx.sort().values], **EXACT)
+    torch.testing.assert_close(mamba1_kernel_cols(dt, A, B, C, idx, chunk_size=7), oracle[:, :, :, idx], **EXACT)
+
+
 @pytest.mark.parametrize("seq_len", [1, 17, 64, 300])
 @pytest.mark.parametrize("n_groups", [1, 2])
 def test_mamba2_rows_and_cols_are_slices(seq_len, n_groups):

@@ -111,10 +111,12 @@ def _rows_by_chunks(
     d_state] tensor is built beyond one chunk.
     """
     batch, seq_len, d_inner, _ = steps.shape
-    out = C.new_empty(batch, d_inner, len(rows), seq_len)  # every entry is written once below
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (steps, A, C, B_bar(slice(0, 1))))
+    shape = (batch, d_inner, len(rows), seq_len)
+    # every entry is written once below; without autograd into zeros, so sources after a row's chunk are not
+    out = C.new_empty(shape) if grad else big_zeros(shape, dtype=C.dtype, device=C.device)
     if len(rows) == 0:
         return out
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (steps, A, C, B_bar(slice(0, 1))))
     chunk_of = rows // chunk
     first = len(rows)  # rows[first:] are active: targets in chunks after the current one
     # V[:, :, first:] = C_j * decay(j <- start of chunk c+1), the left factor of every matmul.
@@ -144,7 +146,8 @@ def _rows_by_chunks(
             C_here = C[:, rows[lo:hi]]  # [b r n]
             entries, W_here = _own_chunk(torch.exp(steps_c * A), B_c, C_here, rows[lo:hi] - c * chunk)
             out[:, :, lo:hi, pos] = entries
-            out[:, :, lo:hi, pos.stop :] = 0  # sources after the chunk
+            if grad:
+                out[:, :, lo:hi, pos.stop :] = 0  # sources after the chunk
             V_here = rearrange(W_here * C_here[:, :, None], "b r d n -> b d r n")
             if grad:
                 V = torch.cat([V_here, V], dim=2)
