@@ -27,6 +27,7 @@ from hooked.ops import (
     ssd_chunked,
     ssd_sequential,
 )
+from hooked.ops.big_buffer import mapped_bytes
 
 
 def best_times(fns, rounds=7):
@@ -104,11 +105,12 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _heap_in_use():
-    """Bytes in use on the glibc heap (small blocks + mmapped blocks): where CPU tensors live."""
+    """Bytes in use on the glibc heap (small blocks + mmapped blocks), where CPU tensors live, plus
+    the huge-page mappings of hooked.ops.big_zeros (outside glibc's heap)."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
+    return info.uordblks + info.hblkhd + mapped_bytes()
 
 
 class _HeapPeak(TorchDispatchMode):

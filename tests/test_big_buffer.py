@@ -53,15 +53,17 @@ def test_mapped_is_zeros_of_shape_and_dtype(case, force_mapping):
 
 @needs_thp
 def test_mapping_lives_with_the_tensor_and_its_views(force_mapping):
+    before = big_buffer.mapped_bytes()
     t = big_zeros((1024, 1024), dtype=torch.float32, device="cpu")
     ptr = t.data_ptr()
+    assert big_buffer.mapped_bytes() == before + 4 * 2**20  # two whole huge pages
     view = t[10:20].T
     del t
-    assert mapped(ptr)
+    assert mapped(ptr) and big_buffer.mapped_bytes() == before + 4 * 2**20
     view.fill_(1)
     assert view.sum() == 10 * 1024
     del view
-    assert not mapped(ptr)
+    assert not mapped(ptr) and big_buffer.mapped_bytes() == before
 
 
 @needs_thp

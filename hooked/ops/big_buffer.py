@@ -27,6 +27,7 @@ a free huge page (seen once: 1.2 s for the very first 400 MB on a fragmented VM)
 import functools
 import math
 import mmap
+import weakref
 from pathlib import Path
 
 import torch
@@ -35,6 +36,16 @@ from torch import Tensor
 MIN_BYTES = 64 * 2**20  # below: torch.zeros
 HUGE_PAGE = 2 * 2**20  # the mapping is rounded up to whole 2 MiB pages
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_mapped = [0]  # bytes of big_zeros mappings alive now
+
+
+def mapped_bytes() -> int:
+    """Bytes of big_zeros mappings alive now (peak-memory probes that read glibc's counters miss them)."""
+    return _mapped[0]
+
+
+def _unmapped(nbytes: int) -> None:
+    _mapped[0] -= nbytes
 
 
 @functools.cache
@@ -63,6 +74,9 @@ def big_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.devic
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < MIN_BYTES or not thp_offered():
         return torch.zeros(shape, dtype=dtype, device=device)
-    mapped = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    mapped = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapped.madvise(mmap.MADV_HUGEPAGE)
+    _mapped[0] += length
+    weakref.finalize(mapped, _unmapped, length)
     return torch.frombuffer(mapped, dtype=dtype, count=numel).view(shape)
