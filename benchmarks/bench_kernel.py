@@ -3,8 +3,9 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_kernel.py [--pos 256 1024] [--rows-pos 8192] [--rounds 3]
 
 A fresh tensor of the Mamba-1 kernel's size is mostly page faults on a loaded VM (line "zeros").
-The kernel is written into ops.big_zeros memory, on 2 MiB pages where Linux offers them (line
-"big_zeros"). For comparison, let glibc keep freed memory so repeated kernels reuse their pages:
+The kernel is written into ops.big_zeros memory: on 2 MiB pages where they pay (--huge-pages auto:
+not on a VM that reports free pages to its host, see ops/big_buffer.py), or always (on), or never
+(off; torch.zeros). For comparison, let glibc keep freed memory so repeated kernels reuse their pages:
     GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=17179869184
 
 Glossary
@@ -47,6 +48,7 @@ from benchmarks.bench_scan import peak_bytes
 from hooked.models.mamba import HookedMamba, MambaConfig
 from hooked.models.mamba2 import HookedMamba2, Mamba2Config
 from hooked.ops import (
+    big_buffer,
     big_zeros,
     mamba1_kernel,
     mamba1_kernel_rows,
@@ -169,8 +171,12 @@ def main() -> None:
     p.add_argument("--rows-pos", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--families", nargs="+", default=["mamba1", "mamba2"])
+    p.add_argument("--huge-pages", choices=["auto", "on", "off"], default="auto")
     args = p.parse_args()
     torch.set_num_threads(1)
+    big_buffer.HUGE_PAGES = {"auto": None, "on": True, "off": False}[args.huge_pages]
+    print(f"huge pages {args.huge_pages}: offered {big_buffer.thp_offered()}, free pages reported to a host "
+          f"{big_buffer.free_pages_reported()} -> big_zeros advises them: {big_buffer.huge_pages_pay()}")
     with torch.no_grad():
         for kind in args.families:
             print(f"== {kind}: hook_kernel vs a one-layer forward (130M width) ==")

@@ -1,5 +1,6 @@
 """big_zeros: a zero tensor of the asked shape/dtype/device; large CPU ones are huge-page mappings
-that the tensor alone keeps alive (unmapped when it and its views die); elsewhere torch.zeros."""
+that the tensor alone keeps alive (unmapped when it and its views die) where huge pages pay (the
+HUGE_PAGES policy, free page reporting read from the balloon's features); elsewhere torch.zeros."""
 
 import subprocess
 import sys
@@ -28,6 +29,7 @@ def mapped(ptr: int) -> bool:
 def force_mapping(monkeypatch):
     """Every CPU tensor takes the mapped path, however small."""
     monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    monkeypatch.setattr(big_buffer, "HUGE_PAGES", True)
 
 
 CASES = {  # shape, dtype
@@ -71,7 +73,9 @@ def test_no_leak_under_an_address_space_limit():
     """64 tensors of 256 MiB (16 GiB) made and dropped in a process limited to its size + 1 GiB."""
     code = textwrap.dedent("""
         import resource, torch
+        from hooked.ops import big_buffer
         from hooked.ops.big_buffer import big_zeros
+        big_buffer.HUGE_PAGES = True
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize")) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -94,6 +98,51 @@ def test_elsewhere_it_is_torch_zeros(monkeypatch):
     meta = big_zeros((2**20, 2**10), dtype=torch.float32, device="meta")  # 4 GiB, never allocated
     assert meta.device.type == "meta" and meta.shape == (2**20, 2**10)
     monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    monkeypatch.setattr(big_buffer, "HUGE_PAGES", True)
     monkeypatch.setattr(big_buffer, "thp_offered", lambda: False)
     plain = big_zeros((5,), dtype=torch.float32, device="cpu")
     assert plain.untyped_storage().resizable() and (plain == 0).all()
+
+
+BALLOONS = {  # features of each virtio balloon device (bit k = character k), reported?
+    "none": ([], False),
+    "reporting": (["0110010100000000"], True),  # this VM's: stats, deflate on OOM, reporting
+    "no_reporting": (["0110000000000000"], False),
+    "second_device": (["0100000000000000", "0000010000000000"], True),
+}
+
+
+@pytest.mark.parametrize("name", BALLOONS)
+def test_free_page_reporting_is_read_from_the_balloon_features(name, tmp_path, monkeypatch):
+    features, reported = BALLOONS[name]
+    for k, bits in enumerate(features):
+        (tmp_path / f"virtio{k}").mkdir()
+        (tmp_path / f"virtio{k}" / "features").write_text(bits + "\n")
+    monkeypatch.setattr(big_buffer, "_BALLOONS", tmp_path)
+    big_buffer.free_pages_reported.cache_clear()
+    try:
+        assert big_buffer.free_pages_reported() is reported
+    finally:
+        big_buffer.free_pages_reported.cache_clear()
+
+
+POLICY = {  # HUGE_PAGES, offered, reported -> advise?
+    "auto_bare_metal": (None, True, False, True),
+    "auto_reporting_vm": (None, True, True, False),
+    "auto_not_offered": (None, False, False, False),
+    "forced_on_reporting_vm": (True, True, True, True),
+    "forced_on_not_offered": (True, False, False, False),
+    "forced_off": (False, True, False, False),
+}
+
+
+@pytest.mark.parametrize("name", POLICY)
+def test_huge_pages_policy(name, monkeypatch):
+    setting, offered, reported, advise = POLICY[name]
+    monkeypatch.setattr(big_buffer, "HUGE_PAGES", setting)
+    monkeypatch.setattr(big_buffer, "thp_offered", lambda: offered)
+    monkeypatch.setattr(big_buffer, "free_pages_reported", lambda: reported)
+    assert big_buffer.huge_pages_pay() is advise
+    monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    t = big_zeros((4, 4), dtype=torch.float32, device="cpu")
+    assert t.untyped_storage().resizable() is not advise and (t == 0).all()

@@ -143,6 +143,7 @@ def test_written_in_place_equals_autograd_path(seq_len, mapped, monkeypatch):
         if not big_buffer.thp_offered():
             pytest.skip("no transparent huge pages to advise here")
         monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+        monkeypatch.setattr(big_buffer, "HUGE_PAGES", True)
     dt, A, B, C, oracle = mamba1_case("random", seq_len)
     for chunk in CHUNKS:
         with KernelSized(oracle.numel() // 4) as probe:
@@ -280,6 +281,7 @@ def test_mamba2_written_in_place_equals_autograd_path(name, mapped, monkeypatch)
         if not big_buffer.thp_offered():
             pytest.skip("no transparent huge pages to advise here")
         monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+        monkeypatch.setattr(big_buffer, "HUGE_PAGES", True)
     inp = mamba2_inputs(150, n_groups=1)
     A_bar, B_bar, C, _ = mamba2_discrete_case("scaled", 150)
     args = [A_bar, B_bar, C, inp["dt"], inp["A"], inp["B"], inp["C"]]
@@ -318,6 +320,7 @@ def test_mamba1_rows_and_cols_are_slices(case, seq_len, chunk):
 def test_mamba1_rows_and_cols_into_mapped_zeros(case, monkeypatch):
     """Rows are written into big_zeros memory (sources after a row's chunk are left as its zeros)."""
     monkeypatch.setattr(big_buffer, "MIN_BYTES", 0)
+    monkeypatch.setattr(big_buffer, "HUGE_PAGES", True)
     dt, A, B, C, oracle = mamba1_case(case, 300)
     idx = positions(300)
     rows = mamba1_kernel_rows(dt, A, B, C, idx, chunk_size=7)
