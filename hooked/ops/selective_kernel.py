@@ -173,7 +173,7 @@ def _full_by_chunks(
     per group of channels writes a band of rows, (C_j decay(j <- s)) @ R[..., :s], into a small
     contiguous block, then into the kernel (a strided out= makes bmm loop over channels, slower
     than the copy). Nothing above the diagonal is written: big_zeros' memory is zeroed by the OS,
-    on huge pages where offered (ops/big_buffer.py; page faults otherwise cost as much as the math).
+    on huge pages where they pay (ops/big_buffer.py: page faults can cost as much as the math).
     """
     batch, seq_len, d_inner, _ = steps.shape
     d_state = A.shape[1]
@@ -233,7 +233,7 @@ def mamba1_kernel_chunked(
 
     Stable for any length and decay: every exponential is of a non-positive sum. Memory: the
     kernel plus O(batch * d_inner * d_state * (pos + chunk_size^2)). Without autograd the kernel
-    is written into big_zeros memory (huge pages on Linux CPU), with no temporary of its size;
+    is written into big_zeros memory (huge pages where they pay), with no temporary of its size;
     with autograd on, it is built out of place (slower, same numbers).
 
     Args:
