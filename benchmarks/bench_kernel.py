@@ -18,13 +18,15 @@ Glossary
     zeros        torch.zeros of the kernel's shape: the floor any kernel that returns a fresh tensor
                  pays (on a loaded VM, page faults cost about as much as writing the memory 10 times)
     big_zeros    ops.big_zeros of the kernel's shape, written once (fill_): the floor of our kernel
-    first        the first + kernel run of the process, before any warm-up: it may pay for the OS
-                 finding free huge pages (compaction), one sample
+    first        the first + kernel run of the process, before any warm-up, one sample: with huge
+                 pages on a VM that reports free pages to its host, seconds (the host faults the
+                 reported memory back in); later runs reuse the blocks freed just before
     dense        the dense reference ops.mamba1_kernel (d_inner x pos^2 x d_state exponentials),
                  timed once, at the first pos only
     rows         ops.mamba1_kernel_rows / mamba2_kernel_rows for the last 8 targets, from the
-                 layer's cached dt, B, C; peak = glibc heap in use above the start, sampled after
-                 every aten op (bench_scan.peak_bytes); / pos shows it is linear in pos
+                 layer's cached dt, B, C; peak = glibc heap in use (+ big_zeros mappings) above the
+                 start, sampled after every aten op (bench_scan.peak_bytes); / pos shows it is
+                 linear in pos
 
 Mamba-1: d_model 768, d_inner 1536, d_state 16 (mamba-130m). Mamba-2: d_model 768, 24 heads of
 64, d_state 128, 1 group, chunk 256 (mamba2-130m); there the kernel path is also compared with
@@ -32,7 +34,7 @@ the SSD op alone (mamba2_kernel_chunked, which hook_kernel uses, and the dense r
 mamba2_kernel, over ssd_chunked on the same dt, A, B, C).
 Times are minimum CPU times over --rounds rounds, run round-robin so that load from other
 processes falls on all alike. The full Mamba-1 kernel is d_inner x pos^2 floats: 0.4 GB at pos
-256, 6.4 GB at 1024.
+256, 6.4 GB at 1024; a size that would not fit twice in the memory available now is skipped.
 """
 
 from __future__ import annotations
