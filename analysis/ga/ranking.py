@@ -50,6 +50,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.interventions.ablation import ablate_heads, ablate_heads_rows, head_layout
+from analysis.interventions.batching import tiles_for
 from analysis.interventions.experts import ablate_experts, moe_layout
 from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
@@ -156,11 +157,7 @@ def replicas_for(model: Any, scorer: ChoiceScorer, limit: int | None = None) -> 
     """
     rows = max(len(b.tokens) for b in scorer.batches)
     width = max(b.tokens.shape[1] for b in scorer.batches)
-    if next(model.parameters()).device.type != "cpu":
-        r = max(1, 512 // rows)
-    else:
-        r = max(1, 2**17 // (rows * width * model.cfg.d_model))
-    return max(1, min(r, 32, limit or 32))
+    return tiles_for(model, rows, width, limit)
 
 
 def _exact(model: Any, scorer: ChoiceScorer, units: Sequence[Unit], mode: str, mean_cache: Any,

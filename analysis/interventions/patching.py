@@ -25,6 +25,10 @@ Glossary
                   d activation, from one forward and one backward on the base run (Nanda 2023).
     screened patching      `screened_patch`: the estimate everywhere, exact patches for the indices
                   with the largest estimated effect and a random control set (issue 17).
+    replicas      r different patches in one forward: the base run is tiled r times along the
+                  batch axis, block j of rows gets patch j, and the metric is taken per block
+                  (`analysis.interventions.batching.tiles_for` is the rule; replicas=1 runs one patch
+                  per forward). Equal to one patch per forward within 1e-6 (tests).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from analysis.interventions.batching import tiles_for
 from analysis.validate import NotAnIndex, as_index, index_list, index_mask, layer_list
 
 Metric = Callable[[Tensor], Any]
@@ -143,6 +148,45 @@ def _patch_hook(source: Tensor, index: tuple, setter: Setter) -> Callable:
     return hook
 
 
+def _rows_patch_hook(source: Tensor, indices: Sequence[tuple], setter: Setter) -> Callable:
+    """Block j of the (tiled) batch gets `setter(block, source, indices[j])`."""
+    def hook(act: Tensor, hook: Any) -> Tensor:
+        n = source.shape[0]
+        if act.shape[0] != n * len(indices) or act.shape[1:] != source.shape[1:]:
+            raise ValueError(f"{hook.name}: the source has shape {tuple(source.shape)}, the run {tuple(act.shape)} "
+                             f"({len(indices)} patches tiled)")
+        return torch.cat([setter(act[j * n:(j + 1) * n], source, idx) for j, idx in enumerate(indices)])
+
+    return hook
+
+
+def _tile(x: Tensor | None, r: int) -> Tensor | None:
+    return None if x is None or r == 1 else x.repeat(r, *([1] * (x.ndim - 1)))
+
+
+def _patched_values(model: Any, inp: Tensor, start: int | None, tokens: Tensor, attention_mask: Tensor | None,
+                    name: str, source: Tensor, indices: Sequence[tuple], setter: Setter,
+                    metric: Metric) -> list[float]:
+    """metric of the base run with each patch in `indices`, all in one forward (r = len(indices) replicas)."""
+    r = len(indices)
+    if r == 1:
+        return [float(metric(_run(model, inp, start, tokens, attention_mask,
+                                  [(name, _patch_hook(source, indices[0], setter))])))]
+    hook = _rows_patch_hook(source, indices, setter)
+    logits = _run(model, _tile(inp, r), start, _tile(tokens, r), _tile(attention_mask, r), [(name, hook)])
+    n = tokens.shape[0]
+    return [float(metric(logits[j * n:(j + 1) * n])) for j in range(r)]
+
+
+def patch_replicas(model: Any, tokens: Tensor, replicas: int | None) -> int:
+    """Patches per forward: `replicas`, or the batching rule (`tiles_for`) for this base run when None."""
+    if replicas is None:
+        return tiles_for(model, tokens.shape[0], tokens.shape[1] if tokens.ndim > 1 else 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive int (patches per forward) or None (the rule), got {replicas!r}")
+    return replicas
+
+
 def _run(model: Any, inp: Tensor, start: int | None, tokens: Tensor, attention_mask: Tensor | None,
          hooks: list[tuple[str, Callable]]) -> Tensor:
     with model.hooks(fwd_hooks=hooks):
@@ -184,13 +228,16 @@ def _hook_layer(name: str) -> int | None:
 def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook_name_template: str,
               over: Sequence[str] = ("layer", "pos"), *, attention_mask: Tensor | None = None,
               setter: Setter = set_slice, reuse_prefix: bool = True, progress: bool = False,
-              layers: Sequence[int] | None = None) -> Tensor:
+              layers: Sequence[int] | None = None, replicas: int | None = None) -> Tensor:
     """Patch every index of `over` in turn and record `metric`; a tensor indexed by `over`.
 
     `hook_name_template` holds `{layer}` when "layer" is in `over` ("blocks.{layer}.attn.hook_z").
     The layer axis spans all n_layers; layers without that hook, or left out of `layers` (a subset
-    to sweep), hold NaN (Zamba2's shared blocks exist in some layers only).
+    to sweep), hold NaN (Zamba2's shared blocks exist in some layers only). replicas: patches of one
+    layer per forward, one per block of tiled batch rows (None: the rule `tiles_for`; 1: one per
+    forward). `metric` is called on each block's logits, which have the base run's batch size.
     """
+    r = patch_replicas(model, tokens, replicas)
     over = _check_over(over, hook_name_template)
     if "layer" in over:
         wanted = range(model.cfg.n_layers) if layers is None else layer_list(layers, model.cfg.n_layers)
@@ -213,11 +260,15 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
             name = names[layer]
             source = _source(clean_cache, name)
             start = None if base is tokens else layer
-            for combo in itertools.product(*ranges):
-                hook = _patch_hook(source, index_tuple(name, dict(zip(inner, combo))), setter)
-                logits = _run(model, base, start, tokens, attention_mask, [(name, hook)])
-                out[tuple(layer if a == "layer" else combo[inner.index(a)] for a in over)] = float(metric(logits))
-                bar.update()
+            combos = list(itertools.product(*ranges))
+            for s in range(0, len(combos), r):
+                chunk = combos[s:s + r]
+                indices = [index_tuple(name, dict(zip(inner, combo))) for combo in chunk]
+                values = _patched_values(model, base, start, tokens, attention_mask, name, source, indices, setter,
+                                         metric)
+                for combo, value in zip(chunk, values):
+                    out[tuple(layer if a == "layer" else combo[inner.index(a)] for a in over)] = value
+                bar.update(len(chunk))
     bar.close()
     return out
 
@@ -414,17 +465,20 @@ def _on_graph(act: Tensor, name: str) -> Tensor:
 def screened_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook_name_template: str,
                    over: Sequence[str] = ("layer", "pos"), *, attention_mask: Tensor | None = None,
                    verify_top: int = 20, n_control: int = 5, seed: int = 0,
-                   baseline: float | None = None) -> dict[str, Tensor]:
+                   baseline: float | None = None, replicas: int | None = None,
+                   setter: Setter = set_slice) -> dict[str, Tensor]:
     """`act_patch` screened: `attribution_patch` for every index, then exact patches of the `verify_top`
     indices with the largest |estimate - baseline| and of `n_control` random others.
 
     Returns {"estimate": attribution tensor, "exact": act_patch values where verified (NaN elsewhere),
     "verified": bool tensor, "control": bool tensor}; the axes are those of `act_patch`. baseline:
     the unpatched metric (default: computed on `tokens`), from which the estimates' size is measured.
+    The exact patches of one layer run `replicas` per forward (as `act_patch`), from the base run's
+    residual entering that layer.
     """
     import random
 
-    over = tuple(over)
+    over = _check_over(over, hook_name_template)
     est = attribution_patch(model, tokens, clean_cache, metric, hook_name_template, over, attention_mask=attention_mask)
     if baseline is None:
         with torch.no_grad():
@@ -438,17 +492,29 @@ def screened_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric,
     exact = torch.full_like(est, float("nan"))
     verified = torch.zeros(est.shape, dtype=torch.bool)
     is_control = torch.zeros(est.shape, dtype=torch.bool)
+    by_layer: dict[Any, list[tuple[int, tuple]]] = {}
+    for flat in top + control:
+        idx = {a: int(v) for a, v in zip(over, torch.unravel_index(torch.tensor(flat), est.shape))}
+        layer = idx.pop("layer", None)
+        by_layer.setdefault(layer, []).append((flat, tuple(idx[a] for a in over if a != "layer")))
+    inner = [a for a in over if a != "layer"]
+    layers = sorted(by_layer, key=lambda l: -1 if l is None else l)
+    names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
+    r = patch_replicas(model, tokens, replicas)
     with torch.no_grad():
-        for flat in top + control:
-            idx = dict(zip(over, torch.unravel_index(torch.tensor(flat), est.shape)))
-            idx = {a: int(v) for a, v in idx.items()}
-            layer = idx.pop("layer", None)
-            name = hook_name_template.format(layer=layer) if layer is not None else hook_name_template
-            logits = patch(model, tokens, clean_cache, name, {("head" if a == "channel" else a): v for a, v in idx.items()},
-                           attention_mask=attention_mask)
-            exact.view(-1)[flat] = float(metric(logits))
-            verified.view(-1)[flat] = True
-            is_control.view(-1)[flat] = flat in control
+        for layer, base in _bases(model, tokens, attention_mask, layers, names, True):
+            name, items = names[layer], by_layer[layer]
+            source = _source(clean_cache, name)
+            start = None if base is tokens else layer
+            for s in range(0, len(items), r):
+                chunk = items[s:s + r]
+                indices = [index_tuple(name, dict(zip(inner, combo))) for _, combo in chunk]
+                values = _patched_values(model, base, start, tokens, attention_mask, name, source, indices, setter,
+                                         metric)
+                for (flat, _), value in zip(chunk, values):
+                    exact.view(-1)[flat] = value
+                    verified.view(-1)[flat] = True
+                    is_control.view(-1)[flat] = flat in control
     return {"estimate": est, "exact": exact, "verified": verified, "control": is_control}
 
 
