@@ -95,6 +95,14 @@ def test_the_rule_tiles_small_cpu_runs_and_caps():
     assert tiles_for(model, 2, 8) == min(MAX_REPLICAS, CPU_ELEMENTS // (2 * 8 * 32)) == 32
     assert tiles_for(model, 64, 64) == 1 and tiles_for(model, 8, 16) == CPU_ELEMENTS // (8 * 16 * 32)
     assert tiles_for(model, 2, 8, limit=3) == 3
+    # a lazy state larger than the stream counts instead of it (Mamba's hook_h: pos x d_inner x d_state)
+    assert tiles_for(model, 2, 8, per_row=2**15) == 2 and tiles_for(model, 2, 8, per_row=100) == 32
+    mamba = _model("mamba")
+    clean, _ = _pair(n=64)
+    _, cache = mamba.run_with_cache(clean, names_filter=lambda n: n.endswith("hook_h"))
+    state = cache["blocks.0.mixer.hook_h"]
+    assert patch_replicas(mamba, clean, None, state) == tiles_for(mamba, 2, 64, per_row=state[0].numel()) == 8 \
+        < patch_replicas(mamba, clean, None)
     tokens = torch.zeros(2, 8, dtype=torch.long)
     assert patch_replicas(model, tokens, None) == 32 and patch_replicas(model, tokens, 4) == 4
     for bad in (0, -1, 2.0, True):

@@ -232,22 +232,3 @@ def test_ga_report_states_method_intervals_separability_and_timing(method, tmp_p
     assert set(summary["timing"]) >= {"rank_heads", "accuracy_by_size", "total"}
     assert bool(summary["screen"]) == (method == "screened")
     assert (tmp_path / "est_logprob_drop_heatmap.png").exists() == (method == "screened")
-
-
-def test_screened_ranking_verifies_every_expert_unit():
-    """Experts have no attribution estimate yet: a screened ranking ablates each exactly, like exhaustive."""
-    from test_hybrid_analysis import family
-
-    from analysis.ga import expert_units
-
-    _, model = family("granite")
-    examples = kv_retrieval(2, 3, seed=1)
-    units = head_units(model)[:3] + expert_units(model)
-    ex = rank_heads(model, examples, units, batch_size=4, pairs_top_k=2, progress=False)
-    sc = rank_heads(model, examples, units, method="screened", verify_top=1, n_control=0, batch_size=4,
-                    pairs_top_k=2, progress=False)
-    exact = {r["unit"]: r for r in ex.rows}
-    experts = [r for r in sc.rows if r["kind"] == "expert"]
-    assert len(experts) == 12 and all(r["verified"] for r in experts)
-    assert all(r["accuracy"] == exact[r["unit"]]["accuracy"] and r["logprob"] == exact[r["unit"]]["logprob"]
-               for r in experts)

@@ -17,8 +17,8 @@ Glossary
                     estimated by attribution (`analysis.ga.screening`, one forward + backward),
                     then the `verify_top` best by estimated (accuracy drop, log-prob drop), by
                     estimated log-prob drop and by estimated margin drop, the `pair_with` units and
-                    `n_control` random others ablated exactly (experts have no estimate yet and are
-                    always verified); rows say `verified` (exact) or not
+                    `n_control` random others ablated exactly (experts too: their estimate is
+                    through their routing weights); rows say `verified` (exact) or not
                     (estimates only, drop = NaN), and `control` marks the random draws.
     prescreen       (prescreen_n) every unit ablated exactly on a few prompts: a candidate source that
                     sees nonlinear effects first-order estimates miss (saturated attention).
@@ -242,16 +242,12 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     if method == "screened":
         from analysis.ga.screening import estimate_effects
 
-        heads = [u for u in units if u.kind == "head"]
-        others = [u for u in units if u.kind != "head"]  # experts: no attribution yet, always verified
-        estimates = estimate_effects(model, scorer, heads, mode, mean_cache)
-        estimates.update({u.label: dict.fromkeys(("est_drop", "est_logprob_drop", "est_margin_drop"), math.nan)
-                          for u in others})
+        estimates = estimate_effects(model, scorer, units, mode, mean_cache)  # heads, channel groups, experts
         pre: list[Unit] = []
         if prescreen_n:
             pre = _prescreen(model, scorer, units, prescreen_n, batch_size, mode, mean_cache, reuse_prefix,
                              replicas, estimates, progress)
-        chosen = list(dict.fromkeys(candidates(heads, estimates, verify_top) + pre[:verify_top] + others + extra))
+        chosen = list(dict.fromkeys(candidates(units, estimates, verify_top) + pre[:verify_top] + extra))
         rest = [u for u in units if u not in chosen]
         control = random.Random(seed).sample(rest, min(n_control, len(rest)))
         to_verify = [u for u in units if u in set(chosen) | set(control)]  # forward order

@@ -3,7 +3,11 @@
 Glossary
     write        a unit's output at its module's write hook (attention `hook_z`, SSM `hook_gated`:
                  see analysis.interventions.ablation); ablating the unit replaces its slice of the
-                 write by `fill` (0, or the mean write for mean ablation).
+                 write by `fill` (0, or the mean write for mean ablation). For an expert unit the
+                 write is its routing weight (`hook_routing_weights`, in the slots where
+                 `hook_chosen` names it): zero-ablating the expert zeroes those weights
+                 (`ablate_experts`), and the MoE output is linear in them, so the estimate is first
+                 order in what follows the MoE only.
     estimate     first order (attribution patching, Nanda 2023; Kramar et al. 2024, AtP): the change
                  of a per-example quantity q is ~ sum over positions and features of
                  dq/dwrite * (fill - write), restricted to the unit's heads. One forward of every
@@ -20,8 +24,11 @@ Glossary
                  saturates, a redundant twin that takes over): AtP* recomputes the attention of the
                  top candidates; we go further and ablate them exactly (`rank_heads(method="screened")`),
                  plus a random control set that measures what the screen missed.
-    gradient path  each write is replaced by a copy that requires grad; through lazy hooks this is
-                 kept as an edit (`hooked.hook_points.through_hook`), so no nudge is needed.
+    gradient path  each write is replaced by a copy on the graph (requiring grad); through lazy hooks
+                 this is kept as an edit (`hooked.hook_points.through_hook`), so no nudge is needed.
+                 The copy is not detached from earlier writes: d q / d write is the total derivative,
+                 through every later head, MLP and SSM (a detached copy, used before issue 17b, gave
+                 only the paths that avoid every later hooked write).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import _mean_of, attached, head_layout
+from analysis.interventions.experts import moe_layout
 from analysis.tasks.scoring import ChoiceScorer
 
 
@@ -48,21 +56,36 @@ def _row_owner(scorer: ChoiceScorer) -> list[Tensor]:
 
 def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str], mode: str = "zero",
                        mean_cache: Any = None) -> dict[str, Any]:
-    """Per head module: estimated change of each example's margin and answer log-prob when each of its
-    heads is ablated ({"margin": {prefix: [example head]}, "logprob": {...}, "base_margin": [example]})."""
-    layout = head_layout(model)
-    mods = [layout[p] for p in modules]
+    """Per head module or MoE: estimated change of each example's margin and answer log-prob when each of
+    its heads (experts) is ablated ({"margin": {prefix: [example head]}, "logprob": {...},
+    "base_margin": [example], "base_logprob": [example]})."""
+    layout, moes = head_layout(model), moe_layout(model)
+    unknown = [p for p in modules if p not in layout and p not in moes]
+    if unknown:
+        raise ValueError(f"{unknown} are neither head modules nor mixture-of-experts MLPs of this model")
+    experts = [p for p in modules if p in moes]
+    if experts and mode != "zero":
+        raise ValueError(f"expert units are zero-ablated only, got mode={mode!r}")
+    mods = [layout[p] for p in modules if p in layout]
     acts: dict[str, list[Tensor]] = {m.hook: [] for m in mods}
+    acts.update({f"{p}.hook_routing_weights": [] for p in experts})
+    chosen: dict[str, list[Tensor]] = {f"{p}.hook_chosen": [] for p in experts}
 
     def grab(act: Tensor, hook: Any) -> Tensor:
-        x = act.detach().clone().requires_grad_(True)
+        # stay on the graph: a detached copy would cut every path from earlier writes through this
+        # one, and earlier units' estimates would miss their effect through later heads
+        x = act.clone() if act.requires_grad else act.detach().clone().requires_grad_(True)
         acts[hook.name].append(x)
         return x
 
+    def seen(act: Tensor, hook: Any) -> None:
+        chosen[hook.name].append(act.detach())
+
+    hooks = [(name, grab, False) for name in acts] + [(name, seen, False) for name in chosen]
     n_ex, n_ch, n = len(scorer.examples), scorer.n_choices, model.cfg.n_layers
     device = next(model.parameters()).device
     flat = torch.zeros(n_ex * n_ch, dtype=torch.float64, device=device)
-    with torch.enable_grad(), attached(model, [(m.hook, grab, False) for m in mods]):
+    with torch.enable_grad(), attached(model, hooks):
         for batch in scorer.batches:
             resid = model(batch.tokens, batch.attention_mask, stop_at_layer=n)
             picked = resid[batch.rows, batch.cols]
@@ -76,34 +99,46 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
         others = scores.scatter(1, answers[:, None], float("-inf")).max(-1).values
         margin = right - others
         logprob = scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]
-        leaves = [x for m in mods for x in acts[m.hook]]
+        names = list(acts)
+        leaves = [x for name in names for x in acts[name]]
         g_margin = torch.autograd.grad(margin.sum(), leaves, retain_graph=True, allow_unused=True)
         g_logprob = torch.autograd.grad(logprob.sum(), leaves, allow_unused=True)
     owners = _row_owner(scorer)
     out: dict[str, Any] = {"margin": {}, "logprob": {}, "base_margin": margin.detach().cpu(),
                            "base_logprob": logprob.detach().cpu()}
     i = 0
-    for m in mods:
-        fill = torch.zeros((), dtype=torch.float64) if mode == "zero" else _mean_of(mean_cache, m.hook).double()
+    for name in names:
+        if name.endswith(".hook_routing_weights"):
+            prefix = name[: -len(".hook_routing_weights")]
+            width, fill, picks = moes[prefix], torch.zeros((), dtype=torch.float64), chosen[f"{prefix}.hook_chosen"]
+        else:
+            m = next(m for m in mods if m.hook == name)
+            prefix, width, picks = m.prefix, m.n_heads, None
+            fill = torch.zeros((), dtype=torch.float64) if mode == "zero" else _mean_of(mean_cache, m.hook).double()
         for key, grads in (("margin", g_margin), ("logprob", g_logprob)):
-            per_ex = torch.zeros(n_ex, m.n_heads, dtype=torch.float64)
-            for b, act in enumerate(acts[m.hook]):
+            per_ex = torch.zeros(n_ex, width, dtype=torch.float64)
+            for b, act in enumerate(acts[name]):
                 g = grads[i + b]
                 if g is None:
                     continue
                 a = act.detach().double().cpu()
                 prod = g.double().cpu() * (fill - a)  # [rows pos ...]
-                per_head = prod.sum(1).reshape(len(a), m.n_heads, -1).sum(-1)  # [rows n_heads]
+                if picks is None:
+                    per_unit = prod.sum(1).reshape(len(a), width, -1).sum(-1)  # [rows n_heads]
+                else:  # each slot's term goes to the expert chosen there: [rows n_experts]
+                    per_unit = torch.zeros(len(a), width, dtype=torch.float64).scatter_add_(
+                        1, picks[b].cpu().flatten(1), prod.flatten(1))
                 keep = owners[b] >= 0
-                per_ex.index_add_(0, owners[b][keep], per_head[keep])
-            out[key][m.prefix] = per_ex
-        i += len(acts[m.hook])
+                per_ex.index_add_(0, owners[b][keep], per_unit[keep])
+            out[key][prefix] = per_ex
+        i += len(acts[name])
     return out
 
 
 def estimate_effects(model: Any, scorer: ChoiceScorer, units: Sequence[Any], mode: str = "zero",
                      mean_cache: Any = None) -> dict[str, dict[str, float]]:
-    """{unit label: {"est_drop", "est_logprob_drop", "est_margin_drop"}} from one forward and one backward per quantity."""
+    """{unit label: {"est_drop", "est_logprob_drop", "est_margin_drop"}} from one forward and one backward per
+    quantity; heads, channel groups and experts alike (a unit's `heads` index its module's columns)."""
     att = write_attributions(model, scorer, sorted({u.module for u in units}), mode, mean_cache)
     base = att["base_margin"]
     right_now = (base > 0).double().mean().item()

@@ -178,10 +178,12 @@ def _patched_values(model: Any, inp: Tensor, start: int | None, tokens: Tensor, 
     return [float(metric(logits[j * n:(j + 1) * n])) for j in range(r)]
 
 
-def patch_replicas(model: Any, tokens: Tensor, replicas: int | None) -> int:
-    """Patches per forward: `replicas`, or the batching rule (`tiles_for`) for this base run when None."""
+def patch_replicas(model: Any, tokens: Tensor, replicas: int | None, source: Tensor | None = None) -> int:
+    """Patches per forward: `replicas`, or the batching rule (`tiles_for`) for this base run and patched
+    activation (`source`: its size per row counts when it exceeds the stream's) when None."""
     if replicas is None:
-        return tiles_for(model, tokens.shape[0], tokens.shape[1] if tokens.ndim > 1 else 1)
+        per_row = 0 if source is None else source[0].numel()
+        return tiles_for(model, tokens.shape[0], tokens.shape[1] if tokens.ndim > 1 else 1, per_row=per_row)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive int (patches per forward) or None (the rule), got {replicas!r}")
     return replicas
@@ -237,7 +239,6 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
     layer per forward, one per block of tiled batch rows (None: the rule `tiles_for`; 1: one per
     forward). `metric` is called on each block's logits, which have the base run's batch size.
     """
-    r = patch_replicas(model, tokens, replicas)
     over = _check_over(over, hook_name_template)
     if "layer" in over:
         wanted = range(model.cfg.n_layers) if layers is None else layer_list(layers, model.cfg.n_layers)
@@ -248,6 +249,7 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
         layers = [None]
     names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
     first = _source(clean_cache, names[layers[0]])
+    r = patch_replicas(model, tokens, replicas, first)
     inner = [a for a in over if a != "layer"]
     for a in inner:
         check_axis(names[layers[0]], a, first.shape, model.cfg.d_model)
@@ -500,7 +502,7 @@ def screened_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric,
     inner = [a for a in over if a != "layer"]
     layers = sorted(by_layer, key=lambda l: -1 if l is None else l)
     names = {l: hook_name_template.format(layer=l) if l is not None else hook_name_template for l in layers}
-    r = patch_replicas(model, tokens, replicas)
+    r = patch_replicas(model, tokens, replicas, _source(clean_cache, names[layers[0]]) if layers else None)
     with torch.no_grad():
         for layer, base in _bases(model, tokens, attention_mask, layers, names, True):
             name, items = names[layer], by_layer[layer]
