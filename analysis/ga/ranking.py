@@ -212,12 +212,14 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
                method: str = "exhaustive", batch_size: int = 16, reuse_prefix: bool = True, pairs_top_k: int = 4,
                mode: str = "zero", mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
                pair_with: Sequence[Unit | str] = (), verify_top: int = 60, n_control: int = 10, seed: int = 0,
-               replicas: int | None = None, confidence: float = 0.95, prescreen_n: int | None = None) -> HeadRanking:
+               replicas: int | None = None, confidence: float = 0.95, prescreen_n: int | None = None,
+               refine: str = "none") -> HeadRanking:
     """Accuracy (and answer log-prob) drop when each unit is ablated, with intervals; then pairs.
 
     method: "exhaustive" (every unit exact) or "screened" (see the glossary). replicas: units per
     forward (None: `replicas_for`'s rule; 1: one ablation per forward). prescreen_n (screened): also
     ablate every unit exactly on the first `prescreen_n` prompts and verify its `verify_top` best.
+    refine (screened): the estimate's refinement, "none", "scores" or "qk" (`estimate_effects`).
     Pairs: every pair among the top `pairs_top_k` units by single-unit drop plus the units in
     `pair_with` (Units or labels; e.g. the best aggregate scorers): redundant heads each cost little
     alone, so single-unit ranking alone would never pair them.
@@ -242,7 +244,8 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     if method == "screened":
         from analysis.ga.screening import estimate_effects
 
-        estimates = estimate_effects(model, scorer, units, mode, mean_cache)  # heads, channel groups, experts
+        # heads, channel groups, experts; refine: analysis.ga.screening.estimate_effects
+        estimates = estimate_effects(model, scorer, units, mode, mean_cache, refine)
         pre: list[Unit] = []
         if prescreen_n:
             pre = _prescreen(model, scorer, units, prescreen_n, batch_size, mode, mean_cache, reuse_prefix,

@@ -43,6 +43,8 @@ from analysis.interventions.ablation import _mean_of, attached, head_layout
 from analysis.interventions.experts import moe_layout
 from analysis.tasks.scoring import ChoiceScorer
 
+REFINES = ("none", "scores", "qk")
+
 
 def _row_owner(scorer: ChoiceScorer) -> list[Tensor]:
     """Per batch: the example each row belongs to ([rows])."""
@@ -55,10 +57,18 @@ def _row_owner(scorer: ChoiceScorer) -> list[Tensor]:
 
 
 def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str], mode: str = "zero",
-                       mean_cache: Any = None) -> dict[str, Any]:
-    """Per head module or MoE: estimated change of each example's margin and answer log-prob when each of
-    its heads (experts) is ablated ({"margin": {prefix: [example head]}, "logprob": {...},
-    "base_margin": [example], "base_logprob": [example]})."""
+                       mean_cache: Any = None, extra: Sequence[str] = (), keep: Sequence[str] = (),
+                       per_choice: bool = False) -> dict[str, Any]:
+    """Per head module or MoE: estimated change of each example's quantities when each of its heads
+    (experts) is ablated: {quantity: {prefix: [example head]}, "base_margin": [example],
+    "base_logprob": [example], "base_scores": [example choice], "quantities": names}.
+
+    Quantities: "margin" and "logprob" (two backwards), or with per_choice every choice's score
+    "choice0", "choice1", ... (one backward per choice; `estimate_effects` then applies the exact
+    log-softmax over the choices). extra: more hook names whose activations and gradients are
+    returned per batch (out["extra"][name] = {"value": [...], quantity: [...]}); keep: hook names whose
+    activations alone are returned (out["kept"][name] = [...]). Used by `analysis.ga.qk_fix`.
+    """
     layout, moes = head_layout(model), moe_layout(model)
     unknown = [p for p in modules if p not in layout and p not in moes]
     if unknown:
@@ -69,7 +79,9 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
     mods = [layout[p] for p in modules if p in layout]
     acts: dict[str, list[Tensor]] = {m.hook: [] for m in mods}
     acts.update({f"{p}.hook_routing_weights": [] for p in experts})
-    chosen: dict[str, list[Tensor]] = {f"{p}.hook_chosen": [] for p in experts}
+    acts.update({name: [] for name in extra})
+    seen: dict[str, list[Tensor]] = {f"{p}.hook_chosen": [] for p in experts}
+    seen.update({name: [] for name in keep})
 
     def grab(act: Tensor, hook: Any) -> Tensor:
         # stay on the graph: a detached copy would cut every path from earlier writes through this
@@ -78,10 +90,10 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
         acts[hook.name].append(x)
         return x
 
-    def seen(act: Tensor, hook: Any) -> None:
-        chosen[hook.name].append(act.detach())
+    def look(act: Tensor, hook: Any) -> None:
+        seen[hook.name].append(act.detach())
 
-    hooks = [(name, grab, False) for name in acts] + [(name, seen, False) for name in chosen]
+    hooks = [(name, grab, False) for name in acts] + [(name, look, False) for name in seen]
     n_ex, n_ch, n = len(scorer.examples), scorer.n_choices, model.cfg.n_layers
     device = next(model.parameters()).device
     flat = torch.zeros(n_ex * n_ch, dtype=torch.float64, device=device)
@@ -91,34 +103,47 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
             picked = resid[batch.rows, batch.cols]
             logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
             flat = flat.index_add(0, batch.owner, logp.gather(1, batch.targets[:, None])[:, 0].double())
-        scores = flat.view(n_ex, n_ch)
+        raw = flat.view(n_ex, n_ch)
         invalid = torch.tensor([[c >= len(e.choices) for c in range(n_ch)] for e in scorer.examples], device=device)
-        scores = scores.masked_fill(invalid, float("-inf"))
+        scores = raw.masked_fill(invalid, float("-inf"))
         answers = scorer.answers().to(device)
         right = scores.gather(1, answers[:, None])[:, 0]
         others = scores.scatter(1, answers[:, None], float("-inf")).max(-1).values
         margin = right - others
         logprob = scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]
+        if per_choice:  # an absent choice's row of `raw` is 0, its gradient 0
+            quantities = {f"choice{c}": raw[:, c] for c in range(n_ch)}
+        else:
+            quantities = {"margin": margin, "logprob": logprob}
         names = list(acts)
         leaves = [x for name in names for x in acts[name]]
-        g_margin = torch.autograd.grad(margin.sum(), leaves, retain_graph=True, allow_unused=True)
-        g_logprob = torch.autograd.grad(logprob.sum(), leaves, allow_unused=True)
+        grads = {}
+        for k, (key, q) in enumerate(quantities.items()):
+            grads[key] = torch.autograd.grad(q.sum(), leaves, retain_graph=k < len(quantities) - 1, allow_unused=True)
     owners = _row_owner(scorer)
-    out: dict[str, Any] = {"margin": {}, "logprob": {}, "base_margin": margin.detach().cpu(),
-                           "base_logprob": logprob.detach().cpu()}
+    out: dict[str, Any] = {key: {} for key in quantities}
+    out.update({"base_margin": margin.detach().cpu(), "base_logprob": logprob.detach().cpu(),
+                "base_scores": scores.detach().cpu(), "quantities": list(quantities), "extra": {},
+                "kept": {name: seen[name] for name in keep}})
     i = 0
     for name in names:
+        count = len(acts[name])
+        if name in extra:
+            out["extra"][name] = {"value": [a.detach() for a in acts[name]],
+                                  **{key: list(g[i:i + count]) for key, g in grads.items()}}
+            i += count
+            continue
         if name.endswith(".hook_routing_weights"):
             prefix = name[: -len(".hook_routing_weights")]
-            width, fill, picks = moes[prefix], torch.zeros((), dtype=torch.float64), chosen[f"{prefix}.hook_chosen"]
+            width, fill, picks = moes[prefix], torch.zeros((), dtype=torch.float64), seen[f"{prefix}.hook_chosen"]
         else:
             m = next(m for m in mods if m.hook == name)
             prefix, width, picks = m.prefix, m.n_heads, None
             fill = torch.zeros((), dtype=torch.float64) if mode == "zero" else _mean_of(mean_cache, m.hook).double()
-        for key, grads in (("margin", g_margin), ("logprob", g_logprob)):
+        for key, g_key in grads.items():
             per_ex = torch.zeros(n_ex, width, dtype=torch.float64)
             for b, act in enumerate(acts[name]):
-                g = grads[i + b]
+                g = g_key[i + b]
                 if g is None:
                     continue
                 a = act.detach().double().cpu()
@@ -128,25 +153,58 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
                 else:  # each slot's term goes to the expert chosen there: [rows n_experts]
                     per_unit = torch.zeros(len(a), width, dtype=torch.float64).scatter_add_(
                         1, picks[b].cpu().flatten(1), prod.flatten(1))
-                keep = owners[b] >= 0
-                per_ex.index_add_(0, owners[b][keep], per_unit[keep])
+                real = owners[b] >= 0
+                per_ex.index_add_(0, owners[b][real], per_unit[real])
             out[key][prefix] = per_ex
-        i += len(acts[name])
+        i += count
     return out
 
 
 def estimate_effects(model: Any, scorer: ChoiceScorer, units: Sequence[Any], mode: str = "zero",
-                     mean_cache: Any = None) -> dict[str, dict[str, float]]:
+                     mean_cache: Any = None, refine: str = "none", replicas: int = 8) -> dict[str, dict[str, float]]:
     """{unit label: {"est_drop", "est_logprob_drop", "est_margin_drop"}} from one forward and one backward per
-    quantity; heads, channel groups and experts alike (a unit's `heads` index its module's columns)."""
-    att = write_attributions(model, scorer, sorted({u.module for u in units}), mode, mean_cache)
+    quantity; heads, channel groups and experts alike (a unit's `heads` index its module's columns).
+
+    refine (the glossary's "refinements"): "none" (first order in margin and log-prob), "scores"
+    (first order in each choice's score, exact after), "qk" ("scores" plus AtP*'s QK fix,
+    `analysis.ga.qk_fix`; `replicas` units per forward there).
+    """
+    if refine not in REFINES:
+        raise ValueError(f"refine must be one of {REFINES}, got {refine!r}")
+    extra, keep = (), ()
+    if refine == "qk":
+        from analysis.ga.qk_fix import pattern_sites, resid_hooks
+
+        extra, keep = [name for _, name in pattern_sites(model)], resid_hooks(model)
+    att = write_attributions(model, scorer, sorted({u.module for u in units}), mode, mean_cache, extra, keep,
+                             per_choice=refine != "none")
+    fix = None
+    if refine == "qk":
+        from analysis.ga.qk_fix import qk_corrections
+
+        fix = qk_corrections(model, scorer, units, att, _row_owner(scorer), mode, mean_cache, replicas)
     base = att["base_margin"]
     right_now = (base > 0).double().mean().item()
     out = {}
     for u in units:
         heads = list(u.heads)
-        d_margin = att["margin"][u.module][:, heads].sum(-1)
-        d_logprob = att["logprob"][u.module][:, heads].sum(-1)
+        change = {key: att[key][u.module][:, heads].sum(-1) + (fix[u.label][key] if fix else 0.0)
+                  for key in att["quantities"]}
+        if refine == "none":
+            d_margin, d_logprob = change["margin"], change["logprob"]
+        else:
+            d_margin, d_logprob = _choice_changes(att, torch.stack([change[k] for k in att["quantities"]], -1),
+                                                  scorer.answers())
         out[u.label] = {"est_drop": right_now - ((base + d_margin) > 0).double().mean().item(),
                         "est_logprob_drop": -d_logprob.mean().item(), "est_margin_drop": -d_margin.mean().item()}
     return out
+
+
+def _choice_changes(att: dict[str, Any], d_scores: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
+    """Margin and answer log-prob changes [example] from estimated choice-score changes [example choice],
+    exactly (the runner-up may change; the log-softmax over the choices is not linearised)."""
+    scores = att["base_scores"] + d_scores  # -inf stays -inf for absent choices
+    right = scores.gather(1, answers[:, None])[:, 0]
+    others = scores.scatter(1, answers[:, None], float("-inf")).max(-1).values
+    logprob = scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]
+    return (right - others) - att["base_margin"], logprob - att["base_logprob"]

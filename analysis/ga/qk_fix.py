@@ -1,0 +1,138 @@
+"""AtP*'s QK fix for the screen (Kramar et al. 2024): the softmax of downstream attention recomputed exactly.
+
+Glossary
+    site          an attention module with a pattern hook (`...attn.hook_pattern`) in a block after the
+                  unit's block; sites in the unit's own block are left linear
+    direct change dr_u: how the residual leaving the unit's block changes when the unit is ablated
+                  (that block run alone, exactly, from the clean residual entering it; its later
+                  sub-layers, e.g. the MLP, react too). Carried unchanged along the residual stream,
+                  it is the unit's direct effect on every later block's input.
+    pattern term  the part of the unit's effect that passes a site's softmax. Plain attribution
+                  linearises it: <H, dr_u>, H = d <G, pattern> / d residual entering the site's block
+                  along the pattern path only, G = d q / d pattern (q: the margin or answer log-prob).
+                  The fix puts in its place <G, pattern(r + dr_u) - pattern(r)>, with the pattern
+                  recomputed exactly (the site's block run up to its pattern hook and stopped there).
+    refined       plain estimate + sum over sites of (exact pattern term - linear pattern term), per
+                  example: exact in the direct change's effect on every later softmax, first order
+                  in the pattern change's effect on q (AtP*'s approximation)
+    cost          per unit, one run of its own block plus, per later site, the part of a block up to
+                  the pattern (projections and scores); units of one layer run `replicas` per
+                  forward, one per block of tiled rows. No attention downstream (Mamba, Mamba-2):
+                  nothing to fix, the estimate is the plain one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from analysis.interventions.ablation import ablate_heads_rows, attached
+
+
+
+class _Stop(Exception):
+    """Raised by the pattern hook: the rest of the block is not needed."""
+
+
+def pattern_sites(model: Any) -> list[tuple[int, str]]:
+    """(block, pattern hook name) of every attention module, in forward order."""
+    out = []
+    for name in model.hook_dict:
+        parts = name.split(".")
+        if name.endswith("attn.hook_pattern") and parts[0] == "blocks":
+            out.append((int(parts[1]), name))
+    return out
+
+
+def resid_hooks(model: Any) -> list[str]:
+    return [f"blocks.{l}.hook_resid_pre" for l in range(model.cfg.n_layers)]
+
+
+def pattern_of(model: Any, resid: Tensor, layer: int, site: str, mask: Tensor | None, tokens: Tensor) -> Tensor:
+    """The site's pattern when block `layer` reads `resid`; the block stops at the pattern hook."""
+    got: dict[str, Tensor] = {}
+
+    def hook(act: Tensor, hook: Any) -> None:
+        got["pattern"] = act
+        raise _Stop
+
+    with contextlib.suppress(_Stop), attached(model, [(site, hook, False)]):
+        model(resid, mask, start_at_layer=layer, stop_at_layer=layer + 1, tokens=tokens)
+    if "pattern" not in got:
+        raise RuntimeError(f"{site} did not fire when block {layer} ran")
+    return got["pattern"]
+
+
+def _tile(x: Tensor | None, r: int) -> Tensor | None:
+    return None if x is None else x.repeat(r, *([1] * (x.ndim - 1)))
+
+
+def _ablated_rows(model: Any, chunk: Sequence[Any], mode: str, mean_cache: Any):
+    """Block j of rows with chunk[j] ablated: heads batched, an expert alone (one per forward)."""
+    if len(chunk) == 1 and chunk[0].kind != "head":
+        from analysis.ga.ranking import ablated
+
+        return ablated(model, chunk, mode, mean_cache)
+    return ablate_heads_rows(model, [u.specs() for u in chunk], mode=mode, mean_cache=mean_cache)
+
+
+def qk_corrections(model: Any, scorer: Any, units: Sequence[Any], att: dict[str, Any], owners: list[Tensor],
+                   mode: str = "zero", mean_cache: Any = None, replicas: int = 8) -> dict[str, dict[str, Tensor]]:
+    """{unit label: {quantity: [example]}}: what the fix adds to the plain estimate of each quantity.
+
+    att: `write_attributions(..., extra=[site hooks], keep=resid_hooks(model))` of the same scorer.
+    """
+    sites = pattern_sites(model)
+    n_ex = len(scorer.examples)
+    keys = att["quantities"]
+    out = {u.label: {k: torch.zeros(n_ex, dtype=torch.float64) for k in keys} for u in units}
+    if not sites:
+        return out
+    layers = sorted({u.layer for u in units})
+    for b, batch in enumerate(scorer.batches):
+        mask, tokens = batch.attention_mask, batch.tokens
+        resid = att["kept"]
+        entering = {l: resid[f"blocks.{l}.hook_resid_pre"][b].detach() for l in range(model.cfg.n_layers)}
+        later = [(l2, site) for l2, site in sites if l2 > layers[0]]
+        base, lin = {}, {}
+        for l2, site in later:  # the clean pattern and the linear pattern term's weights H, once per site
+            x = entering[l2].clone().requires_grad_(True)
+            with torch.enable_grad():
+                pattern = pattern_of(model, x, l2, site, mask, tokens)
+                for key in keys:
+                    g = att["extra"][site][key][b].to(pattern)
+                    lin[(site, key)] = torch.autograd.grad((g * pattern).sum(), x, retain_graph=True)[0].detach()
+            base[site] = pattern.detach()
+        keep = owners[b] >= 0
+        for layer in layers:
+            mine = [u for u in units if u.layer == layer]
+            with torch.no_grad():
+                clean_out = model(entering[layer], mask, start_at_layer=layer, stop_at_layer=layer + 1, tokens=tokens)
+            heads = [u for u in mine if u.kind == "head"]
+            chunks = [heads[i:i + replicas] for i in range(0, len(heads), replicas)] + [[u] for u in mine
+                                                                                      if u.kind != "head"]
+            for chunk in chunks:
+                r = len(chunk)
+                with torch.no_grad(), _ablated_rows(model, chunk, mode, mean_cache):
+                    out_r = model(_tile(entering[layer], r), _tile(mask, r), start_at_layer=layer,
+                                  stop_at_layer=layer + 1, tokens=_tile(tokens, r))
+                dr = out_r - _tile(clean_out, r)  # [r*rows pos d_model]
+                for l2, site in later:
+                    if l2 <= layer:
+                        continue
+                    with torch.no_grad():
+                        moved = pattern_of(model, _tile(entering[l2], r) + dr, l2, site, _tile(mask, r),
+                                           _tile(tokens, r))
+                    delta = (moved - _tile(base[site], r)).double()
+                    for key in keys:
+                        g = _tile(att["extra"][site][key][b], r).double()
+                        exact = (g * delta).flatten(1).sum(-1)  # [r*rows]
+                        linear = (_tile(lin[(site, key)], r).double() * dr.double()).flatten(1).sum(-1)
+                        per_row = (exact - linear).view(r, -1).cpu()
+                        for j, u in enumerate(chunk):
+                            out[u.label][key].index_add_(0, owners[b][keep], per_row[j][keep])
+    return out
