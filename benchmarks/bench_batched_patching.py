@@ -3,12 +3,12 @@
     python benchmarks/bench_batched_patching.py [--organisms llama-kv,gpt2-kv,mamba-kv,mamba2-kv] [--out FILE]
 
 For each organism and sweep (residual and SSM state by layer x position; attention heads by layer x
-position x head), in one run (ratios of the best of 3 wall times, never absolute times, are the
-result): `act_patch` with one patch per forward (replicas=1) over the batching rule's choice
-(`tiles_for` via `patch_replicas`) and over a fixed 8 patches per forward, at a small base batch (4 prompts: the regime the rule tiles) and a larger one (32), with
-the max |difference| of the values. Base run: key-value prompts (8 pairs); the source cache is a
-second draw with other keys and values (denoising direction); metric: answer logit minus the
-corrupted prompt's answer logit.
+position x head), in one run (ratios of the best of 3 interleaved wall times, never absolute times,
+are the result): `act_patch` with one patch per forward (replicas=1) over the batching rule's choice
+(`tiles_for` via `patch_replicas`) and over a fixed 8 patches per forward, at a small base batch
+(4 prompts: the regime the rule tiles) and a larger one (32), with the max |difference| of the
+values. Base run: key-value prompts (8 pairs); the source cache is a second draw with other keys and
+values (denoising direction); metric: answer logit minus the corrupted prompt's answer logit.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from loaders import from_pretrained
 from loaders.organisms import accuracy as card
 
 
-def timed(fn, repeats: int = 3):
-    """(result, best wall time of `repeats` runs): the machine is shared, the minimum is the least noisy."""
-    best = float("inf")
+def timed_together(fns: dict, repeats: int = 3) -> tuple[dict, dict]:
+    """({name: result}, {name: best wall time}): the runs interleaved, `repeats` rounds, the minimum of
+    each kept (the machine is shared: interleaving spreads its load over all of them alike)."""
+    out, best = {}, dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            out[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - t)
     return out, best
 
 
@@ -58,9 +60,9 @@ def bench(name: str, batch: int) -> list[dict]:
         head, _, tail = template.partition("{layer}")
         _, cache = model.run_with_cache(clean, names_filter=lambda n: n.startswith(head) and n.endswith(tail))
         act_patch(model, corrupted, cache, metric, template, over, layers=[0])  # warm-up
-        one, t_one = timed(lambda: act_patch(model, corrupted, cache, metric, template, over, replicas=1))
-        rule, t_rule = timed(lambda: act_patch(model, corrupted, cache, metric, template, over))
-        eight, t_eight = timed(lambda: act_patch(model, corrupted, cache, metric, template, over, replicas=8))
+        res, t = timed_together({r: (lambda r=r: act_patch(model, corrupted, cache, metric, template, over, replicas=r))
+                                 for r in (1, None, 8)})
+        (one, rule, eight), (t_one, t_rule, t_eight) = res.values(), t.values()
         ok = ~one.isnan()
         rows.append({"organism": name, "batch": batch, "hook": template, "over": list(over),
                      "patches": int(ok.sum()), "tokens": list(clean.shape),

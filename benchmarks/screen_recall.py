@@ -1,6 +1,7 @@
 """Recall of attribution screening against a saved exhaustive ranking, for every verification budget.
 
-    python benchmarks/screen_recall.py smollm2-135m docs/results/ga_smollm2/ranking.csv --pairs 5 --rank-n 16
+    python benchmarks/screen_recall.py smollm2-135m docs/results/ga_smollm2/ranking.csv --pairs 5 --rank-n 16 \
+        [--refine none,scores,qk]
 
 A screened ranking's verified units carry exactly the exhaustive numbers (same ablation, same code
 path; tests/test_screening.py), so its top 10 for a given `verify_top` follows from the saved
@@ -9,6 +10,7 @@ and reports, per `verify_top`, the verified units, their cost in forward-equival
 layer l costs (n_layers - l) / n_layers of a forward with prefix reuse) against the exhaustive
 cost, and the overlap of the screened top 10 with the exhaustive top 10 (without the random
 controls, which can only add). Also the Pearson r of estimate and exact effect, by layer thirds.
+With several `--refine` values (`estimate_effects(refine=...)`), all of this for each, in one run.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     p.add_argument("--rank-n", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budgets", default="3,5,10,15,20,30,45,60,90")
+    p.add_argument("--refine", default="none", help="comma-separated estimate refinements: none, scores, qk")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = from_pretrained(args.model)
@@ -50,32 +53,38 @@ def main() -> None:
              for r in rows}
     units = head_units(model)
     scorer = ChoiceScorer(model, task_for(args.model)(args.pairs, args.rank_n, args.seed), 16)
-    t = time.perf_counter()
-    est = estimate_effects(model, scorer, units)
-    t_est = time.perf_counter() - t
     n_layers = model.cfg.n_layers
     order = [r["unit"] for r in rows]  # the exhaustive order (drop, then log-prob drop)
     top10 = set(order[:10])
     cost = {u.label: (n_layers - u.layer) / n_layers for u in units}
     full = sum(cost.values())
-    out = {"estimate_wall_s": t_est, "exhaustive_forwards": full, "budgets": []}
-    for k in [int(b) for b in args.budgets.split(",")]:
-        chosen = {u.label for u in candidates(units, est, k)}  # the rule rank_heads(method="screened") uses
-        top = sorted(chosen, key=lambda u: (-exact[u]["drop"], -exact[u]["logprob_drop"]))[:10]
-        out["budgets"].append({"verify_top": k, "verified": len(chosen),
-                               "forwards": sum(cost[u] for u in chosen), "overlap_top10": len(top10 & set(top))})
-        b = out["budgets"][-1]
-        print(f"verify_top {k:>3}: {b['verified']:>3} units, {b['forwards']:.1f} of {full:.1f} forwards, "
-              f"top-10 overlap {b['overlap_top10']}/10", flush=True)
-    thirds = [range(i * n_layers // 3, (i + 1) * n_layers // 3) for i in range(3)]
-    for key, exact_key in (("est_logprob_drop", "logprob_drop"), ("est_drop", "drop")):
-        r_all = pearson([est[u][key] for u in order], [exact[u][exact_key] for u in order])
-        by = [pearson([est[u][key] for u in order if exact[u]["layer"] in th],
-                      [exact[u][exact_key] for u in order if exact[u]["layer"] in th]) for th in thirds]
-        out[f"pearson_{exact_key}"] = {"all": r_all, "layer_thirds": by}
-        print(f"Pearson({key}, exact {exact_key}): all {r_all}, by layer thirds {by}")
-    out["top10_ranks_by_estimate"] = {u: {key: sorted(est, key=lambda v: -est[v][key]).index(u) for key in KEYS}
-                                      for u in order[:10]}
+    out = {"exhaustive_forwards": full}
+    for refine in args.refine.split(","):
+        t = time.perf_counter()
+        est = estimate_effects(model, scorer, units, refine=refine) if refine != "none" else \
+            estimate_effects(model, scorer, units)
+        res = out[refine] = {"estimate_wall_s": time.perf_counter() - t, "budgets": []}
+        print(f"[{refine}] estimate in {res['estimate_wall_s']:.0f} s", flush=True)
+        for k in [int(b) for b in args.budgets.split(",")]:
+            chosen = {u.label for u in candidates(units, est, k)}  # the rule rank_heads(method="screened") uses
+            top = sorted(chosen, key=lambda u: (-exact[u]["drop"], -exact[u]["logprob_drop"]))[:10]
+            res["budgets"].append({"verify_top": k, "verified": len(chosen),
+                                   "forwards": sum(cost[u] for u in chosen), "overlap_top10": len(top10 & set(top))})
+            b = res["budgets"][-1]
+            print(f"[{refine}] verify_top {k:>3}: {b['verified']:>3} units, {b['forwards']:.1f} of {full:.1f} forwards, "
+                  f"top-10 overlap {b['overlap_top10']}/10", flush=True)
+        thirds = [range(i * n_layers // 3, (i + 1) * n_layers // 3) for i in range(3)]
+        for key, exact_key in (("est_logprob_drop", "logprob_drop"), ("est_drop", "drop"),
+                               ("est_margin_drop", "logprob_drop")):
+            r_all = pearson([est[u][key] for u in order], [exact[u][exact_key] for u in order])
+            by = [pearson([est[u][key] for u in order if exact[u]["layer"] in th],
+                          [exact[u][exact_key] for u in order if exact[u]["layer"] in th]) for th in thirds]
+            res[f"pearson_{key}_vs_{exact_key}"] = {"all": r_all, "layer_thirds": by}
+            print(f"[{refine}] Pearson({key}, exact {exact_key}): all {r_all}, by layer thirds {by}", flush=True)
+        res["top10_ranks_by_estimate"] = {u: {key: sorted(est, key=lambda v: -est[v][key]).index(u) for key in KEYS}
+                                          for u in order[:10]}
+        res["top2"] = {u: {**est[u], "exact_drop": exact[u]["drop"], "exact_logprob_drop": exact[u]["logprob_drop"]}
+                       for u in order[:2]}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

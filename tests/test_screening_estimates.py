@@ -142,3 +142,22 @@ def test_experts_refuse_mean_ablation_estimates():
         write_attributions(model, scorer, [expert_units(model)[0].module], mode="mean")
     with pytest.raises(ValueError, match="neither head modules nor mixture-of-experts"):
         write_attributions(model, scorer, ["blocks.0.nothing"])
+
+
+@pytest.mark.parametrize("name", ["llama", "mamba2", "granite"])
+def test_per_choice_estimates_are_first_order_changes_of_each_choice_score(name):
+    model = _model(name)
+    scorer = ChoiceScorer(model, kv_retrieval(3, 4, seed=2), batch_size=8)
+    units = (head_units(model) + expert_units(model))[:: 3][:4]
+    att = write_attributions(model, scorer, sorted({u.module for u in units}), per_choice=True)
+    assert att["quantities"] == [f"choice{c}" for c in range(scorer.n_choices)]
+    t = T / 10  # Granite's later MoE routing flips within t = 1e-2 of one of these units
+    for u in units:
+        with _scaled(model, u, t):
+            up = scorer.scores()
+        with _scaled(model, u, -t):
+            down = scorer.scores()
+        fd = (up - down) / (2 * t)  # [example choice]
+        est = torch.stack([att[f"choice{c}"][u.module][:, list(u.heads)].sum(-1) for c in range(scorer.n_choices)], -1)
+        torch.testing.assert_close(est, fd, rtol=0, atol=2e-3 * max(fd.abs().max().item(), 1e-3) + 5e-4,
+                                   msg=lambda m: f"{u.label}: {m}")

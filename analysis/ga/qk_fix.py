@@ -67,6 +67,18 @@ def pattern_of(model: Any, resid: Tensor, layer: int, site: str, mask: Tensor | 
     return got["pattern"]
 
 
+def pattern_weights(model: Any, resid: Tensor, layer: int, site: str, mask: Tensor | None, tokens: Tensor,
+                    grads: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """(the site's pattern, [H = d <G, pattern> / d resid for each G in grads]): the linear pattern term of a
+    residual change dr is <H, dr>, along the pattern path of block `layer` only."""
+    x = resid.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        pattern = pattern_of(model, x, layer, site, mask, tokens)
+        weights = [torch.autograd.grad((g.to(pattern) * pattern).sum(), x, retain_graph=True)[0].detach()
+                   for g in grads]
+    return pattern.detach(), weights
+
+
 def _tile(x: Tensor | None, r: int) -> Tensor | None:
     return None if x is None else x.repeat(r, *([1] * (x.ndim - 1)))
 
@@ -100,13 +112,9 @@ def qk_corrections(model: Any, scorer: Any, units: Sequence[Any], att: dict[str,
         later = [(l2, site) for l2, site in sites if l2 > layers[0]]
         base, lin = {}, {}
         for l2, site in later:  # the clean pattern and the linear pattern term's weights H, once per site
-            x = entering[l2].clone().requires_grad_(True)
-            with torch.enable_grad():
-                pattern = pattern_of(model, x, l2, site, mask, tokens)
-                for key in keys:
-                    g = att["extra"][site][key][b].to(pattern)
-                    lin[(site, key)] = torch.autograd.grad((g * pattern).sum(), x, retain_graph=True)[0].detach()
-            base[site] = pattern.detach()
+            grads = [att["extra"][site][key][b] for key in keys]
+            base[site], weights = pattern_weights(model, entering[l2], l2, site, mask, tokens, grads)
+            lin.update({(site, key): w for key, w in zip(keys, weights)})
         keep = owners[b] >= 0
         for layer in layers:
             mine = [u for u in units if u.layer == layer]
