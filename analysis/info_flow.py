@@ -10,6 +10,10 @@ Glossary
                 answer log-prob change log(p_ko / p) (nats) with its t-interval
     prefix reuse  blocks before the window are untouched by the knockout, so the clean residual
                 entering block l (one cached clean run per batch) is the start of every window at l
+    replicas    windows per forward: the rows are tiled once per window and each layer's knockout
+                cuts only the rows whose window holds that layer (per-row source masks), so r windows
+                cost one forward from the earliest of their starts (`tiles_for` is the rule; 1: one
+                window per forward). Equal to one window per forward up to rounding (tests).
 
 Only facts the model gets right are kept by default (top-1 next token = the answer's first token).
 Every forward runs under no_grad, rows of several facts and all source sets share one batch (left
@@ -18,6 +22,7 @@ padding, per-row bool masks), and logits are computed at the last position only.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -31,6 +36,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.tasks.known_facts import SOURCE_SETS, FactPrompt, load_facts, pad_id, pad_left, prepare_facts, source_masks
+from analysis.interventions.batching import tiles_for
 from analysis.interventions.knockout import knockout
 from analysis.tasks.scoring import model_device
 from analysis.validate import NotAnIndex, layer_list, positive_int, writable_dir
@@ -201,7 +207,7 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
               n: int | None = None, require_correct: bool = True, attention: str = "scores",
               channels: Any = None, cut_conv: bool = False, reuse_prefix: bool = True,
               confidence: float = 0.95, starts: Iterable[int] | None = None,
-              progress: bool = True) -> InfoFlowResult:
+              progress: bool = True, replicas: int | None = None) -> InfoFlowResult:
     """Knock out each source set -> last token in every window of `window` layers; see the module doc.
 
     Args:
@@ -211,6 +217,7 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
         attention, channels, cut_conv: passed to knockout.
         reuse_prefix: start each window's forward from the cached clean residual at its first layer.
         starts: window start layers to run (default: every layer).
+        replicas: windows per forward (None: the rule `tiles_for`; 1: one window per forward).
     """
     window, batch_size = positive_int(window, "window"), positive_int(batch_size, "batch_size")
     n = None if n is None else positive_int(n, "n")
@@ -246,18 +253,27 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
         rows = len(sources)
         src = torch.cat([source_masks(chunk, s, tokens.shape[1], relation_includes_last) for s in sources]).to(device)
         tokens_r, mask_r, answers_r = tokens.repeat(rows, 1), mask.repeat(rows, 1), answers.repeat(rows)
-        for w, (start, end) in enumerate(zip(starts, ends)):
-            with knockout(model, src, [-1], range(start, end), channels=channels, attention=attention,
-                          cut_conv=cut_conv):
+        r = replicas or tiles_for(model, len(tokens_r), tokens.shape[1])
+        for w0 in range(0, len(starts), r):
+            group = list(range(w0, min(w0 + r, len(starts))))
+            k, lo, hi = len(group), min(starts[w] for w in group), max(ends[w] for w in group)
+            with contextlib.ExitStack() as stack:
+                for layer in range(lo, hi):  # each layer cuts the rows whose window holds it
+                    per_row = torch.cat([src if starts[w] <= layer < ends[w] else torch.zeros_like(src)
+                                         for w in group])
+                    if per_row.any():
+                        stack.enter_context(knockout(model, per_row, [-1], [layer], channels=channels,
+                                                     attention=attention, cut_conv=cut_conv))
                 if reuse_prefix:
-                    resid = model(prefix[start].repeat(rows, 1, 1), attention_mask=mask_r, start_at_layer=start,
-                                  stop_at_layer=n_layers, tokens=tokens_r)
+                    resid = model(prefix[lo].repeat(rows * k, 1, 1), attention_mask=mask_r.repeat(k, 1),
+                                  start_at_layer=lo, stop_at_layer=n_layers, tokens=tokens_r.repeat(k, 1))
                 else:
-                    resid = model(tokens_r, attention_mask=mask_r, stop_at_layer=n_layers)
-            p_ko = _last_probs(model, resid).gather(1, answers_r[:, None])[:, 0].double()
-            change = 100 * (p_ko.view(rows, len(chunk)) - clean) / clean
-            changes[idx, :, w] = change.T.cpu()
-            bar.update(len(chunk))
+                    resid = model(tokens_r.repeat(k, 1), attention_mask=mask_r.repeat(k, 1), stop_at_layer=n_layers)
+            p_ko = _last_probs(model, resid).gather(1, answers_r.repeat(k)[:, None])[:, 0].double()
+            change = 100 * (p_ko.view(k, rows, len(chunk)) - clean) / clean
+            for j, w in enumerate(group):
+                changes[idx, :, w] = change[j].T.cpu()
+            bar.update(len(chunk) * k)
     bar.close()
     fact_rows = [{**{k: kept[i][0].fact.get(k) for k in ("known_id", "subject", "attribute", "prompt")},
                   "p_clean": float(p_clean[i])} for i in range(len(kept))]

@@ -206,3 +206,16 @@ def test_cli_knockout_writes_table_and_figure(tmp_path):
     for f in ("info_flow.json", "info_flow.csv", "info_flow_facts.csv", "info_flow.md", "info_flow.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0
     assert json.loads((tmp_path / "out" / "info_flow.json").read_text())["settings"]["n_kept"] == 3
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_windows_batched_per_row_equal_one_window_per_forward(name):
+    """r windows in one forward (rows tiled, each layer cutting only the rows whose window holds it)."""
+    model = build(name)
+    facts = FACTS[:3]
+    kw = dict(window=2, batch_size=3, require_correct=False, progress=False)
+    one = info_flow(model, facts, replicas=1, **kw)
+    for r, reuse in ((2, True), (3, False)):  # 2 does not divide the 3 window starts
+        many = info_flow(model, facts, replicas=r, reuse_prefix=reuse, **kw)
+        torch.testing.assert_close(many.changes, one.changes, rtol=1e-9, atol=1e-9)
+    assert one.changes.abs().max() > 1e-6
