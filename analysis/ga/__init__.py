@@ -3,7 +3,8 @@
     ranking  `rank_heads` (accuracy drop when each unit is ablated, pairs too; method="screened" verifies
              only the units an attribution pass picks), `head_units`, `expert_units` (mixture-of-experts
              experts as units), `HeadRanking`
-    screening  `estimate_effects` (every unit's ablation effect from one forward and backward)
+    screening  `estimate_effects` (every unit's ablation effect from one forward and backward; refine=
+             "scores" (per-choice, exact log-softmax) or "qk" (+ AtP*'s QK fix, qk_fix.py))
     scores   `ga_scores` (gather / aggregate mass from patterns and SSM kernels), masking experiments
              (`gather_only`, `aggregate_only`, `restrict_heads`, `masked_accuracy`), the one definition
              of a head's mixing weights (`weights_hook`, `as_weights`)

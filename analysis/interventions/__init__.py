@@ -9,6 +9,7 @@
     patching     activation patching (one generic loop plus setters) and attribution patching:
                  `patch`, `act_patch`, `attribution_patch`, metrics `logit_diff`, `answer_prob`, ...
     tl_patching  TransformerLens's `get_act_patch_*` names as thin calls of `act_patch`
+    batching     `tiles_for`: how many interventions share one forward (one per block of tiled rows)
 """
 
 from analysis.interventions.ablation import (ablate_heads, ablate_heads_rows, head_layout, parse_head, prune_from_end,
