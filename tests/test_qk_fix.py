@@ -119,3 +119,21 @@ def test_qk_fix_finds_the_saturated_movers_the_plain_screen_misses(name, organis
         est = estimate_effects(model, scorer, units, refine=refine)
         found[refine] = len(set(TOP3[name]) & {u.label for u in candidates(units, est, 2)})
     assert found["qk"] == 3 > found["none"], found
+
+
+def test_the_fix_covers_expert_and_ssm_units_before_an_attention_layer():
+    from test_hybrid_analysis import FAMILIES
+
+    from analysis.ga.ranking import expert_units
+
+    model = from_hf(build_tiny_hf(FAMILIES["granite"](), seed=0, perturb=0.1, dtype=torch.float64))  # M, A, M
+    model.tokenizer = char_tokenizer()
+    scorer = ChoiceScorer(model, kv_retrieval(3, 4, seed=2), batch_size=8)
+    units = head_units(model) + expert_units(model)
+    plain = estimate_effects(model, scorer, units, refine="scores")
+    fixed = estimate_effects(model, scorer, units, refine="qk")
+    after = [u for u in units if u.layer >= 1]  # the attention is block 1: nothing later to fix
+    assert all(fixed[u.label] == pytest.approx(plain[u.label], abs=1e-12) for u in after)
+    for kind in ("head", "expert"):
+        assert any(abs(fixed[u.label]["est_margin_drop"] - plain[u.label]["est_margin_drop"]) > 1e-6
+                   for u in units if u.layer == 0 and u.kind == kind), kind

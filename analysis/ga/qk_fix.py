@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import ablate_heads_rows, attached
+from analysis.interventions.experts import ablate_experts
 
 
 
@@ -85,10 +86,8 @@ def _tile(x: Tensor | None, r: int) -> Tensor | None:
 
 def _ablated_rows(model: Any, chunk: Sequence[Any], mode: str, mean_cache: Any):
     """Block j of rows with chunk[j] ablated: heads batched, an expert alone (one per forward)."""
-    if len(chunk) == 1 and chunk[0].kind != "head":
-        from analysis.ga.ranking import ablated
-
-        return ablated(model, chunk, mode, mean_cache)
+    if len(chunk) == 1 and chunk[0].kind != "head":  # zero only: write_attributions refused other modes
+        return ablate_experts(model, chunk[0].specs())
     return ablate_heads_rows(model, [u.specs() for u in chunk], mode=mode, mean_cache=mean_cache)
 
 
