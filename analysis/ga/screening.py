@@ -21,9 +21,14 @@ Glossary
                  where the model is sure (answer probability ~1 flattens the log-prob's gradient,
                  not the gap to the runner-up).
     saturation   a first-order estimate misses what is nonlinear downstream (a softmax that
-                 saturates, a redundant twin that takes over): AtP* recomputes the attention of the
-                 top candidates; we go further and ablate them exactly (`rank_heads(method="screened")`),
-                 plus a random control set that measures what the screen missed.
+                 saturates, a redundant twin that takes over). Two refinements (`refine=`):
+                 "scores" linearises each choice's score (one backward per choice) and applies the
+                 log-softmax over the choices and the margin's max exactly: a sure answer (p ~ 1)
+                 flattens its own log-prob's gradient, not its rivals' scores. "qk" adds AtP*'s QK
+                 fix (`analysis.ga.qk_fix`): every later attention pattern recomputed exactly for the
+                 unit's direct change. Either way the screen's top candidates are then ablated
+                 exactly (`rank_heads(method="screened")`), plus a random control set that measures
+                 what the screen missed.
     gradient path  each write is replaced by a copy on the graph (requiring grad); through lazy hooks
                  this is kept as an edit (`hooked.hook_points.through_hook`), so no nudge is needed.
                  The copy is not detached from earlier writes: d q / d write is the total derivative,
