@@ -58,9 +58,10 @@ def bench(name: str, batch: int) -> list[dict]:
     rows = []
     for template, over in sweeps(model):
         head, _, tail = template.partition("{layer}")
-        _, cache = model.run_with_cache(clean, names_filter=lambda n: n.startswith(head) and n.endswith(tail))
+        _, cache = model.run_with_cache(clean, names_filter=lambda n, h=head, t=tail: n.startswith(h) and n.endswith(t))
         act_patch(model, corrupted, cache, metric, template, over, layers=[0])  # warm-up
-        res, t = timed_together({r: (lambda r=r: act_patch(model, corrupted, cache, metric, template, over, replicas=r))
+        res, t = timed_together({r: (lambda r=r, c=cache, tp=template, o=over:
+                                     act_patch(model, corrupted, c, metric, tp, o, replicas=r))
                                  for r in (1, None, 8)})
         (one, rule, eight), (t_one, t_rule, t_eight) = res.values(), t.values()
         ok = ~one.isnan()

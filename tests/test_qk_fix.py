@@ -68,7 +68,7 @@ def test_linear_pattern_term_is_the_derivative_of_the_exact_one(arch):
                                                                                  tokens).shape[1:],
                     generator=torch.Generator().manual_seed(1), dtype=resid.dtype)
     dr = 0.1 * torch.randn(resid.shape, generator=torch.Generator().manual_seed(2), dtype=resid.dtype)
-    base, (h,) = pattern_weights(model, resid, layer, site, mask, tokens, [g])
+    _, (h,) = pattern_weights(model, resid, layer, site, mask, tokens, [g])
     t = 1e-5
     with torch.no_grad():
         up = (g * pattern_of(model, resid + t * dr, layer, site, mask, tokens)).sum()

@@ -98,7 +98,7 @@ def test_estimate_is_the_first_order_change_of_the_scaled_ablation(name, kind):
             fd = (up[key] - down[key]) / (2 * T)  # d q / d t: the change per unit of ablation
             est = att[key][u.module][:, list(u.heads)].sum(-1)
             scale = max(fd.abs().max().item(), 1e-3)
-            torch.testing.assert_close(est, fd, rtol=0, atol=1e-3 * scale + 1e-4, msg=lambda m: f"{u.label} {key}: {m}")
+            torch.testing.assert_close(est, fd, rtol=0, atol=1e-3 * scale + 1e-4, msg=lambda m, u=u, key=key: f"{u.label} {key}: {m}")
             checked += int(fd.abs().max() > 1e-6)
     assert checked >= 2, "every unit's effect is ~0: the test cannot fail"
 
@@ -160,4 +160,4 @@ def test_per_choice_estimates_are_first_order_changes_of_each_choice_score(name)
         fd = (up - down) / (2 * t)  # [example choice]
         est = torch.stack([att[f"choice{c}"][u.module][:, list(u.heads)].sum(-1) for c in range(scorer.n_choices)], -1)
         torch.testing.assert_close(est, fd, rtol=0, atol=2e-3 * max(fd.abs().max().item(), 1e-3) + 5e-4,
-                                   msg=lambda m: f"{u.label}: {m}")
+                                   msg=lambda m, u=u: f"{u.label}: {m}")

@@ -34,7 +34,6 @@ from analysis.interventions.ablation import ablate_heads_rows, attached
 from analysis.interventions.experts import ablate_experts
 
 
-
 class _Stop(Exception):
     """Raised by the pattern hook: the rest of the block is not needed."""
 
