@@ -11,6 +11,10 @@ Glossary
     context         the joint tokens minus the last: one forward of a context yields the
                     log-probabilities of every token of every choice it extends, so choices that
                     share a context (all single-token choices of a prompt) cost one row.
+    shared prefix   (default) each example's prompt is read once and each choice continues it from
+                    the decoding state (analysis/tasks/shared_prefix.py): about one row per example
+                    instead of one per context. `context(batch)` users (segments, queries: the G&A
+                    masking experiments) and `shared_prefix=False` get the whole-row path (`batches`).
     text form       `ChoiceScorer` / `score_choices`: `Example`s (text prompts and choices).
     token form      `score_choices_tokens` (ids in, any choice lengths) and `choice_scores` (its
                     batched single-token form on logits): the organisms' token-level tasks.
@@ -29,7 +33,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from analysis.interventions.patching import layer_inputs
+from analysis.tasks import shared_prefix as sp
 from analysis.tasks.text import Example, encode, segment_token_spans, tokenizer_of
+from hooked.models.decode_state import StateRefused
 
 
 @dataclass
@@ -56,11 +62,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class ChoiceScorer:
-    """Tokenise once, then score choices as often as needed (under ablations, from a layer's residual)."""
+    """Tokenise once, then score choices as often as needed (under ablations, from a layer's residual).
 
-    def __init__(self, model: Any, examples: Sequence[Example], batch_size: int = 16) -> None:
+    shared_prefix: read each prompt once and continue it per choice from the decoding state (the
+    default; hooks must act at each position alone, see shared_prefix.py), else one whole row per
+    context (`batches`, also what `context=` and the attribution screen use).
+    """
+
+    def __init__(self, model: Any, examples: Sequence[Example], batch_size: int = 16,
+                 shared_prefix: bool = True) -> None:
         tok = tokenizer_of(model)
-        self.model, self.examples = model, list(examples)
+        self.model, self.examples, self.shared_prefix = model, list(examples), shared_prefix
+        joints: list[list[tuple[tuple[int, ...], int]]] = []
         self.n_choices = max(len(e.choices) for e in self.examples)
         contexts: list[tuple[int, tuple[int, ...], int, list[tuple[int, int]]]] = []  # (example, ids, query, spans)
         picks: list[tuple[int, tuple[int, ...], int, int, int]] = []  # (example, context needed, pos, target, slot)
@@ -68,11 +81,13 @@ class ChoiceScorer:
             prompt = encode(tok, ex.prompt)
             spans = segment_token_spans(tok, ex) if ex.segments else []
             mine: list[tuple[int, ...]] = []
+            joints.append([])
             for c, choice in enumerate(ex.choices):
                 joint = encode(tok, ex.prompt + choice)
                 k = common_prefix(prompt, joint)
                 if k == 0 or len(joint) <= k:
                     raise ValueError(f"example {i}: choice {choice!r} adds no token after the prompt (or no context)")
+                joints[-1].append((tuple(joint), k))
                 need = tuple(joint[:-1])
                 if not any(ctx[: len(need)] == need for ctx in mine):  # keep only maximal contexts
                     mine = [ctx for ctx in mine if need[: len(ctx)] != ctx]
@@ -88,10 +103,10 @@ class ChoiceScorer:
             n = next(n for ctx, n in where[i] if ctx[: len(need)] == need)
             resolved.append((n, p, target, slot))
         self.batches = self._batch(contexts, resolved, batch_size, model)
+        self.prefix_batches = sp.build(joints, self.n_choices, batch_size, _pad_id(tok), model_device(model))
 
     def _batch(self, contexts, picks, batch_size: int, model: Any) -> list[ChoiceBatch]:
-        tok = tokenizer_of(model)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        pad = _pad_id(tokenizer_of(model))
         device = model_device(model)
         order = sorted(range(len(contexts)), key=lambda n: len(contexts[n][1]))
         by_context: dict[int, list] = {}
@@ -120,23 +135,53 @@ class ChoiceScorer:
         return batches
 
     # ---------------------------------------------------------------------------- running
-    def prefixes(self, layers: Sequence[int]) -> Iterator[tuple[int, list[Tensor]]]:
-        """(l, [residual entering block l for each batch]) for ascending `layers`, one forward in all."""
-        runs = [layer_inputs(self.model, b.tokens, b.attention_mask, layers) for b in self.batches]
+    def prefixes(self, layers: Sequence[int]) -> Iterator[tuple[int, list[Any]]]:
+        """(l, [what `scores(l, ...)` resumes from, per batch]) for ascending `layers`, one clean run in all:
+        the residual entering block l (whole rows), or a shared_prefix.Resume (shared prefix)."""
+        if self.shared_prefix:
+            runs = [sp.resumes(self.model, b, layers) for b in self.prefix_batches]
+        else:
+            runs = [layer_inputs(self.model, b.tokens, b.attention_mask, layers) for b in self.batches]
         for items in zip(*runs):
             yield items[0][0], [resid for _, resid in items]
 
-    def scores(self, start_at_layer: int | None = None, resids: Sequence[Tensor] | None = None,
+    def scores(self, start_at_layer: int | None = None, resids: Sequence[Any] | None = None,
                context: Callable[[ChoiceBatch], Any] | None = None, replicas: int = 1) -> Float[Tensor, "example choice"]:
         """Summed log-probs [n_examples, max_choices] (-inf where an example has fewer choices).
 
         start_at_layer + resids: run from those residuals (see `prefixes`). context(batch): a
-        context manager entered around each batch's forward (masking experiments).
+        context manager entered around each batch's forward (masking experiments; whole rows).
         replicas = r > 1: each batch is tiled r times along the batch axis (replica j holds rows
         [j * rows, (j + 1) * rows)), for r different interventions in one forward (the context
         applies a per-replica edit); the result is [r, n_examples, max_choices].
-        Only the scored positions go through the final norm and the unembedding.
+        Only the scored positions go through the final norm and the unembedding. With the shared
+        prefix, a hook the decoding state refuses (an SSM's lazy hooks) falls back to whole rows.
         """
+        if context is None and self.shared_prefix:
+            try:
+                return self._finish(self._shared(start_at_layer, resids, replicas), replicas)
+            except StateRefused:
+                if resids is not None and isinstance(resids[0], sp.Resume):
+                    resids = [dict(layer_inputs(self.model, b.tokens, b.attention_mask, [start_at_layer]))[start_at_layer]
+                              for b in self.batches]
+        return self._finish(self._rows(start_at_layer, resids, context, replicas), replicas)
+
+    def _shared(self, start_at_layer: int | None, resids: Sequence[Any] | None, replicas: int) -> Tensor:
+        flat = torch.zeros(replicas, len(self.examples) * self.n_choices, dtype=torch.float64)
+        with torch.no_grad():
+            for b, batch in enumerate(self.prefix_batches):
+                sp.run(self.model, batch, flat, replicas, start_at_layer, None if resids is None else resids[b])
+        return flat
+
+    def _finish(self, flat: Tensor, r: int) -> Tensor:
+        out = flat.view(r, len(self.examples), self.n_choices)
+        for i, ex in enumerate(self.examples):
+            out[:, i, len(ex.choices):] = float("-inf")
+        return out[0] if r == 1 else out
+
+    def _rows(self, start_at_layer: int | None, resids: Sequence[Tensor] | None,
+              context: Callable[[ChoiceBatch], Any] | None, replicas: int) -> Tensor:
+        """The whole-row path: one row per context (`batches`)."""
         model, n, r = self.model, self.model.cfg.n_layers, replicas
         flat = torch.zeros(r, len(self.examples) * self.n_choices, dtype=torch.float64)
         with torch.no_grad():
@@ -154,10 +199,7 @@ class ChoiceScorer:
                 logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
                 values = logp.gather(1, batch.targets.repeat(r)[:, None])[:, 0].double().cpu().view(r, -1)
                 flat.index_add_(1, batch.owner.cpu(), values)
-        out = flat.view(r, len(self.examples), self.n_choices)
-        for i, ex in enumerate(self.examples):
-            out[:, i, len(ex.choices):] = float("-inf")
-        return out[0] if r == 1 else out
+        return flat
 
     def answers(self) -> Tensor:
         return torch.tensor([e.answer for e in self.examples])
@@ -218,6 +260,10 @@ def score_choices_tokens(model: Any, prompt: Sequence[int] | Tensor, choices: Se
 def choice_scores(logits: Float[Tensor, "batch pos d_vocab"], choices: Int[Tensor, "batch n"]) -> Float[Tensor, "batch n"]:
     """Batched form of `score_choices_tokens` for single-token choices: log-probs at the last position."""
     return logits[:, -1].float().log_softmax(-1).gather(1, choices)
+
+
+def _pad_id(tok: Any) -> int:
+    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
 
 def model_device(model: Any) -> torch.device:

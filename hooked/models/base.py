@@ -109,6 +109,9 @@ class HookedModel(ModelWeights, HookedRootModule):
         ((logits, loss)) or None.
         state: a DecodeState (TL's past_kv_cache): `input` holds only the new tokens, the model
         reads the past from the state and adds the new positions to it (hooks see new positions).
+        With `start_at_layer` too, the state must already hold the new positions for the blocks below
+        (DecodeState.entries_of: a resumed run); `stop_at_layer` may only be the last layer (the final
+        residual, before ln_final).
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
@@ -121,8 +124,9 @@ class HookedModel(ModelWeights, HookedRootModule):
         stop = self._layer_index(stop_at_layer, "stop_at_layer", default=n)
         if start > stop:
             raise ValueError(f"start_at_layer ({start}) is after stop_at_layer ({stop})")
-        if state is not None and (start_at_layer is not None or stop_at_layer is not None):
-            raise ValueError("state= decodes whole forwards: it cannot be combined with start_at_layer / stop_at_layer")
+        if state is not None and stop != n:
+            raise ValueError("state= records every layer of the new positions: stop_at_layer must be the last "
+                             f"({n}) or None, got {stop_at_layer}")
         if start == 0 and start_at_layer is None:
             tokens = self.check_tokens(input)
             input = tokens
@@ -140,7 +144,7 @@ class HookedModel(ModelWeights, HookedRootModule):
                                  f"got {input.dtype}")
             if tokens is not None:
                 tokens = self.check_tokens(tokens)
-            ctx = self.make_context(input.shape[:2], attention_mask, tokens, input.device)
+            ctx = self.make_context(input.shape[:2], attention_mask, tokens, input.device, state)
             resid = input
         for block in self.blocks[start:stop]:
             resid = block(resid, ctx)

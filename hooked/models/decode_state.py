@@ -8,10 +8,15 @@ Glossary
                   a mixer's conv window (its last d_conv - 1 inputs) and recurrent state h
     past_mask     [batch past] bool, the padding of the positions already read (None: none padded)
     next_position [batch] position id of the next real token of each row (left padding skipped)
+    select        a state for other rows (`select(index)`: row i is row index[i]; rows repeated to read
+                  several continuations of one prefix, as analysis.tasks.scoring does)
+    entries_of    the entries of some modules only, positions rewound: a forward resumed at a later layer
+                  (`start_at_layer`) reads the prefix again through the other modules
 
 A left-padded prompt is read once with its mask; new tokens are real. An SSM's lazy hooks
 (A_bar, B_bar, h, kernel) describe a whole sequence from a zero state, so they are refused while
-decoding with a state (decode without it: `generate(..., use_past_kv_cache=False)`).
+decoding with a state (decode without it: `generate(..., use_past_kv_cache=False)`); the refusal is a
+`StateRefused` (a ValueError), so a caller may fall back to whole-sequence forwards.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+
+class StateRefused(ValueError):
+    """A hook the state cannot serve is active (an SSM's lazy whole-sequence quantities)."""
 
 
 class DecodeState:
@@ -51,6 +60,26 @@ class DecodeState:
         real = torch.full((batch,), pos, device=device) if mask is None else mask.long().sum(-1)
         self.next_position = (self.next_position if self.next_position is not None else 0) + real
         self.length += pos
+
+    # ------------------------------------------------------------------------------- copies
+    def select(self, index: Tensor) -> "DecodeState":
+        """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is."""
+        out = DecodeState()
+        out._owners, out.length = dict(self._owners), self.length
+        out.entries = {key: _rows(value, index) for key, value in self.entries.items()}
+        out.past_mask = None if self.past_mask is None else self.past_mask[index.to(self.past_mask.device)]
+        out.next_position = None if self.next_position is None else self.next_position[index.to(self.next_position.device)]
+        return out
+
+    def entries_of(self, modules: Any) -> "DecodeState":
+        """A new state with the entries of `modules` only (an iterable of modules) and no position read:
+        a forward resumed at a later layer with it reads the same positions again through the other
+        modules (the kept entries must already hold them); tensors are shared, not copied."""
+        keep = {id(m) for m in modules}
+        out = DecodeState()
+        out.entries = {key: value for key, value in self.entries.items() if key[0] in keep}
+        out._owners = {i: m for i, m in self._owners.items() if i in keep}
+        return out
 
     # ---------------------------------------------------------------------------- per module
     def _get(self, module: Any, kind: str) -> Any:
@@ -86,5 +115,12 @@ class DecodeState:
     def refuse_lazy(self, module: Any, hooks: list[Any]) -> None:
         active = [h.name for h in hooks if h.is_active]
         if active:
-            raise ValueError(f"{active} describe the whole sequence from a zero state and cannot be built while "
+            raise StateRefused(f"{active} describe the whole sequence from a zero state and cannot be built while "
                              "decoding with a state; generate with use_past_kv_cache=False to hook them")
+
+
+def _rows(value: Any, index: Tensor) -> Any:
+    """Rows `index` of an entry: a tensor [batch ...] or a tuple of them."""
+    if isinstance(value, tuple):
+        return tuple(_rows(v, index) for v in value)
+    return value[index.to(value.device)]
