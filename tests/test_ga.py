@@ -181,6 +181,21 @@ def test_choice_without_tokens_is_refused():
 
 
 # ---------------------------------------------------------------------------------- ranking
+def _same_rows(a: list[dict], b: list[dict], tol: float = 1e-6) -> None:
+    """Same units in the same order, same accuracies; other numbers within tol (interval bounds may move
+    by one bootstrap step when a per-example value moves by rounding, so they are left out)."""
+    assert [r.get("unit", r.get("pair")) for r in a] == [r.get("unit", r.get("pair")) for r in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if k.endswith(("_lo", "_hi")):
+                continue
+            if isinstance(x[k], float) and not k.startswith(("accuracy", "drop", "single_drops")):
+                assert x[k] == pytest.approx(y[k], abs=tol, nan_ok=True), k
+            else:
+                assert x[k] == y[k], k
+
+
 @pytest.mark.parametrize("arch", ["llama", "mamba", "mamba2", "zamba2"])
 def test_rank_heads_prefix_reuse_gives_the_same_numbers(arch):
     model = _model(arch)
@@ -188,7 +203,9 @@ def test_rank_heads_prefix_reuse_gives_the_same_numbers(arch):
     units = head_units(model, channel_group=8)
     fast = rank_heads(model, examples, units, batch_size=8, pairs_top_k=3, progress=False)
     slow = rank_heads(model, examples, units, batch_size=8, pairs_top_k=3, reuse_prefix=False, progress=False)
-    assert fast.rows == slow.rows and fast.pairs == slow.pairs
+    # resumed runs read a clean prefix computed untiled: float32 rounding may differ (shared prefix, SSD scan)
+    _same_rows(fast.rows, slow.rows)
+    _same_rows(fast.pairs, slow.pairs)
     assert len(fast.rows) == len(units) and len(fast.pairs) == 3
     # one row by hand: ablate that unit and score from scratch
     row = fast.rows[-1]
@@ -196,7 +213,8 @@ def test_rank_heads_prefix_reuse_gives_the_same_numbers(arch):
     with ablate_heads(model, unit.specs()):
         scores = score_choices(model, examples, batch_size=8)
     assert row["accuracy"] == accuracy(scores, examples)
-    assert row["logprob"] == pytest.approx(answer_logprob(scores, examples), abs=1e-9)
+    # the ranking tiles units per forward (replicas): a larger matmul rounds differently in float32
+    assert row["logprob"] == pytest.approx(answer_logprob(scores, examples), abs=1e-6)
     assert row["drop"] == fast.baseline["accuracy"] - row["accuracy"]
     drops = [(r["drop"], r["logprob_drop"]) for r in fast.rows]
     assert drops == sorted(drops, reverse=True)
