@@ -22,6 +22,12 @@ Glossary
                     (estimates only, drop = NaN), and `control` marks the random draws.
     prescreen       (prescreen_n) every unit ablated exactly on a few prompts: a candidate source that
                     sees nonlinear effects first-order estimates miss (saturated attention).
+    staged          (stage_n, stage_keep; screened) the screen's candidates are ablated exactly on the
+                    first `stage_n` prompts only, and the `stage_keep` best of them there (by accuracy
+                    drop, then log-prob drop), with the `pair_with` units and the controls, on every
+                    prompt. Rows say which stage each unit reached (`stage`: "full": exact on every
+                    prompt, the exhaustive numbers; "subset": exact on the first stage_n prompts,
+                    `stage_drop` / `stage_logprob_drop`; "estimate": attribution only).
     screen recall   the control units that beat the screen's own 10th unit (a miss of the screen,
                     caught by chance): `HeadRanking.screen["control_misses"]`; their share of the
                     controls estimates the share of unverified units the screen missed.
@@ -40,6 +46,7 @@ import itertools
 import json
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +63,7 @@ from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example
+from analysis.validate import positive_int
 
 
 # ------------------------------------------------------------------------------- ranking
@@ -121,6 +129,7 @@ class HeadRanking:
     method: str = "exhaustive"
     screen: dict[str, Any] = field(default_factory=dict)  # screened: counts, control units, misses
     separability: list[dict[str, Any]] = field(default_factory=list)
+    timing: dict[str, dict[str, float]] = field(default_factory=dict)  # per step: wall and CPU seconds
 
     def top(self, k: int = 2) -> list[str]:
         return [r["unit"] for r in self.rows[:k]]
@@ -213,13 +222,14 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
                mode: str = "zero", mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
                pair_with: Sequence[Unit | str] = (), verify_top: int = 60, n_control: int = 10, seed: int = 0,
                replicas: int | None = None, confidence: float = 0.95, prescreen_n: int | None = None,
-               refine: str = "none") -> HeadRanking:
+               refine: str = "none", stage_n: int | None = None, stage_keep: int = 20) -> HeadRanking:
     """Accuracy (and answer log-prob) drop when each unit is ablated, with intervals; then pairs.
 
     method: "exhaustive" (every unit exact) or "screened" (see the glossary). replicas: units per
     forward (None: `replicas_for`'s rule; 1: one ablation per forward). prescreen_n (screened): also
     ablate every unit exactly on the first `prescreen_n` prompts and verify its `verify_top` best.
     refine (screened): the estimate's refinement, "none", "scores" or "qk" (`estimate_effects`).
+    stage_n (screened): staged verification (glossary); None or >= the prompts: one stage.
     Pairs: every pair among the top `pairs_top_k` units by single-unit drop plus the units in
     `pair_with` (Units or labels; e.g. the best aggregate scorers): redundant heads each cost little
     alone, so single-unit ranking alone would never pair them.
@@ -235,17 +245,21 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         if unit is None:
             raise KeyError(f"pair_with: {e!r} is not one of the ranked units")
         extra.append(unit)
+    clock = _Clock()
     base_scores = scorer.scores()
     base, base_ex = scorer.metrics(base_scores), scorer.per_example(base_scores)
     n = len(scorer.examples)
     base.update(zip(("accuracy_lo", "accuracy_hi"), clopper_pearson(int(base_ex["correct"].sum()), n, confidence)))
     estimates: dict[str, dict[str, float]] = {}
     control: list[Unit] = []
+    stage_units: set[str] = set()
     if method == "screened":
         from analysis.ga.screening import estimate_effects
 
         # heads, channel groups, experts; refine: analysis.ga.screening.estimate_effects
+        clock.lap("baseline")
         estimates = estimate_effects(model, scorer, units, mode, mean_cache, refine)
+        clock.lap("estimates")
         pre: list[Unit] = []
         if prescreen_n:
             pre = _prescreen(model, scorer, units, prescreen_n, batch_size, mode, mean_cache, reuse_prefix,
@@ -253,12 +267,23 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         chosen = list(dict.fromkeys(candidates(units, estimates, verify_top) + pre[:verify_top] + extra))
         rest = [u for u in units if u not in chosen]
         control = random.Random(seed).sample(rest, min(n_control, len(rest)))
+        for u in units:
+            estimates[u.label].update(stage_drop=math.nan, stage_logprob_drop=math.nan)
+        if stage_n is not None and positive_int(stage_n, "stage_n") < n:
+            staged = [u for u in chosen if u.kind == "head" and u not in extra]
+            leaders = _prescreen(model, scorer, staged, stage_n, batch_size, mode, mean_cache, reuse_prefix,
+                                 replicas, estimates, progress, key="stage", desc="stage 1")
+            stage_units = {u.label for u in staged}
+            clock.lap("stage1")
+            chosen = list(dict.fromkeys(leaders[:stage_keep] + [u for u in chosen if u not in staged]))
         to_verify = [u for u in units if u in set(chosen) | set(control)]  # forward order
     else:
         to_verify = units
     r = replicas or replicas_for(model, scorer)
     bar = tqdm(total=len(to_verify), desc="rank_heads", disable=not progress)
+    clock.lap("baseline" if method == "exhaustive" else "choose")
     exact = _exact(model, scorer, to_verify, mode, mean_cache, reuse_prefix, r, bar)
+    clock.lap("exact")
     bar.close()
     rows, per_ex = [], {}
     for u in units:
@@ -269,11 +294,17 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
                    "heads": " ".join(map(str, u.heads)), "drop": math.nan, "logprob_drop": math.nan}
         row["verified"] = u.label in exact
         if estimates:
-            row.update(estimates[u.label], control=u in control)
+            row.update(estimates[u.label], control=u in control,
+                       stage="full" if row["verified"] else "subset" if u.label in stage_units else "estimate")
         rows.append(row)
-    rows.sort(key=lambda r: (not r["verified"], -_or(r["drop"], r.get("est_drop")),
-                             -_or(r["logprob_drop"], r.get("est_logprob_drop"))))
-    ranking = HeadRanking(base, rows, n_examples=n, method=method)
+
+    def order(r: dict[str, Any]) -> tuple:
+        tier = 0 if r["verified"] else 1 if r.get("stage") == "subset" else 2
+        return (tier, -_or(r["drop"], r.get("stage_drop") if tier == 1 else r.get("est_drop")),
+                -_or(r["logprob_drop"], r.get("stage_logprob_drop") if tier == 1 else r.get("est_logprob_drop")))
+
+    rows.sort(key=order)
+    ranking = HeadRanking(base, rows, n_examples=n, method=method, timing=clock.laps)
     ranking.separability = _separability(rows, per_ex, confidence, seed)
     if method == "screened":
         verified = [r for r in rows if r["verified"]]
@@ -284,11 +315,13 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         ranking.screen = {"n_units": len(units), "n_verified": len(to_verify),
                           "n_candidates": len(to_verify) - len(control),
                           "n_control": len(control), "control_units": [u.label for u in control],
+                          "n_stage1": len(stage_units), "stage_n": stage_n if stage_units else None,
                           "control_misses": misses, "tenth_drop": tenth["drop"],
                           "estimate_vs_exact": estimate_agreement(rows)}
     top = [by_label[r["unit"]] for r in rows[:pairs_top_k] if r["verified"]]
     top += [u for u in extra if u not in top]
     pairs = list(itertools.combinations(top, 2))
+    clock.lap("rows")
     pair_scores = _pairs_exact(model, scorer, pairs, mode, mean_cache, reuse_prefix, progress)
     for a, b in pairs:
         scores = pair_scores[(a.label, b.label)]
@@ -299,7 +332,21 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
                                                                                confidence, seed=seed))),
                               "logprob_drop": base["logprob"] - m["logprob"],
                               "single_drops": sum(base["accuracy"] - s["correct"].mean().item() for s in singles)})
+    clock.lap("pairs")
     return ranking
+
+
+class _Clock:
+    """Wall and CPU seconds of each step of a ranking (`HeadRanking.timing`)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, dict[str, float]] = {}
+        self.now = (time.perf_counter(), time.process_time())
+
+    def lap(self, step: str) -> None:
+        now = (time.perf_counter(), time.process_time())
+        self.laps[step] = {"wall_s": now[0] - self.now[0], "cpu_s": now[1] - self.now[1]}
+        self.now = now
 
 
 def candidates(units: Sequence[Unit], estimates: dict[str, dict[str, float]], verify_top: int) -> list[Unit]:
@@ -315,22 +362,25 @@ def candidates(units: Sequence[Unit], estimates: dict[str, dict[str, float]], ve
 
 
 def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int, batch_size: int, mode: str,
-               mean_cache: Any, reuse_prefix: bool, replicas: int | None, estimates: dict, progress: bool) -> list[Unit]:
-    """Every unit ablated exactly on the first `n` prompts only; units sorted by that (drop, log-prob drop).
+               mean_cache: Any, reuse_prefix: bool, replicas: int | None, estimates: dict, progress: bool,
+               key: str = "pre", desc: str = "prescreen") -> list[Unit]:
+    """`units` ablated exactly on the first `n` prompts only; sorted by that (drop, log-prob drop), which
+    goes into estimates[label] as f"{key}_drop", f"{key}_logprob_drop".
 
-    The fallback where first-order estimates fail (saturated attention or output: the organisms):
-    it costs n / n_prompts of an exhaustive ranking and sees every nonlinearity.
+    The prescreen (every unit) is the fallback where first-order estimates fail (saturated attention
+    or output: the organisms): it costs n / n_prompts of an exhaustive ranking and sees every
+    nonlinearity. Staged verification runs it on the screen's candidates.
     """
-    sub = ChoiceScorer(model, scorer.examples[:n], batch_size)
+    sub = ChoiceScorer(model, scorer.examples[:n], batch_size, scorer.shared_prefix)
     base = sub.per_example(sub.scores())
-    bar = tqdm(total=len(units), desc="prescreen", disable=not progress)
+    bar = tqdm(total=len(units), desc=desc, disable=not progress)
     exact = _exact(model, sub, units, mode, mean_cache, reuse_prefix, replicas or replicas_for(model, sub), bar)
     bar.close()
     for u in units:
         ex = sub.per_example(exact[u.label])
-        estimates[u.label].update(pre_drop=(base["correct"] - ex["correct"]).mean().item(),
-                                  pre_logprob_drop=(base["logprob"] - ex["logprob"]).mean().item())
-    return sorted(units, key=lambda u: (-estimates[u.label]["pre_drop"], -estimates[u.label]["pre_logprob_drop"]))
+        estimates[u.label].update({f"{key}_drop": (base["correct"] - ex["correct"]).mean().item(),
+                                   f"{key}_logprob_drop": (base["logprob"] - ex["logprob"]).mean().item()})
+    return sorted(units, key=lambda u: (-estimates[u.label][f"{key}_drop"], -estimates[u.label][f"{key}_logprob_drop"]))
 
 
 def _pairs_exact(model: Any, scorer: ChoiceScorer, pairs: list[tuple[Unit, Unit]], mode: str, mean_cache: Any,

@@ -170,7 +170,8 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
 def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
               progress: bool = True, task: Task = kv_retrieval, n_random: int = 5, method: str = "screened",
-              verify_top: int = 60, n_control: int = 10, replicas: int | None = None) -> dict[str, Any]:
+              verify_top: int = 60, n_control: int = 10, replicas: int | None = None,
+              stage_n: int | None = None, stage_keep: int = 20) -> dict[str, Any]:
     """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds."""
     n, batch_size = positive_int(n, "n"), positive_int(batch_size, "batch_size")
     rank_n = None if rank_n is None else positive_int(rank_n, "rank_n")
@@ -192,8 +193,9 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     best = {kind: sorted(units, key=lambda u: -scores[u.label][kind])[:2] for kind in ("gather", "aggregate")}
     ranking = rank_heads(model, examples, units, method=method, batch_size=batch_size, pairs_top_k=pairs_top_k,
                          progress=progress, pair_with=best["aggregate"] + best["gather"], verify_top=verify_top,
-                         n_control=n_control, seed=seed, replicas=replicas)
+                         n_control=n_control, seed=seed, replicas=replicas, stage_n=stage_n, stage_keep=stage_keep)
     lap("rank_heads")
+    timing["rank_heads"]["steps"] = ranking.timing
     gathers = [s["gather"] for s in scores.values()]
     aggregates = [s["aggregate"] for s in scores.values()]
     for row in ranking.rows:
@@ -264,6 +266,10 @@ def add_ga_parser(subparsers: Any) -> Any:
                    help="screened: candidates verified exactly, by each estimate "
                         "(default 60: 9/10 of the exhaustive top 10 on SmolLM2-135M)")
     p.add_argument("--controls", type=int, default=10, help="screened: random units verified exactly (default 10)")
+    p.add_argument("--stage-n", type=int, default=None,
+                   help="screened: verify the candidates on this many prompts first, then only the "
+                        "--stage-keep best of them on all (default: one stage)")
+    p.add_argument("--stage-keep", type=int, default=20, help="screened, staged: candidates verified on all prompts")
     p.add_argument("--replicas", type=int, default=None, help="units ablated per forward (default: the batching rule)")
     p.add_argument("--out", default="out/ga", help="output directory")
     p.add_argument("--no-progress", action="store_true")
@@ -284,7 +290,8 @@ def run_ga(args: Any) -> int:
         positive_int(size, "--pairs")
     for value, what in ((args.n, "--n"), (args.rank_n, "--rank-n"), (args.batch_size, "--batch-size"),
                         (args.top_k, "--top-k"), (args.channel_group, "--channel-group"),
-                        (args.random_draws, "--random-draws")):
+                        (args.random_draws, "--random-draws"), (args.stage_n, "--stage-n"),
+                        (args.stage_keep, "--stage-keep")):
         if value is not None:
             positive_int(value, what)
     writable_dir(args.out)  # before the sweep, not after it
@@ -292,7 +299,8 @@ def run_ga(args: Any) -> int:
     summary = ga_report(model, args.out, sizes, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
                         args.channel_group, progress=not args.no_progress, task=task_for(args.model),
                         n_random=args.random_draws, method="exhaustive" if args.exhaustive else "screened",
-                        verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas)
+                        verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas,
+                        stage_n=args.stage_n, stage_keep=args.stage_keep)
     for row in summary["sizes"]:
         print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
     for row in summary["top"][:5]:

@@ -1,0 +1,58 @@
+"""Staged verification of a screened ranking (rank_heads(stage_n=, stage_keep=)): which units reach which
+stage, and that each stage's numbers are the exact ones (exhaustive on all prompts, on the subset)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_ga import _model
+
+from analysis.ga.ranking import head_units, rank_heads
+from analysis.tasks.text import kv_retrieval
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba2"])
+def test_staged_rows_carry_exact_numbers_per_stage(arch):
+    model = _model(arch)
+    examples = kv_retrieval(3, 12, seed=1)
+    units = head_units(model, channel_group=8)
+    kw = dict(batch_size=8, pairs_top_k=2, progress=False)
+    full = {r["unit"]: r for r in rank_heads(model, examples, units, **kw).rows}
+    sub = {r["unit"]: r for r in rank_heads(model, examples[:4], units, **kw).rows}
+    staged = rank_heads(model, examples, units, method="screened", verify_top=4, n_control=1, stage_n=4,
+                        stage_keep=2, pair_with=[units[-1]], **kw)
+    rows = {r["unit"]: r for r in staged.rows}
+    stages = {s: [u for u, r in rows.items() if r["stage"] == s] for s in ("full", "subset", "estimate")}
+    controls = [u for u, r in rows.items() if r["control"]]
+    assert len(controls) == 1 and units[-1].label in stages["full"]
+    # stage 1: every candidate but the pair_with unit; the 2 best of them there go on to every prompt
+    stage1 = sorted((u for u, r in rows.items() if not math.isnan(r["stage_drop"])),
+                    key=lambda u: (-rows[u]["stage_drop"], -rows[u]["stage_logprob_drop"]))
+    assert len(stage1) >= 3 and set(stage1[:2]) <= set(stages["full"]) and not set(stage1[2:]) & set(stages["full"]) - set(controls)
+    assert set(stages["full"]) == set(stage1[:2]) | {units[-1].label} | set(controls)
+    assert set(stages["subset"]) == set(stage1[2:]) - set(controls)
+    assert staged.screen["n_stage1"] == len(stage1) and staged.screen["stage_n"] == 4
+    for u in stage1:  # subset numbers: the exhaustive ranking on the first 4 prompts
+        assert rows[u]["stage_drop"] == sub[u]["drop"]
+        assert rows[u]["stage_logprob_drop"] == pytest.approx(sub[u]["logprob_drop"], abs=1e-6)
+    for u in stages["full"]:  # full numbers: the exhaustive ones
+        assert rows[u]["drop"] == full[u]["drop"] and rows[u]["verified"]
+        assert rows[u]["logprob_drop"] == pytest.approx(full[u]["logprob_drop"], abs=1e-6)
+    for u in stages["subset"] + stages["estimate"]:
+        assert math.isnan(rows[u]["drop"]) and not rows[u]["verified"]
+    order = [r["stage"] for r in staged.rows]  # full rows first, then subset, then estimate-only
+    assert order == sorted(order, key=["full", "subset", "estimate"].index)
+
+
+def test_one_stage_when_stage_n_covers_every_prompt():
+    model = _model("llama")
+    examples = kv_retrieval(3, 6, seed=1)
+    units = head_units(model)
+    kw = dict(method="screened", verify_top=3, n_control=1, batch_size=8, pairs_top_k=2, progress=False)
+    one = rank_heads(model, examples, units, **kw)
+    same = rank_heads(model, examples, units, stage_n=6, **kw)
+    assert [r["unit"] for r in one.rows] == [r["unit"] for r in same.rows]
+    assert same.screen["n_stage1"] == 0 and not any(r["stage"] == "subset" for r in same.rows)
+    with pytest.raises(ValueError, match="stage_n"):
+        rank_heads(model, examples, units, stage_n=0, **kw)
