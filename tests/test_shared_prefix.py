@@ -144,3 +144,18 @@ def test_state_rules_for_layer_ranges():
     with torch.no_grad():  # stop_at_layer = n_layers: the final residual
         resid = model(tokens, state=DecodeState(), stop_at_layer=model.cfg.n_layers)
         torch.testing.assert_close(model.unembed(model.ln_final(resid)), model(tokens), **TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attribution_estimates_equal_whole_rows(arch):
+    """The screen's first-order estimates through the shared prefix (a prompt write feeds every choice via
+    the state) equal the whole-row ones (each row's copy of it summed): the same total derivative."""
+    from analysis.ga.screening import estimate_effects
+
+    model = _model(arch)
+    shared, rows = _both(model, _examples())
+    units = head_units(model, channel_group=8)
+    a, b = estimate_effects(model, shared, units), estimate_effects(model, rows, units)
+    for u in units:
+        for key in ("est_logprob_drop", "est_margin_drop"):
+            assert a[u.label][key] == pytest.approx(b[u.label][key], abs=1e-5), (u.label, key)

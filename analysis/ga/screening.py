@@ -52,7 +52,7 @@ REFINES = ("none", "scores", "qk")
 
 
 def _row_owner(scorer: ChoiceScorer) -> list[Tensor]:
-    """Per batch: the example each row belongs to ([rows])."""
+    """Per whole-row batch (`scorer.batches`): the example each row belongs to ([rows], -1: none)."""
     out = []
     for batch in scorer.batches:
         owner = torch.full((len(batch.tokens),), -1, dtype=torch.long)
@@ -99,15 +99,12 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
         seen[hook.name].append(act.detach())
 
     hooks = [(name, grab, False) for name in acts] + [(name, look, False) for name in seen]
-    n_ex, n_ch, n = len(scorer.examples), scorer.n_choices, model.cfg.n_layers
+    n_ex, n_ch = len(scorer.examples), scorer.n_choices
     device = next(model.parameters()).device
-    flat = torch.zeros(n_ex * n_ch, dtype=torch.float64, device=device)
     with torch.enable_grad(), attached(model, hooks):
-        for batch in scorer.batches:
-            resid = model(batch.tokens, batch.attention_mask, stop_at_layer=n)
-            picked = resid[batch.rows, batch.cols]
-            logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
-            flat = flat.index_add(0, batch.owner, logp.gather(1, batch.targets[:, None])[:, 0].double())
+        # one activation per forward and hook; owners: the example of each row of each forward. The QK
+        # fix (extra / keep) reads scorer.batches' whole rows, so it gets them here too
+        flat, owners = scorer.flat_scores(whole_rows=bool(extra or keep))
         raw = flat.view(n_ex, n_ch)
         invalid = torch.tensor([[c >= len(e.choices) for c in range(n_ch)] for e in scorer.examples], device=device)
         scores = raw.masked_fill(invalid, float("-inf"))
@@ -125,7 +122,7 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
         grads = {}
         for k, (key, q) in enumerate(quantities.items()):
             grads[key] = torch.autograd.grad(q.sum(), leaves, retain_graph=k < len(quantities) - 1, allow_unused=True)
-    owners = _row_owner(scorer)
+    owners = [o.cpu() for o in owners]
     out: dict[str, Any] = {key: {} for key in quantities}
     out.update({"base_margin": margin.detach().cpu(), "base_logprob": logprob.detach().cpu(),
                 "base_scores": scores.detach().cpu(), "quantities": list(quantities), "extra": {},

@@ -170,8 +170,36 @@ class ChoiceScorer:
         flat = torch.zeros(replicas, len(self.examples) * self.n_choices, dtype=torch.float64)
         with torch.no_grad():
             for b, batch in enumerate(self.prefix_batches):
-                sp.run(self.model, batch, flat, replicas, start_at_layer, None if resids is None else resids[b])
+                for owner, values in sp.run(self.model, batch, replicas, start_at_layer,
+                                            None if resids is None else resids[b]):
+                    flat.index_add_(1, owner.cpu(), values.double().cpu())
         return flat
+
+    def flat_scores(self, whole_rows: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """Summed log-probs [examples * choices] (float64, on the model's device, on the autograd graph
+        when it records) and the example of each row of each forward, in the order the forwards ran
+        (-1: a row that scores nothing): for hooks that collect per-row activations (the attribution
+        screen). Shared prefix unless refused (then whole rows), as `scores`; whole_rows: `batches`."""
+        device = model_device(self.model)
+        if self.shared_prefix and not whole_rows:
+            try:
+                flat = torch.zeros(len(self.examples) * self.n_choices, dtype=torch.float64, device=device)
+                for batch in self.prefix_batches:
+                    for owner, values in sp.run(self.model, batch):
+                        flat = flat.index_add(0, owner, values[0].double())
+                return flat, [rows for batch in self.prefix_batches for rows in sp.row_examples(batch)]
+            except StateRefused:
+                pass
+        n, owners = self.model.cfg.n_layers, []
+        flat = torch.zeros(len(self.examples) * self.n_choices, dtype=torch.float64, device=device)
+        for batch in self.batches:
+            resid = self.model(batch.tokens, batch.attention_mask, stop_at_layer=n)
+            logp = self.model.unembed(self.model.ln_final(resid[batch.rows, batch.cols][None]))[0].float().log_softmax(-1)
+            flat = flat.index_add(0, batch.owner, logp.gather(1, batch.targets[:, None])[:, 0].double())
+            rows = torch.full((len(batch.tokens),), -1, dtype=torch.long, device=batch.rows.device)
+            rows[batch.rows] = batch.owner // self.n_choices
+            owners.append(rows)
+        return flat, owners
 
     def _finish(self, flat: Tensor, r: int) -> Tensor:
         out = flat.view(r, len(self.examples), self.n_choices)

@@ -40,6 +40,7 @@ class PrefixBatch:
 
     tokens: Tensor  # [rows pos] left-padded prefixes
     attention_mask: Tensor | None  # [rows pos], None when nothing is padded
+    examples: Tensor  # [rows] the example of each prefix row
     source: Tensor  # [crows] the prefix row each continuation row extends
     cont: Tensor | None  # [crows cpos] continuation tokens (right-filled); None when no choice needs one
     p_rows: Tensor  # [picks] prefix row whose last position predicts the target
@@ -80,10 +81,11 @@ def build(joints: Sequence[Sequence[tuple[tuple[int, ...], int]]], n_choices: in
                 picks.append((-1 if p == s - 1 else home, p - s, joint[p + 1], i * n_choices + c))
         items.append((prefix, conts, picks))
     order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
-    return [_batch([items[i] for i in order[a: a + batch_size]], pad, device) for a in range(0, len(order), batch_size)]
+    return [_batch([items[i] for i in order[a: a + batch_size]], order[a: a + batch_size], pad, device)
+            for a in range(0, len(order), batch_size)]
 
 
-def _batch(items: list, pad: int, device: torch.device) -> PrefixBatch:
+def _batch(items: list, examples: list[int], pad: int, device: torch.device) -> PrefixBatch:
     width = max(len(prefix) for prefix, _, _ in items)
     tokens = torch.full((len(items), width), pad, dtype=torch.long)
     mask = torch.zeros((len(items), width), dtype=torch.long)
@@ -106,15 +108,16 @@ def _batch(items: list, pad: int, device: torch.device) -> PrefixBatch:
     as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     p = list(zip(*p_picks)) or [[], [], []]
     c = list(zip(*c_picks)) or [[], [], [], []]
-    return PrefixBatch(tokens.to(device), None if bool(mask.all()) else mask.to(device),
+    return PrefixBatch(tokens.to(device), None if bool(mask.all()) else mask.to(device), as_t(examples),
                        as_t([r for r, _ in conts]), cont.to(device) if conts else None,
                        *(as_t(x) for x in p), *(as_t(x) for x in c))
 
 
 # ------------------------------------------------------------------------------- running
-def run(model: Any, batch: PrefixBatch, flat: Tensor, replicas: int = 1, start_at_layer: int | None = None,
-        resume: Resume | None = None) -> None:
-    """Add every scored token's log-prob to flat [replicas, examples * choices] (in place)."""
+def run(model: Any, batch: PrefixBatch, replicas: int = 1, start_at_layer: int | None = None,
+        resume: Resume | None = None) -> list[tuple[Tensor, Tensor]]:
+    """(slot [picks], log-prob [replicas picks]) of every scored token, from the prefix forward and from the
+    continuation forward (on the model's device, float32, on the autograd graph when it records)."""
     n, r = model.cfg.n_layers, replicas
     rows = len(batch.tokens)
     mask = None if batch.attention_mask is None else batch.attention_mask.repeat(r, 1)
@@ -126,9 +129,9 @@ def run(model: Any, batch: PrefixBatch, flat: Tensor, replicas: int = 1, start_a
         state = resume.state.select(torch.arange(rows, device=tokens.device).repeat(r))
         resid = model(resume.prefix.repeat(r, 1, 1), mask, start_at_layer=start_at_layer, stop_at_layer=n,
                       tokens=tokens, state=state)
-    _add(model, flat, resid[_tiled(batch.p_rows, rows, r), -1], batch.p_targets, batch.p_owner, r)
+    out = [_logp(model, resid[_tiled(batch.p_rows, rows, r), -1], batch.p_targets, batch.p_owner, r)]
     if batch.cont is None:
-        return
+        return out
     crows = len(batch.cont)
     cstate, cont = state.select(_tiled(batch.source, rows, r)), batch.cont.repeat(r, 1)
     if start_at_layer is None:
@@ -137,7 +140,12 @@ def run(model: Any, batch: PrefixBatch, flat: Tensor, replicas: int = 1, start_a
         cresid = model(resume.cont.repeat(r, 1, 1), start_at_layer=start_at_layer, stop_at_layer=n, tokens=cont,
                        state=cstate)
     picked = cresid[_tiled(batch.c_rows, crows, r), batch.c_cols.repeat(r)]
-    _add(model, flat, picked, batch.c_targets, batch.c_owner, r)
+    return out + [_logp(model, picked, batch.c_targets, batch.c_owner, r)]
+
+
+def row_examples(batch: PrefixBatch) -> list[Tensor]:
+    """The example of each row of each forward `run` makes (prefix, then continuations when any)."""
+    return [batch.examples] + ([] if batch.cont is None else [batch.examples[batch.source]])
 
 
 def _tiled(index: Tensor, rows: int, r: int) -> Tensor:
@@ -145,13 +153,12 @@ def _tiled(index: Tensor, rows: int, r: int) -> Tensor:
     return (index[None] + rows * torch.arange(r, device=index.device)[:, None]).reshape(-1)
 
 
-def _add(model: Any, flat: Tensor, picked: Tensor, targets: Tensor, owner: Tensor, r: int) -> None:
-    """Log-prob of `targets` (repeated per replica) from residuals picked [r * picks d_model], into flat."""
+def _logp(model: Any, picked: Tensor, targets: Tensor, owner: Tensor, r: int) -> tuple[Tensor, Tensor]:
+    """(owner, log-prob of `targets` [r picks]) from residuals picked [r * picks d_model]."""
     if len(targets) == 0:
-        return
+        return owner, picked.new_zeros(r, 0, dtype=torch.float32)
     logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
-    values = logp.gather(1, targets.repeat(r)[:, None])[:, 0].double().cpu().view(r, -1)
-    flat.index_add_(1, owner.cpu(), values)
+    return owner, logp.gather(1, targets.repeat(r)[:, None])[:, 0].view(r, -1)
 
 
 def resumes(model: Any, batch: PrefixBatch, layers: Sequence[int]) -> Iterator[tuple[int, Resume]]:
