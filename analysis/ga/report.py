@@ -94,10 +94,12 @@ def control(model: Any, examples: list[Example], ranking: HeadRanking, units: li
     top = [by_label[label] for label in ranking.top(2)]
     rng = random.Random(seed)
     scorer = ChoiceScorer(model, examples, batch_size)
+    start = min(u.layer for u in top)  # every draw ablates units of the top units' modules: start there
+    _, resids = next(scorer.prefixes([start]))
 
     def ablated(chosen: list[Unit]) -> dict[str, Any]:
         with ablate_heads(model, [s for u in chosen for s in u.specs()]):
-            return {"units": [u.label for u in chosen], **scorer.metrics(scorer.scores())}
+            return {"units": [u.label for u in chosen], **scorer.metrics(scorer.scores(start, resids))}
 
     draws = []
     for _ in range(n_random):
