@@ -26,7 +26,7 @@ from analysis.tasks.text import kv_retrieval
 from loaders.organisms import accuracy as card, available_for
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_ga import _model  # noqa: E402  (the tiny random models of every family)
+from test_ga import _model, _same_rows  # noqa: E402  (the tiny random models of every family)
 
 ARCHS = ["gpt2", "llama", "mamba", "mamba2", "zamba2"]
 
@@ -128,7 +128,8 @@ def test_screened_ranking_marks_what_it_verified():
     assert all(r["drop"] != r["drop"] for r in sc.rows if not r["verified"])  # NaN: estimate only
     exact = {r["unit"]: r for r in ex.rows}
     for r in verified:  # a verified unit's exact numbers are the exhaustive ones
-        assert r["accuracy"] == exact[r["unit"]]["accuracy"] and r["logprob"] == exact[r["unit"]]["logprob"]
+        assert r["accuracy"] == exact[r["unit"]]["accuracy"]
+        assert r["logprob"] == pytest.approx(exact[r["unit"]]["logprob"], abs=1e-6)  # tiling rounds differently
     assert sc.rows[: len(verified)] == verified  # verified first
     with pytest.raises(ValueError, match="method"):
         rank_heads(model, examples, units, method="fast", progress=False)
@@ -165,10 +166,11 @@ def test_screened_ranking_finds_the_organism_circuit_exactly(name, organism):
     sc = rank_heads(model, examples, method="screened", verify_top=4, n_control=1, batch_size=40, pairs_top_k=k,
                     progress=False, prescreen_n=20, pair_with=readers)
     assert sc.top(k) == ex.top(k), (sc.rows[:k], ex.rows[:k])
-    assert sc.rows[:k] == [{**r, **{key: s[key] for key in s if key.startswith(("est_", "pre_")) or key == "control"}}
-                           for r, s in zip(ex.rows[:k], sc.rows[:k])]  # identical exact numbers and intervals
+    _same_rows(sc.rows[:k], [{**r, **{key: s[key] for key in s if key.startswith(("est_", "pre_", "stage"))
+                                     or key == "control"}} for r, s in zip(ex.rows[:k], sc.rows[:k])])  # exact numbers
     assert {r["layer"] for r in sc.rows[:expect["layer0"]]} == {0}
-    assert sc.screen["n_verified"] <= 4 * 4 + 1 + len(readers) and sc.pairs == ex.pairs
+    assert sc.screen["n_verified"] <= 4 * 4 + 1 + len(readers)
+    _same_rows(sc.pairs, ex.pairs)
     if readers:  # the readers are redundant alone, and together take retrieval to chance, in both rankings
         pair = next(p for p in sc.pairs if set(p["pair"].split("+")) == set(readers))
         assert all(r.startswith("L1") for r in readers) and pair["accuracy"] < 0.3, (readers, pair)
