@@ -9,6 +9,7 @@ import pytest
 from test_ga import _model
 
 from analysis.ga.ranking import head_units, rank_heads
+from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import kv_retrieval
 
 
@@ -19,9 +20,14 @@ def test_staged_rows_carry_exact_numbers_per_stage(arch):
     units = head_units(model, channel_group=8)
     kw = dict(batch_size=8, pairs_top_k=2, progress=False)
     full = {r["unit"]: r for r in rank_heads(model, examples, units, **kw).rows}
-    sub = {r["unit"]: r for r in rank_heads(model, examples[:4], units, **kw).rows}
+    scorer = ChoiceScorer(model, examples, 8)
+    right = scorer.per_example(scorer.scores())["correct"].bool().tolist()
+    prompts = sorted(([i for i in range(12) if right[i]] + [i for i in range(12) if not right[i]])[:4])
+    assert 0 < sum(right) < 12  # both kinds of prompt occur: the choice of stage-1 prompts means something
+    sub = {r["unit"]: r for r in rank_heads(model, [examples[i] for i in prompts], units, **kw).rows}
     staged = rank_heads(model, examples, units, method="screened", verify_top=4, n_control=1, stage_n=4,
                         stage_keep=2, pair_with=[units[-1]], **kw)
+    assert staged.screen["stage_prompts"] == prompts  # the prompts answered right come first
     rows = {r["unit"]: r for r in staged.rows}
     stages = {s: [u for u, r in rows.items() if r["stage"] == s] for s in ("full", "subset", "estimate")}
     controls = [u for u, r in rows.items() if r["control"]]
@@ -32,8 +38,8 @@ def test_staged_rows_carry_exact_numbers_per_stage(arch):
     assert len(stage1) >= 3 and set(stage1[:2]) <= set(stages["full"]) and not set(stage1[2:]) & set(stages["full"]) - set(controls)
     assert set(stages["full"]) == set(stage1[:2]) | {units[-1].label} | set(controls)
     assert set(stages["subset"]) == set(stage1[2:]) - set(controls)
-    assert staged.screen["n_stage1"] == len(stage1) and staged.screen["stage_n"] == 4
-    for u in stage1:  # subset numbers: the exhaustive ranking on the first 4 prompts
+    assert staged.screen["n_stage1"] == len(stage1)
+    for u in stage1:  # subset numbers: the exhaustive ranking on the stage-1 prompts
         assert rows[u]["stage_drop"] == sub[u]["drop"]
         assert rows[u]["stage_logprob_drop"] == pytest.approx(sub[u]["logprob_drop"], abs=1e-6)
     for u in stages["full"]:  # full numbers: the exhaustive ones

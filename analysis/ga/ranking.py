@@ -22,10 +22,11 @@ Glossary
                     (estimates only, drop = NaN), and `control` marks the random draws.
     prescreen       (prescreen_n) every unit ablated exactly on a few prompts: a candidate source that
                     sees nonlinear effects first-order estimates miss (saturated attention).
-    staged          (stage_n, stage_keep; screened) the screen's candidates are ablated exactly on the
-                    first `stage_n` prompts only, and the `stage_keep` best of them there (by accuracy
-                    drop, then log-prob drop), with the `pair_with` units and the controls, on every
-                    prompt. Rows say which stage each unit reached (`stage`: "full": exact on every
+    staged          (stage_n, stage_keep; screened) the screen's candidates are ablated exactly on
+                    `stage_n` prompts only (the first ones the unablated model answers right, then the
+                    others: an accuracy drop is a right answer turned wrong, so those prompts carry it),
+                    and the `stage_keep` best of them there (by accuracy drop, then log-prob drop), with
+                    the `pair_with` units and the controls, on every prompt. Rows say which stage each unit reached (`stage`: "full": exact on every
                     prompt, the exhaustive numbers; "subset": exact on the first stage_n prompts,
                     `stage_drop` / `stage_logprob_drop`; "estimate": attribution only).
     screen recall   the control units that beat the screen's own 10th unit (a miss of the screen,
@@ -253,6 +254,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     estimates: dict[str, dict[str, float]] = {}
     control: list[Unit] = []
     stage_units: set[str] = set()
+    stage_prompts: list[int] = []
     if method == "screened":
         from analysis.ga.screening import estimate_effects
 
@@ -271,8 +273,10 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
             estimates[u.label].update(stage_drop=math.nan, stage_logprob_drop=math.nan)
         if stage_n is not None and positive_int(stage_n, "stage_n") < n:
             staged = [u for u in chosen if u.kind == "head" and u not in extra]
-            leaders = _prescreen(model, scorer, staged, stage_n, batch_size, mode, mean_cache, reuse_prefix,
-                                 replicas, estimates, progress, key="stage", desc="stage 1")
+            right = base_ex["correct"].bool().tolist()
+            stage_prompts = ([i for i in range(n) if right[i]] + [i for i in range(n) if not right[i]])[:stage_n]
+            leaders = _prescreen(model, scorer, staged, sorted(stage_prompts), batch_size, mode, mean_cache,
+                                 reuse_prefix, replicas, estimates, progress, key="stage", desc="stage 1")
             stage_units = {u.label for u in staged}
             clock.lap("stage1")
             chosen = list(dict.fromkeys(leaders[:stage_keep] + [u for u in chosen if u not in staged]))
@@ -315,7 +319,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         ranking.screen = {"n_units": len(units), "n_verified": len(to_verify),
                           "n_candidates": len(to_verify) - len(control),
                           "n_control": len(control), "control_units": [u.label for u in control],
-                          "n_stage1": len(stage_units), "stage_n": stage_n if stage_units else None,
+                          "n_stage1": len(stage_units), "stage_prompts": sorted(stage_prompts),
                           "control_misses": misses, "tenth_drop": tenth["drop"],
                           "estimate_vs_exact": estimate_agreement(rows)}
     top = [by_label[r["unit"]] for r in rows[:pairs_top_k] if r["verified"]]
@@ -361,17 +365,18 @@ def candidates(units: Sequence[Unit], estimates: dict[str, dict[str, float]], ve
     return list(dict.fromkeys(picks))
 
 
-def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int, batch_size: int, mode: str,
-               mean_cache: Any, reuse_prefix: bool, replicas: int | None, estimates: dict, progress: bool,
+def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int | Sequence[int], batch_size: int,
+               mode: str, mean_cache: Any, reuse_prefix: bool, replicas: int | None, estimates: dict, progress: bool,
                key: str = "pre", desc: str = "prescreen") -> list[Unit]:
-    """`units` ablated exactly on the first `n` prompts only; sorted by that (drop, log-prob drop), which
-    goes into estimates[label] as f"{key}_drop", f"{key}_logprob_drop".
+    """`units` ablated exactly on the first `n` prompts (or the prompts of index `n`) only; sorted by that
+    (drop, log-prob drop), which goes into estimates[label] as f"{key}_drop", f"{key}_logprob_drop".
 
     The prescreen (every unit) is the fallback where first-order estimates fail (saturated attention
     or output: the organisms): it costs n / n_prompts of an exhaustive ranking and sees every
     nonlinearity. Staged verification runs it on the screen's candidates.
     """
-    sub = ChoiceScorer(model, scorer.examples[:n], batch_size, scorer.shared_prefix)
+    picked = scorer.examples[:n] if isinstance(n, int) else [scorer.examples[i] for i in n]
+    sub = ChoiceScorer(model, picked, batch_size, scorer.shared_prefix)
     base = sub.per_example(sub.scores())
     bar = tqdm(total=len(units), desc=desc, disable=not progress)
     exact = _exact(model, sub, units, mode, mean_cache, reuse_prefix, replicas or replicas_for(model, sub), bar)

@@ -173,7 +173,7 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
               progress: bool = True, task: Task = kv_retrieval, n_random: int = 5, method: str = "screened",
               verify_top: int = 60, n_control: int = 10, replicas: int | None = None,
-              stage_n: int | None = None, stage_keep: int = 20) -> dict[str, Any]:
+              stage_n: int | None = 6, stage_keep: int = 20) -> dict[str, Any]:
     """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds."""
     n, batch_size = positive_int(n, "n"), positive_int(batch_size, "batch_size")
     rank_n = None if rank_n is None else positive_int(rank_n, "rank_n")
@@ -268,10 +268,12 @@ def add_ga_parser(subparsers: Any) -> Any:
                    help="screened: candidates verified exactly, by each estimate "
                         "(default 60: 9/10 of the exhaustive top 10 on SmolLM2-135M)")
     p.add_argument("--controls", type=int, default=10, help="screened: random units verified exactly (default 10)")
-    p.add_argument("--stage-n", type=int, default=None,
-                   help="screened: verify the candidates on this many prompts first, then only the "
-                        "--stage-keep best of them on all (default: one stage)")
-    p.add_argument("--stage-keep", type=int, default=20, help="screened, staged: candidates verified on all prompts")
+    p.add_argument("--stage-n", type=int, default=6,
+                   help="screened: verify the candidates on this many prompts first (those answered right "
+                        "first), then only the --stage-keep best of them on all (default 6)")
+    p.add_argument("--one-stage", action="store_true", help="screened: verify every candidate on every prompt")
+    p.add_argument("--stage-keep", type=int, default=20,
+                   help="screened, staged: candidates verified on all prompts (default 20)")
     p.add_argument("--replicas", type=int, default=None, help="units ablated per forward (default: the batching rule)")
     p.add_argument("--out", default="out/ga", help="output directory")
     p.add_argument("--no-progress", action="store_true")
@@ -302,7 +304,7 @@ def run_ga(args: Any) -> int:
                         args.channel_group, progress=not args.no_progress, task=task_for(args.model),
                         n_random=args.random_draws, method="exhaustive" if args.exhaustive else "screened",
                         verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas,
-                        stage_n=args.stage_n, stage_keep=args.stage_keep)
+                        stage_n=None if args.one_stage else args.stage_n, stage_keep=args.stage_keep)
     for row in summary["sizes"]:
         print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
     for row in summary["top"][:5]:
@@ -312,8 +314,9 @@ def run_ga(args: Any) -> int:
     print(summary["separability_statement"])
     if summary["screen"]:
         sc = summary["screen"]
-        print(f"screened: {sc['n_verified']} of {sc['n_units']} units ablated exactly ({sc['n_control']} random "
-              f"controls; beating the screen's 10th unit: {', '.join(sc['control_misses']) or 'none'})")
+        staged = (f"; {sc['n_stage1']} candidates first on prompts {sc['stage_prompts']}" if sc.get("n_stage1") else "")
+        print(f"screened: {sc['n_verified']} of {sc['n_units']} units ablated exactly on every prompt ({sc['n_control']} "
+              f"random controls; beating the screen's 10th unit: {', '.join(sc['control_misses']) or 'none'}{staged})")
     t = summary["timing"]["total"]
     print(f"time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU")
     rho = summary["agreement"]
