@@ -81,7 +81,8 @@ def main() -> None:
     full = {u: drops(u, every) for u in labels}
     top10 = set(sorted(labels, key=lambda u: (-full[u][0], -full[u][1]))[:10])
     if args.ranking:
-        saved = [r["unit"] for r in csv.DictReader(open(args.ranking))][:10]
+        with open(args.ranking) as f:
+            saved = [r["unit"] for r in csv.DictReader(f)][:10]
         print(f"this sweep's top 10 vs {args.ranking}'s: {len(top10 & set(saved))}/10 shared; "
               f"{sorted(top10)} vs {sorted(saved)}", flush=True)
     cost = {u: (n_layers - layers[u]) / n_layers for u in labels}

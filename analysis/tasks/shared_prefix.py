@@ -105,7 +105,10 @@ def _batch(items: list, examples: list[int], pad: int, device: torch.device) -> 
                 p_picks.append((r, target, slot))
             else:
                 c_picks.append((first[r] + home, col, target, slot))
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+
+    def as_t(xs: list) -> Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
     p = list(zip(*p_picks)) or [[], [], []]
     c = list(zip(*c_picks)) or [[], [], [], []]
     return PrefixBatch(tokens.to(device), None if bool(mask.all()) else mask.to(device), as_t(examples),

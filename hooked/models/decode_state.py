@@ -62,7 +62,7 @@ class DecodeState:
         self.length += pos
 
     # ------------------------------------------------------------------------------- copies
-    def select(self, index: Tensor) -> "DecodeState":
+    def select(self, index: Tensor) -> DecodeState:
         """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is."""
         out = DecodeState()
         out._owners, out.length = dict(self._owners), self.length
@@ -71,7 +71,7 @@ class DecodeState:
         out.next_position = None if self.next_position is None else self.next_position[index.to(self.next_position.device)]
         return out
 
-    def entries_of(self, modules: Any) -> "DecodeState":
+    def entries_of(self, modules: Any) -> DecodeState:
         """A new state with the entries of `modules` only (an iterable of modules) and no position read:
         a forward resumed at a later layer with it reads the same positions again through the other
         modules (the kept entries must already hold them); tensors are shared, not copied."""
