@@ -8,7 +8,10 @@ Glossary
                  pairs among the top `--top-k` units and the two best gather and aggregate scorers.
                  Screened by default (attribution estimate for every unit, exact ablation of the
                  `--verify-top` candidates and `--controls` random units; unverified rows hold
-                 estimates only); `--exhaustive` ablates every unit exactly.
+                 estimates only); staged by default (the candidates on `--stage-n` prompts first,
+                 the `--stage-keep` best of them on all; `--one-stage`); `--exhaustive` ablates
+                 every unit exactly. Choices are scored through the shared prefix everywhere
+                 (analysis.tasks.shared_prefix).
     intervals    accuracy: Clopper-Pearson; drops: paired bootstrap over prompts (analysis.intervals);
                  `separability` in summary.json says which of the top 10 differ from the next.
     control      the top two units ablated together vs random pairs of other units of the same head
