@@ -53,7 +53,8 @@ def main() -> None:
     summary = ga_report(model, args.out, sizes, ga.n, ga.rank_n, ga.seed, ga.batch_size, ga.top_k, ga.channel_group,
                         progress=False, task=task_for(args.model), n_random=ga.random_draws,
                         method="exhaustive" if ga.exhaustive else "screened", verify_top=ga.verify_top,
-                        n_control=ga.controls, replicas=ga.replicas, stage_n=None if ga.one_stage else ga.stage_n, stage_keep=ga.stage_keep)
+                        n_control=ga.controls, replicas=ga.replicas, stage_n=None if ga.one_stage else ga.stage_n, stage_keep=ga.stage_keep,
+                        refine=ga.refine)
     after = forward_cost(model, examples)
     f_cpu = (before["cpu_s"] + after["cpu_s"]) / 2
     timing = summary["timing"]

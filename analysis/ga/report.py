@@ -175,7 +175,7 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
 def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
               progress: bool = True, task: Task = kv_retrieval, n_random: int = 5, method: str = "screened",
-              verify_top: int = 60, n_control: int = 10, replicas: int | None = None,
+              verify_top: int = 45, n_control: int = 10, replicas: int | None = None, refine: str = "none",
               stage_n: int | None = 6, stage_keep: int = 20) -> dict[str, Any]:
     """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds."""
     n, batch_size = positive_int(n, "n"), positive_int(batch_size, "batch_size")
@@ -198,7 +198,8 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     best = {kind: sorted(units, key=lambda u: -scores[u.label][kind])[:2] for kind in ("gather", "aggregate")}
     ranking = rank_heads(model, examples, units, method=method, batch_size=batch_size, pairs_top_k=pairs_top_k,
                          progress=progress, pair_with=best["aggregate"] + best["gather"], verify_top=verify_top,
-                         n_control=n_control, seed=seed, replicas=replicas, stage_n=stage_n, stage_keep=stage_keep)
+                         n_control=n_control, seed=seed, replicas=replicas, stage_n=stage_n, stage_keep=stage_keep,
+                         refine=refine)
     lap("rank_heads")
     timing["rank_heads"]["steps"] = ranking.timing
     gathers = [s["gather"] for s in scores.values()]
@@ -267,9 +268,11 @@ def add_ga_parser(subparsers: Any) -> Any:
     p.add_argument("--channel-group", type=int, default=None, help="Mamba-1 channels per unit (default d_inner/16)")
     p.add_argument("--random-draws", type=int, default=5, help="random head pairs in the control (default 5)")
     p.add_argument("--exhaustive", action="store_true", help="ablate every unit exactly (default: screened)")
-    p.add_argument("--verify-top", type=int, default=60,
-                   help="screened: candidates verified exactly, by each estimate "
-                        "(default 60: 9/10 of the exhaustive top 10 on SmolLM2-135M)")
+    p.add_argument("--verify-top", type=int, default=45,
+                   help="screened: candidates verified exactly, by each estimate (default 45: with the staged "
+                        "defaults 9/10 of the exhaustive top 10 on SmolLM2-135M in a replay)")
+    p.add_argument("--refine", default="none", choices=["none", "scores", "qk"],
+                   help="screened: the estimate's refinement (analysis.ga.screening; default none)")
     p.add_argument("--controls", type=int, default=10, help="screened: random units verified exactly (default 10)")
     p.add_argument("--stage-n", type=int, default=6,
                    help="screened: verify the candidates on this many prompts first (those answered right "
@@ -307,7 +310,8 @@ def run_ga(args: Any) -> int:
                         args.channel_group, progress=not args.no_progress, task=task_for(args.model),
                         n_random=args.random_draws, method="exhaustive" if args.exhaustive else "screened",
                         verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas,
-                        stage_n=None if args.one_stage else args.stage_n, stage_keep=args.stage_keep)
+                        stage_n=None if args.one_stage else args.stage_n, stage_keep=args.stage_keep,
+                        refine=args.refine)
     for row in summary["sizes"]:
         print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
     for row in summary["top"][:5]:
