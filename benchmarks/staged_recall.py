@@ -2,10 +2,10 @@
 
     python benchmarks/staged_recall.py smollm2-135m --pairs 5 --rank-n 16 --cache out/staged_recall.pt --out recall.json
 
-Runs (or loads from --cache) the attribution pass and every unit's exact ablation on the ranking
-prompts (shared-prefix scorer, prefix reuse), then replays `rank_heads(method="screened")`'s
-candidate rule and the staged verification (`stage_n` prompts for every candidate, the
-`stage_keep` leaders by (accuracy drop, log-prob drop) on them verified on all prompts) for each
+Runs (or loads from --cache) every unit's exact ablation on the ranking prompts (shared-prefix
+scorer, prefix reuse) and runs the attribution pass of today's code (`--refine`), then replays
+`rank_heads(method="screened")`'s candidate rule and the staged verification (`stage_n` prompts,
+those answered right first, for every candidate, the `stage_keep` leaders by (accuracy drop, log-prob drop) on them verified on all prompts) for each
 setting: units verified, cost in forward-equivalents of the ranking prompts (a unit of layer l
 costs (n_layers - l) / n_layers with prefix reuse, times the share of prompts it runs on), and the
 overlap of the resulting top 10 with the exhaustive top 10. No timing is asserted; costs are counted.
@@ -29,15 +29,11 @@ from analysis.tasks.scoring import ChoiceScorer
 from loaders import from_pretrained
 
 
-def sweep(model_name: str, pairs: int, rank_n: int, seed: int) -> dict:
-    model = from_pretrained(model_name)
-    examples = task_for(model_name)(pairs, rank_n, seed)
-    scorer = ChoiceScorer(model, examples, 16)
-    units = head_units(model)
-    est = estimate_effects(model, scorer, units)
+def sweep(model, scorer, units) -> dict:
+    """Every unit's exact scores on the ranking prompts (the costly part, cached)."""
     bar = tqdm(total=len(units), desc="exact")
     exact = _exact(model, scorer, units, "zero", None, True, 1, bar)
-    return {"base": scorer.scores(), "answers": scorer.answers(), "exact": exact, "est": est,
+    return {"base": scorer.scores(), "answers": scorer.answers(), "exact": exact,
             "layers": {u.label: u.layer for u in units}, "n_layers": model.cfg.n_layers}
 
 
@@ -57,18 +53,23 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", default=None, help="torch file with the sweep (written when absent)")
     p.add_argument("--verify-top", default="20,30,45,60")
+    p.add_argument("--refine", default="none", choices=["none", "scores", "qk"])
     p.add_argument("--stage-n", default="4,6,8")
-    p.add_argument("--stage-keep", default="10,15,20,30")
+    p.add_argument("--stage-keep", default="10,15,20")
     p.add_argument("--ranking", default=None, help="an exhaustive ranking.csv to compare this sweep's top 10 with")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    model = from_pretrained(args.model)
+    scorer = ChoiceScorer(model, task_for(args.model)(args.pairs, args.rank_n, args.seed), 16)
+    units = head_units(model)
     if args.cache and Path(args.cache).exists():
         data = torch.load(args.cache)
     else:
-        data = sweep(args.model, args.pairs, args.rank_n, args.seed)
+        data = sweep(model, scorer, units)
         if args.cache:
-            torch.save(data, args.cache)
-    base, answers, exact, est, layers = data["base"], data["answers"], data["exact"], data["est"], data["layers"]
+            torch.save({k: v for k, v in data.items() if k != "est"}, args.cache)
+    est = estimate_effects(model, scorer, units, refine=args.refine)  # the screen of today's code, every run
+    base, answers, exact, layers = data["base"], data["answers"], data["exact"], data["layers"]
     n, n_layers = len(answers), data["n_layers"]
     labels = list(exact)
     every = list(range(n))
@@ -92,11 +93,12 @@ def main() -> None:
             self.label = label
 
     units = [U(u) for u in labels]
-    out = {"baseline": b_all, "exhaustive_forwards": sum(cost.values()), "settings": []}
+    out = {"refine": args.refine, "baseline": b_all, "exhaustive_forwards": sum(cost.values()), "settings": []}
     for k, m, keep in itertools.product(*(map(int, s.split(",")) for s in (args.verify_top, args.stage_n,
                                                                              args.stage_keep))):
         chosen = [u.label for u in candidates(units, est, k)]
-        sub = every[:m]
+        right = (base.argmax(-1) == answers).tolist()  # rank_heads' rule: prompts answered right first
+        sub = sorted(([i for i in every if right[i]] + [i for i in every if not right[i]])[:m])
         leaders = sorted(chosen, key=lambda u: (-drops(u, sub)[0], -drops(u, sub)[1]))[:keep]
         top = sorted(leaders, key=lambda u: (-full[u][0], -full[u][1]))[:10]
         spent = sum(cost[u] for u in chosen) * m / n + sum(cost[u] for u in leaders) * (n - m) / n
