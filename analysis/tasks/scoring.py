@@ -243,9 +243,11 @@ class ChoiceScorer:
         return {"accuracy": accuracy(scores, self.examples), "logprob": answer_logprob(scores, self.examples)}
 
 
-def score_choices(model: Any, examples: Sequence[Example], batch_size: int = 16) -> Float[Tensor, "example choice"]:
-    """Summed log-probability of each choice's tokens after its prompt (batched, padded)."""
-    return ChoiceScorer(model, examples, batch_size).scores()
+def score_choices(model: Any, examples: Sequence[Example], batch_size: int = 16,
+                  shared_prefix: bool = True) -> Float[Tensor, "example choice"]:
+    """Summed log-probability of each choice's tokens after its prompt (batched, padded). shared_prefix=False
+    for hooks that index positions of the whole sequence (see `ChoiceScorer`)."""
+    return ChoiceScorer(model, examples, batch_size, shared_prefix).scores()
 
 
 def accuracy(scores: Tensor, examples: Sequence[Example]) -> float:
