@@ -108,11 +108,7 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
         raw = flat.view(n_ex, n_ch)
         invalid = torch.tensor([[c >= len(e.choices) for c in range(n_ch)] for e in scorer.examples], device=device)
         scores = raw.masked_fill(invalid, float("-inf"))
-        answers = scorer.answers().to(device)
-        right = scores.gather(1, answers[:, None])[:, 0]
-        others = scores.scatter(1, answers[:, None], float("-inf")).max(-1).values
-        margin = right - others
-        logprob = scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]
+        margin, logprob = _margin_logprob(scores, scorer.answers().to(device))
         if per_choice:  # an absent choice's row of `raw` is 0, its gradient 0
             quantities = {f"choice{c}": raw[:, c] for c in range(n_ch)}
         else:
@@ -205,8 +201,12 @@ def estimate_effects(model: Any, scorer: ChoiceScorer, units: Sequence[Any], mod
 def _choice_changes(att: dict[str, Any], d_scores: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
     """Margin and answer log-prob changes [example] from estimated choice-score changes [example choice],
     exactly (the runner-up may change; the log-softmax over the choices is not linearised)."""
-    scores = att["base_scores"] + d_scores  # -inf stays -inf for absent choices
+    margin, logprob = _margin_logprob(att["base_scores"] + d_scores, answers)  # -inf stays -inf for absent choices
+    return margin - att["base_margin"], logprob - att["base_logprob"]
+
+
+def _margin_logprob(scores: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
+    """Per example: answer score minus the best other choice's, and the answer's log-prob over the choices."""
     right = scores.gather(1, answers[:, None])[:, 0]
     others = scores.scatter(1, answers[:, None], float("-inf")).max(-1).values
-    logprob = scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]
-    return (right - others) - att["base_margin"], logprob - att["base_logprob"]
+    return right - others, scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]
