@@ -383,6 +383,23 @@ def test_cli_ga_writes_its_files(tmp_path):
     assert summary["control"]["random2"]["mean_accuracy"] == pytest.approx(sum(accs) / len(accs))
 
 
+def test_control_reads_the_top_pair_from_the_ranking():
+    from analysis.ga.report import control
+
+    model = _model("llama")
+    examples = kv_retrieval(3, 6, seed=2)
+    units = head_units(model)
+    ranking = rank_heads(model, examples, units, batch_size=8, pairs_top_k=2, progress=False)
+    fresh = control(model, examples, ranking, units, n_random=1)
+    reused = control(model, examples, ranking, units, n_random=1, reuse_pairs=True)
+    assert reused["top2"]["units"] == fresh["top2"]["units"] == ranking.top(2) and len(ranking.pairs) == 1
+    assert reused["top2"]["accuracy"] == fresh["top2"]["accuracy"]
+    assert reused["top2"]["logprob"] == pytest.approx(fresh["top2"]["logprob"], abs=1e-6)
+    assert reused["random2"] == fresh["random2"]
+    ranking.pairs[0]["accuracy"] = -1.0  # read, not recomputed
+    assert control(model, examples, ranking, units, n_random=1, reuse_pairs=True)["top2"]["accuracy"] == -1.0
+
+
 def test_control_needs_a_random_draw():
     from analysis.ga.ranking import HeadRanking
     from analysis.ga.report import control

@@ -22,16 +22,20 @@ Glossary
                     (estimates only, drop = NaN), and `control` marks the random draws.
     prescreen       (prescreen_n) every unit ablated exactly on a few prompts: a candidate source that
                     sees nonlinear effects first-order estimates miss (saturated attention).
-    staged          (stage_n, stage_keep; screened) the screen's candidates are ablated exactly on
-                    `stage_n` prompts only (the first ones the unablated model answers right, then the
-                    others: an accuracy drop is a right answer turned wrong, so those prompts carry it),
-                    and the `stage_keep` best of them there (by accuracy drop, then log-prob drop), with
-                    the `pair_with` units and the controls, on every prompt. Rows say which stage each unit reached (`stage`: "full": exact on every
-                    prompt, the exhaustive numbers; "subset": exact on the first stage_n prompts,
-                    `stage_drop` / `stage_logprob_drop`; "estimate": attribution only).
+    staged          (stage_n, stage_keep; screened) the screen's candidates and the random controls
+                    are ablated exactly on `stage_n` prompts only (the first ones the unablated model
+                    answers right, then the others: an accuracy drop is a right answer turned wrong, so
+                    those prompts carry it); the `stage_keep` best candidates there (by accuracy drop,
+                    then log-prob drop) and every control ranked above the last of them there go
+                    on to the other prompts (their stage-1 scores are kept: each prompt is ablated
+                    once), the `pair_with` units straight to every prompt. Rows say which stage each
+                    unit reached (`stage`: "full": exact on every prompt, the exhaustive numbers;
+                    "subset": exact on the first stage_n prompts, `stage_drop` / `stage_logprob_drop`;
+                    "estimate": attribution only).
     screen recall   the control units that beat the screen's own 10th unit (a miss of the screen,
                     caught by chance): `HeadRanking.screen["control_misses"]`; their share of the
-                    controls estimates the share of unverified units the screen missed.
+                    controls estimates the share of unverified units the screen missed. Staged: a
+                    control left at stage 1 was below every candidate kept there.
     replicas        batched interventions: r units of one layer ablated in one forward of r tiled
                     copies of the batch (`ablate_heads_rows`); `replicas_for` is the rule.
     intervals       per verified unit: Clopper-Pearson interval of its accuracy, paired bootstrap
@@ -271,22 +275,41 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         control = random.Random(seed).sample(rest, min(n_control, len(rest)))
         for u in units:
             estimates[u.label].update(stage_drop=math.nan, stage_logprob_drop=math.nan)
+        staged_exact: dict[str, Tensor] = {}
         if stage_n is not None and positive_int(stage_n, "stage_n") < n:
             staged = [u for u in chosen if u.kind == "head" and u not in extra]
+            checks = [u for u in control if u.kind == "head"]
             right = base_ex["correct"].bool().tolist()
-            stage_prompts = ([i for i in range(n) if right[i]] + [i for i in range(n) if not right[i]])[:stage_n]
-            leaders = _prescreen(model, scorer, staged, sorted(stage_prompts), batch_size, mode, mean_cache,
-                                 reuse_prefix, replicas, estimates, progress, key="stage", desc="stage 1")
-            stage_units = {u.label for u in staged}
+            stage_prompts = sorted(([i for i in range(n) if right[i]] + [i for i in range(n) if not right[i]])[:stage_n])
+            ranked = _prescreen(model, scorer, staged + checks, stage_prompts, batch_size, mode, mean_cache,
+                                reuse_prefix, replicas, estimates, progress, key="stage", desc="stage 1",
+                                keep=staged_exact)
+            stage_units = {u.label for u in staged + checks}
             clock.lap("stage1")
-            chosen = list(dict.fromkeys(leaders[:stage_keep] + [u for u in chosen if u not in staged]))
-        to_verify = [u for u in units if u in set(chosen) | set(control)]  # forward order
+            leaders = [u for u in ranked if u not in checks][:stage_keep]
+            ranked_at = {u.label: i for i, u in enumerate(ranked)}
+            bar_at = max((ranked_at[u.label] for u in leaders), default=-1)
+            promoted = [u for u in checks if ranked_at[u.label] <= bar_at]
+            staged_exact = {u.label: staged_exact[u.label] for u in leaders + promoted}
+            chosen = list(dict.fromkeys(leaders + [u for u in chosen if u not in staged]))
+            control_full = [u for u in control if u not in checks] + promoted
+        else:
+            control_full = control
+        to_verify = [u for u in units if u in set(chosen) | set(control_full)]  # forward order
     else:
-        to_verify = units
+        to_verify, staged_exact = units, {}
     r = replicas or replicas_for(model, scorer)
     bar = tqdm(total=len(to_verify), desc="rank_heads", disable=not progress)
     clock.lap("baseline" if method == "exhaustive" else "choose")
-    exact = _exact(model, scorer, to_verify, mode, mean_cache, reuse_prefix, r, bar)
+    direct = [u for u in to_verify if u.label not in staged_exact]
+    exact = _exact(model, scorer, direct, mode, mean_cache, reuse_prefix, r, bar)
+    if staged_exact:  # the rest of the prompts for the units that reached stage 2 from stage 1
+        rest_prompts = [i for i in range(n) if i not in set(stage_prompts)]
+        rest = ChoiceScorer(model, [scorer.examples[i] for i in rest_prompts], batch_size, scorer.shared_prefix)
+        later = _exact(model, rest, [u for u in to_verify if u.label in staged_exact], mode, mean_cache,
+                       reuse_prefix, replicas or replicas_for(model, rest), bar)
+        for label, first in staged_exact.items():
+            exact[label] = _merge(n, scorer.n_choices, [(stage_prompts, first), (rest_prompts, later[label])])
     clock.lap("exact")
     bar.close()
     rows, per_ex = [], {}
@@ -317,7 +340,8 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         bar = (tenth["drop"], tenth["logprob_drop"])
         misses = [r["unit"] for r in verified if r["control"] and (r["drop"], r["logprob_drop"]) > bar]
         ranking.screen = {"n_units": len(units), "n_verified": len(to_verify),
-                          "n_candidates": len(to_verify) - len(control),
+                          "n_candidates": len(to_verify) - len(control_full),
+                          "n_control_full": len(control_full),
                           "n_control": len(control), "control_units": [u.label for u in control],
                           "n_stage1": len(stage_units), "stage_prompts": sorted(stage_prompts),
                           "control_misses": misses, "tenth_drop": tenth["drop"],
@@ -367,9 +391,10 @@ def candidates(units: Sequence[Unit], estimates: dict[str, dict[str, float]], ve
 
 def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int | Sequence[int], batch_size: int,
                mode: str, mean_cache: Any, reuse_prefix: bool, replicas: int | None, estimates: dict, progress: bool,
-               key: str = "pre", desc: str = "prescreen") -> list[Unit]:
+               key: str = "pre", desc: str = "prescreen", keep: dict[str, Tensor] | None = None) -> list[Unit]:
     """`units` ablated exactly on the first `n` prompts (or the prompts of index `n`) only; sorted by that
-    (drop, log-prob drop), which goes into estimates[label] as f"{key}_drop", f"{key}_logprob_drop".
+    (drop, log-prob drop), which goes into estimates[label] as f"{key}_drop", f"{key}_logprob_drop"
+    (and each unit's scores [prompts choice] into `keep`, when given).
 
     The prescreen (every unit) is the fallback where first-order estimates fail (saturated attention
     or output: the organisms): it costs n / n_prompts of an exhaustive ranking and sees every
@@ -381,6 +406,8 @@ def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int | Seq
     bar = tqdm(total=len(units), desc=desc, disable=not progress)
     exact = _exact(model, sub, units, mode, mean_cache, reuse_prefix, replicas or replicas_for(model, sub), bar)
     bar.close()
+    if keep is not None:
+        keep.update(exact)
     for u in units:
         ex = sub.per_example(exact[u.label])
         estimates[u.label].update({f"{key}_drop": (base["correct"] - ex["correct"]).mean().item(),
@@ -409,6 +436,15 @@ def _pairs_exact(model: Any, scorer: ChoiceScorer, pairs: list[tuple[Unit, Unit]
         for a, b in pairs:
             run(a, b, None, None)
     bar.close()
+    return out
+
+
+def _merge(n: int, n_choices: int, parts: list[tuple[Sequence[int], Tensor]]) -> Tensor:
+    """Scores [n n_choices] from parts (prompt indices, their scores [len(indices) choices <= n_choices];
+    -inf where a prompt has fewer choices)."""
+    out = torch.full((n, n_choices), -math.inf, dtype=parts[0][1].dtype)
+    for index, scores in parts:
+        out[list(index), : scores.shape[1]] = scores
     return out
 
 

@@ -88,9 +88,12 @@ def percentile(value: float, values: list[float]) -> float:
 
 
 def control(model: Any, examples: list[Example], ranking: HeadRanking, units: list[Unit], seed: int = 0,
-            batch_size: int = 16, n_random: int = 5) -> dict[str, Any]:
+            batch_size: int = 16, n_random: int = 5, reuse_pairs: bool = False) -> dict[str, Any]:
     """Accuracy with the top two units ablated vs `n_random` seeded draws of two other units, each
-    drawn from the same head module as the top unit it stands for (so the same layers)."""
+    drawn from the same head module as the top unit it stands for (so the same layers).
+
+    reuse_pairs: `examples` are the ranking's, so the top two ablated together are read from
+    `ranking.pairs` when it holds them (the same forward, not run twice)."""
     if n_random < 1:
         raise ValueError(f"n_random must be >= 1, got {n_random}")
     by_label = {u.label: u for u in units}
@@ -112,7 +115,10 @@ def control(model: Any, examples: list[Example], ranking: HeadRanking, units: li
             chosen.append(rng.choice(pool or [t]))
         draws.append(ablated(chosen))
     accs = [d["accuracy"] for d in draws]
-    return {"baseline": ranking.baseline["accuracy"], "top2": ablated(top),
+    labels = [u.label for u in top]
+    known = [p for p in ranking.pairs if reuse_pairs and p["pair"] in ("+".join(labels), "+".join(labels[::-1]))]
+    top2 = {"units": labels, "accuracy": known[0]["accuracy"], "logprob": known[0]["logprob"]} if known else ablated(top)
+    return {"baseline": ranking.baseline["accuracy"], "top2": top2,
             "random2": {"mean_accuracy": sum(accs) / len(accs), "min_accuracy": min(accs),
                         "max_accuracy": max(accs), "draws": draws}}
 
@@ -230,7 +236,7 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
     summary = {"sizes": acc, "baseline": ranking.baseline, "method": method, "top": ranking.rows[:10],
-               "pairs": ranking.pairs, "control": control(model, examples, ranking, units, seed, batch_size, n_random),
+               "pairs": ranking.pairs, "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True),
                "agreement": agreement(ranking.rows), "n_units": len(units), "rank_examples": len(examples),
                "screen": ranking.screen, "separability": ranking.separability,
                "separability_statement": separability_statement(ranking)}
