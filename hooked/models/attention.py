@@ -41,6 +41,12 @@ Numerics follow HF eager: scores and the pattern-weighted sum in the activations
 softmax in float32 (float64 for float64 models). There is no SDPA fast path: the pattern must
 exist to be hooked.
 
+Selected states. In a state expanded by `DecodeState.select` (many rows continuing one prefix), the
+past keys and values are a `SharedKV` (shared_kv.py): the scores against them and their part of z
+are computed in place through the row map, never copied per row; the hooks keep their shapes (k_pos
+counts the shared keys first, then the row's own), and the scale, soft-cap, mask and softmax act on
+the whole score row as always.
+
 hook_result. attn_out is o_proj(z) plus the sum over heads of whatever the hooks changed in the
 results: attn_out = o_proj(z) + sum_h (result'_h - result_h). With nothing edited this is exactly
 o_proj(z) (bit-identical to the unhooked forward); with edits it equals sum_h result'_h + b_O, so
@@ -120,11 +126,14 @@ class Attention(AttentionWeights, nn.Module):
             rot_k = apply_rotary(k, cos, sin)
             rot_k = self.hook_rot_k(rot_k)
             q, k = rot_q, rot_k
+        shared = None  # a selected state's shared past (shared_kv.py): its keys come first, read in place
         if ctx.state is not None:  # incremental decoding: the past keys and values come from the state
-            k, v = ctx.state.extend_kv(self, k, v)
+            shared, k, v = ctx.state.extend_kv(self, k, v)
         k, v = self.repeat_kv(k), self.repeat_kv(v)  # [batch k_pos n_heads d_head]
 
         scores = einsum(q, k, "batch q_pos n_heads d_head, batch k_pos n_heads d_head -> batch n_heads q_pos k_pos")
+        if shared is not None:
+            scores = torch.cat([shared.scores(q), scores], dim=-1)
         scores = scores * self.scale
         if self.softcap is not None:
             scores = self.softcap(scores)
@@ -134,7 +143,12 @@ class Attention(AttentionWeights, nn.Module):
         softmax_dtype = torch.promote_types(attn_scores.dtype, torch.float32)
         pattern = attn_scores.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
         pattern = self.hook_pattern(pattern)
-        z = einsum(pattern, v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
+        if shared is None:
+            z = einsum(pattern, v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
+        else:
+            p0 = shared.shared_positions
+            z = shared.mix(pattern[..., :p0]) + einsum(
+                pattern[..., p0:], v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
         z = self.hook_z(z)
 
         flat_z = rearrange(z, "batch pos n_heads d_head -> batch pos (n_heads d_head)")

@@ -4,12 +4,16 @@ Glossary
     DecodeState   one per generation (TL's `past_kv_cache`): pass it as `model(tokens, state=state)`
                   and each forward reads only the NEW positions; the state grows by them
     entry         per module (keyed by the module object, so each Zamba2 shared-block invocation
-                  keeps its own): attention (k, v) after rotary, kv heads not repeated;
-                  a mixer's conv window (its last d_conv - 1 inputs) and recurrent state h
+                  keeps its own): attention (k, v) after rotary, kv heads not repeated (a `SharedKV`
+                  in a selected state); a mixer's conv window (its last d_conv - 1 inputs) and
+                  recurrent state h
     past_mask     [batch past] bool, the padding of the positions already read (None: none padded)
     next_position [batch] position id of the next real token of each row (left padding skipped)
     select        a state for other rows (`select(index)`: row i is row index[i]; rows repeated to read
-                  several continuations of one prefix, as analysis.tasks.scoring does)
+                  several continuations of one prefix, as analysis.tasks.scoring does). Keys and
+                  values are not copied: they become `SharedKV`s (shared_kv.py), the past read
+                  through one row map shared by every layer, plus each row's own later positions;
+                  conv windows and SSM states (one position's worth) are gathered
     entries_of    the entries of some modules only, positions rewound: a forward resumed at a later layer
                   (`start_at_layer`) reads the prefix again through the other modules
 
@@ -25,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from hooked.models.shared_kv import RowMap, SharedKV
 
 
 class StateRefused(ValueError):
@@ -66,7 +72,9 @@ class DecodeState:
         """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is."""
         out = DecodeState()
         out._owners, out.length = dict(self._owners), self.length
-        out.entries = {key: _rows(value, index) for key, value in self.entries.items()}
+        maps: dict[Any, RowMap] = {}  # one row map per previous map (and device): every layer shares it
+        out.entries = {key: _kv_rows(value, index, maps) if key[1] == "kv" else _rows(value, index)
+                       for key, value in self.entries.items()}
         out.past_mask = None if self.past_mask is None else self.past_mask[index.to(self.past_mask.device)]
         out.next_position = None if self.next_position is None else self.next_position[index.to(self.next_position.device)]
         return out
@@ -89,13 +97,20 @@ class DecodeState:
         self.entries[(id(module), kind)] = value
         self._owners[id(module)] = module
 
-    def extend_kv(self, module: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of every position so far [batch past+pos n_kv_heads d_head]."""
+    def extend_kv(self, module: Any, k: Tensor, v: Tensor) -> tuple[SharedKV | None, Tensor, Tensor]:
+        """(shared, k, v) with the new keys and values [batch pos n_kv_heads d_head] appended: shared None
+        and (k, v) every position so far [batch past+pos n_kv_heads d_head]; or, in a selected state,
+        the `SharedKV` (its shared past read through the row map) and (k, v) the rows' own positions
+        after that past [batch own+pos n_kv_heads d_head]."""
         past = self._get(module, "kv")
+        if isinstance(past, SharedKV):
+            past = past.extend(k, v)
+            self._put(module, "kv", past)
+            return past, past.k1, past.v1
         if past is not None:
             k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
         self._put(module, "kv", (k, v))
-        return k, v
+        return None, k, v
 
     def conv_window(self, module: Any, x: Tensor, width: int) -> Tensor:
         """The conv input with the previous `width - 1` inputs in front (zeros at the start)."""
@@ -117,6 +132,20 @@ class DecodeState:
         if active:
             raise StateRefused(f"{active} describe the whole sequence from a zero state and cannot be built while "
                              "decoding with a state; generate with use_past_kv_cache=False to hook them")
+
+
+def _kv_rows(value: tuple[Tensor, Tensor] | SharedKV, index: Tensor, maps: dict[Any, RowMap]) -> SharedKV:
+    """Rows `index` of a keys/values entry, sharing its past: a plain (k, v) becomes that past."""
+    if isinstance(value, SharedKV):
+        key = id(value.rows)
+        if key not in maps:
+            maps[key] = value.rows.compose(index)
+        return value.select(maps[key], index)
+    k, v = value
+    key = ("plain", k.shape[0], k.device)
+    if key not in maps:
+        maps[key] = RowMap.of(index.to(k.device), k.shape[0])
+    return SharedKV.of(k, v, maps[key])
 
 
 def _rows(value: Any, index: Tensor) -> Any:
