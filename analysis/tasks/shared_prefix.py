@@ -8,7 +8,8 @@ Glossary
                   (maximal contexts, as the whole-row path); a single-token choice needs none: the
                   prefix's last position predicts it.
     state         the prefix forward's DecodeState (hooked/models/decode_state.py), expanded to one
-                  row per continuation (`select`); the continuation forward reads only its own tokens
+                  row per continuation (`select`: the prefix's keys and values are shared through a row
+                  map, not copied per row); the continuation forward reads only its own tokens
     resume        (start_at_layer) the clean run's residual entering layer l, of the prefix and of the
                   continuation, plus the clean state of the blocks below l (`entries_of`): an
                   intervention at layer >= l reruns the prefix and the continuation from there only
