@@ -6,7 +6,8 @@ F is one forward of the ranking prompts the way the report scored them before th
 scorer (one whole row per choice context: `ChoiceScorer(..., shared_prefix=False).scores()`), the
 unit docs/results/ga_smollm2_screened/README.md counts in. It is timed (CPU seconds, the median
 of 3) before and after the report, in the same process and under the same load; each stage of the
-report's timing.json is then divided by it. Wall time is reported too (the machine is shared, so
+report's timing.json is then divided by it. One torch thread by default (`--threads`): CPU time of
+two threads counts their waits on each other too, and the small forwards of a screen wait more. Wall time is reported too (the machine is shared, so
 wall time swings with the load; CPU time much less). Writes cost.json beside the report. Asserts nothing.
 """
 
@@ -18,6 +19,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from analysis.ga.report import add_ga_parser, ga_report, task_for
 from analysis.tasks.scoring import ChoiceScorer
@@ -43,7 +46,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as every cost.json so far)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     sub = argparse.ArgumentParser().add_subparsers()
     ga = add_ga_parser(sub).parse_args([args.model, "--out", args.out, "--no-progress", *extra])
     model = from_pretrained(args.model)
@@ -63,7 +68,7 @@ def main() -> None:
         stages[stage] = {"cpu_s": t["cpu_s"], "wall_s": t["wall_s"], "F": t["cpu_s"] / f_cpu}
         for step, s in t.get("steps", {}).items():
             stages[f"{stage}.{step}"] = {"cpu_s": s["cpu_s"], "wall_s": s["wall_s"], "F": s["cpu_s"] / f_cpu}
-    out = {"command": " ".join(["hooked ga", args.model, *extra]), "F_before": before, "F_after": after,
+    out = {"command": " ".join(["hooked ga", args.model, *extra]), "threads": args.threads, "F_before": before, "F_after": after,
            "F_cpu_s": f_cpu, "stages": stages, "total_F": timing["total"]["cpu_s"] / f_cpu,
            "screen": summary["screen"], "top10": [r["unit"] for r in summary["top"][:10]]}
     (Path(args.out) / "cost.json").write_text(json.dumps(out, indent=1))
