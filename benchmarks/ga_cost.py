@@ -7,8 +7,9 @@ scorer (one whole row per choice context: `ChoiceScorer(..., shared_prefix=False
 unit docs/results/ga_smollm2_screened/README.md counts in. It is timed (CPU seconds, the median
 of 3) before and after the report, in the same process and under the same load; each stage of the
 report's timing.json is then divided by it. One torch thread by default (`--threads`): CPU time of
-two threads counts their waits on each other too, and the small forwards of a screen wait more. Wall time is reported too (the machine is shared, so
-wall time swings with the load; CPU time much less). Writes cost.json beside the report. Asserts nothing.
+two threads counts their waits on each other too, and the small forwards of a screen wait more. Wall
+time is reported too (the machine is shared, so wall time swings with the load; CPU time much less).
+Writes cost.json beside the report. Asserts nothing.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ def test_staged_rows_carry_exact_numbers_per_stage(arch, verify_top, keep):
     stages = {s: [u for u, r in rows.items() if r["stage"] == s] for s in ("full", "subset", "estimate")}
     controls = [u for u, r in rows.items() if r["control"]]
     assert len(controls) == 4 and units[-1].label in stages["full"]
-    # stage 1: every candidate but the pair_with unit, and the control; the 2 best candidates there go on to
-    # every prompt, with the control when it ranked above the last of them
+    # stage 1: every candidate but the pair_with unit, and the controls; the `keep` best candidates there go on
+    # to every prompt, with each control that ranked above the last of them
     stage1 = sorted((u for u, r in rows.items() if not math.isnan(r["stage_drop"])),
                     key=lambda u: (-rows[u]["stage_drop"], -rows[u]["stage_logprob_drop"]))
     assert set(controls) <= set(stage1) and units[-1].label not in stage1

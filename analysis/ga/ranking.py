@@ -259,6 +259,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     control: list[Unit] = []
     stage_units: set[str] = set()
     stage_prompts: list[int] = []
+    staged_exact: dict[str, Tensor] = {}  # stage-1 scores of the units that go on to the other prompts
     if method == "screened":
         from analysis.ga.screening import estimate_effects
 
@@ -275,7 +276,6 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         control = random.Random(seed).sample(rest, min(n_control, len(rest)))
         for u in units:
             estimates[u.label].update(stage_drop=math.nan, stage_logprob_drop=math.nan)
-        staged_exact: dict[str, Tensor] = {}
         if stage_n is not None and positive_int(stage_n, "stage_n") < n:
             staged = [u for u in chosen if u.kind == "head" and u not in extra]
             checks = [u for u in control if u.kind == "head"]
@@ -297,7 +297,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
             control_full = control
         to_verify = [u for u in units if u in set(chosen) | set(control_full)]  # forward order
     else:
-        to_verify, staged_exact = units, {}
+        to_verify = units
     r = replicas or replicas_for(model, scorer)
     bar = tqdm(total=len(to_verify), desc="rank_heads", disable=not progress)
     clock.lap("baseline" if method == "exhaustive" else "choose")

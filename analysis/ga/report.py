@@ -116,8 +116,9 @@ def control(model: Any, examples: list[Example], ranking: HeadRanking, units: li
         draws.append(ablated(chosen))
     accs = [d["accuracy"] for d in draws]
     labels = [u.label for u in top]
-    known = [p for p in ranking.pairs if reuse_pairs and p["pair"] in ("+".join(labels), "+".join(labels[::-1]))]
-    top2 = {"units": labels, "accuracy": known[0]["accuracy"], "logprob": known[0]["logprob"]} if known else ablated(top)
+    names = {"+".join(labels), "+".join(labels[::-1])}
+    pair = next((p for p in ranking.pairs if p["pair"] in names), None) if reuse_pairs else None
+    top2 = {"units": labels, "accuracy": pair["accuracy"], "logprob": pair["logprob"]} if pair else ablated(top)
     return {"baseline": ranking.baseline["accuracy"], "top2": top2,
             "random2": {"mean_accuracy": sum(accs) / len(accs), "min_accuracy": min(accs),
                         "max_accuracy": max(accs), "draws": draws}}
