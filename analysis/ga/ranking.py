@@ -10,9 +10,15 @@ Glossary
                     or a mixture-of-experts expert ("L3E5", `expert_units`, zero-ablated by
                     `ablate_experts`: pass `head_units(model) + expert_units(model)` as units).
     prefix reuse    ablating a unit of layer l cannot change the residual entering layer l: it is
-                    computed once per layer (`stop_at_layer`) and every ablated run starts there.
+                    computed once per layer (`stop_at_layer`) and every ablated run starts there. The
+                    ranking's scorer keeps its clean run (every layer's residual and the baseline scores,
+                    `ChoiceScorer(keep_clean=True)`) when it fits in KEEP_CLEAN_BYTES: the verified units,
+                    the pairs and the report's control all start from it (`ranking_scorer`).
     pair ablation   redundant heads hide from single-unit ranking (ablating one, its twin takes
-                    over), so the top-k units are also ablated two at a time.
+                    over), so the top-k units are also ablated two at a time. Pairs that share their
+                    first unit a (the lower layer) run once with a ablated up to the last partner's layer,
+                    then each pair from its second unit's layer, when that runs fewer layers than starting
+                    every pair at a's layer (`pair_trees`).
     method          "exhaustive": every unit ablated exactly. "screened": every unit's effect
                     estimated by attribution (`analysis.ga.screening`, one forward + backward),
                     then the `verify_top` best by estimated (accuracy drop, log-prob drop), by
@@ -67,8 +73,22 @@ from analysis.interventions.experts import ablate_experts, moe_layout
 from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
+from hooked.models.decode_state import StateRefused
 from analysis.tasks.text import Example
 from analysis.validate import positive_int
+
+
+# The clean run a ranking keeps (every layer's residual; keys and values): SmolLM2-135M with 16
+# prompts of 5 pairs needs ~0.1 GB; 1 GiB keeps it for 8B models at a few thousand tokens.
+KEEP_CLEAN_BYTES = 2**30
+
+
+def ranking_scorer(model: Any, examples: Sequence[Example], batch_size: int = 16) -> ChoiceScorer:
+    """The scorer `rank_heads` builds: it keeps its clean run when that fits in KEEP_CLEAN_BYTES. Pass it to
+    `rank_heads(scorer=...)` and to later runs on the same prompts (the report's control) to reuse it."""
+    scorer = ChoiceScorer(model, examples, batch_size)
+    scorer.keep_clean = scorer.clean_bytes() <= KEEP_CLEAN_BYTES
+    return scorer
 
 
 # ------------------------------------------------------------------------------- ranking
@@ -227,7 +247,8 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
                mode: str = "zero", mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
                pair_with: Sequence[Unit | str] = (), verify_top: int = 60, n_control: int = 10, seed: int = 0,
                replicas: int | None = None, confidence: float = 0.95, prescreen_n: int | None = None,
-               refine: str = "none", stage_n: int | None = None, stage_keep: int = 20) -> HeadRanking:
+               refine: str = "none", stage_n: int | None = None, stage_keep: int = 20,
+               scorer: ChoiceScorer | None = None) -> HeadRanking:
     """Accuracy (and answer log-prob) drop when each unit is ablated, with intervals; then pairs.
 
     method: "exhaustive" (every unit exact) or "screened" (see the glossary). replicas: units per
@@ -238,10 +259,14 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     Pairs: every pair among the top `pairs_top_k` units by single-unit drop plus the units in
     `pair_with` (Units or labels; e.g. the best aggregate scorers): redundant heads each cost little
     alone, so single-unit ranking alone would never pair them.
+    scorer: a `ranking_scorer` over `examples` to reuse (default: a new one).
     """
     if method not in ("exhaustive", "screened"):
         raise ValueError(f"method must be 'exhaustive' or 'screened', got {method!r}")
-    scorer = ChoiceScorer(model, examples, batch_size)
+    if scorer is None:
+        scorer = ranking_scorer(model, examples, batch_size)
+    elif scorer.model is not model or scorer.examples != list(examples):
+        raise ValueError("scorer must be a ChoiceScorer of this model over the same examples")
     units = list(units) if units is not None else head_units(model, channel_group)
     by_label = {u.label: u for u in units}
     extra = []
@@ -251,7 +276,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
             raise KeyError(f"pair_with: {e!r} is not one of the ranked units")
         extra.append(unit)
     clock = _Clock()
-    base_scores = scorer.scores()
+    base_scores = scorer.clean_scores()
     base, base_ex = scorer.metrics(base_scores), scorer.per_example(base_scores)
     n = len(scorer.examples)
     base.update(zip(("accuracy_lo", "accuracy_hi"), clopper_pearson(int(base_ex["correct"].sum()), n, confidence)))
@@ -402,7 +427,8 @@ def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int | Seq
     """
     picked = scorer.examples[:n] if isinstance(n, int) else [scorer.examples[i] for i in n]
     sub = ChoiceScorer(model, picked, batch_size, scorer.shared_prefix)
-    base = sub.per_example(sub.scores())
+    sub.keep_clean = scorer.keep_clean  # one clean run: the baseline and every layer's resume
+    base = sub.per_example(sub.clean_scores())
     bar = tqdm(total=len(units), desc=desc, disable=not progress)
     exact = _exact(model, sub, units, mode, mean_cache, reuse_prefix, replicas or replicas_for(model, sub), bar)
     bar.close()
@@ -417,25 +443,58 @@ def _prescreen(model: Any, scorer: ChoiceScorer, units: list[Unit], n: int | Seq
 
 def _pairs_exact(model: Any, scorer: ChoiceScorer, pairs: list[tuple[Unit, Unit]], mode: str, mean_cache: Any,
                  reuse_prefix: bool, progress: bool) -> dict[tuple[str, str], Tensor]:
-    """Scores with both units of each pair ablated; each run starts at the pair's first layer (prefix reuse)."""
+    """Scores with both units of each pair ablated; each run starts at the pair's first layer (prefix reuse),
+    or, for the pairs of a `pair_trees` root, at the second unit's layer of a run with the root ablated."""
     out = {}
     bar = tqdm(total=len(pairs), desc="pairs", disable=not progress)
 
-    def run(a: Unit, b: Unit, start: int | None, resids: list[Tensor] | None) -> None:
+    def run(a: Unit, b: Unit, start: int | None, resids: list[Any] | None) -> None:
         with ablated(model, [a, b], mode, mean_cache):
             out[(a.label, b.label)] = scorer.scores(start, resids)
         bar.update()
 
     if reuse_prefix and pairs:
-        starts = sorted({min(a.layer, b.layer) for a, b in pairs})
+        trees = pair_trees(pairs, model.cfg.n_layers)
+        grouped = {p for group in trees.values() for p in group}
+        direct = [p for p in pairs if p not in grouped]
+        starts = sorted({min(a.layer, b.layer) for a, b in direct} | {root.layer for root in trees})
         for layer, resids in scorer.prefixes(starts):
-            for a, b in pairs:
+            for a, b in direct:
                 if min(a.layer, b.layer) == layer:
                     run(a, b, layer, resids)
+            for root in [r for r in trees if r.layer == layer]:
+                partner = {p: p[1] if p[0] == root else p[0] for p in trees[root]}
+                try:
+                    with ablated(model, [root], mode, mean_cache):
+                        later = dict(scorer.prefixes({u.layer for u in partner.values()}, layer, resids))
+                except StateRefused:  # the root's hooks need whole rows: every pair from the root's layer
+                    later = {}
+                for (a, b), other in partner.items():
+                    try:
+                        run(a, b, other.layer, later[other.layer]) if later else run(a, b, layer, resids)
+                    except StateRefused:  # the partner's hooks need whole rows, which start from the clean run
+                        run(a, b, layer, resids)
     else:
         for a, b in pairs:
             run(a, b, None, None)
     bar.close()
+    return out
+
+
+def pair_trees(pairs: Sequence[tuple[Unit, Unit]], n_layers: int) -> dict[Unit, list[tuple[Unit, Unit]]]:
+    """Pairs grouped under their shared first unit (the lower layer; pairs within one layer are left out),
+    for the roots where one run with the root ablated, up to its last partner's layer, then each pair from
+    its partner's layer, runs fewer layers than every pair from the root's layer (the order is kept)."""
+    groups: dict[Unit, list[tuple[Unit, Unit]]] = {}
+    for a, b in pairs:
+        if a.layer != b.layer:
+            groups.setdefault(a if a.layer < b.layer else b, []).append((a, b))
+    out = {}
+    for root, group in groups.items():
+        layers = [max(a.layer, b.layer) for a, b in group]
+        shared = (max(layers) - root.layer) + sum(n_layers - layer for layer in layers)
+        if shared < len(group) * (n_layers - root.layer):
+            out[root] = group
     return out
 
 

@@ -2,7 +2,8 @@
 
 Glossary
     sizes        dictionary sizes n (`--pairs 10,20,30`): accuracy of the model at each, on `--n`
-                 seeded KV-retrieval prompts (chance = 1/n).
+                 seeded KV-retrieval prompts (chance = 1/n); the ranking's prompts among them are read
+                 from its baseline, not scored again (`reused` in accuracy.csv).
     ranking      `rank_heads` on the first size: accuracy and answer log-prob drop per unit, with
                  its gather and aggregate scores (`ga_scores`) and their percentile among all units;
                  pairs among the top `--top-k` units and the two best gather and aggregate scorers.
@@ -34,15 +35,16 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from analysis.interventions.ablation import ablate_heads, head_layout
-from analysis.ga.ranking import HeadRanking, Unit, head_units, rank_heads
-from analysis.tasks.scoring import ChoiceScorer
+from analysis.ga.ranking import HeadRanking, Unit, head_units, rank_heads, ranking_scorer
+from analysis.tasks.scoring import ChoiceScorer, accuracy, answer_logprob, per_example
 from analysis.ga.scores import ga_scores, weights_hook
 from analysis.intervals import clopper_pearson, paired_interval
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
@@ -68,18 +70,33 @@ def task_for(model_name: str) -> Task:
 
 
 def accuracy_by_size(model: Any, sizes: list[int], n: int, seed: int = 0, batch_size: int = 16,
-                     task: Task = kv_retrieval) -> list[dict]:
-    """Per size: accuracy with its Clopper-Pearson interval, answer log-prob with a bootstrap interval."""
+                     task: Task = kv_retrieval, known: tuple[Sequence[Example], Tensor] | None = None) -> list[dict]:
+    """Per size: accuracy with its Clopper-Pearson interval, answer log-prob with a bootstrap interval.
+
+    known: (examples, their unablated scores [example choice]) already computed (the ranking's baseline:
+    its prompts are the first of its size's), read instead of scored again."""
+    have = {} if known is None else {_key(e): row for e, row in zip(*known, strict=True)}
     rows = []
     for size in sizes:
-        scorer = ChoiceScorer(model, task(size, n, seed), batch_size)
-        scores = scorer.scores()
-        ex = scorer.per_example(scores)
+        examples = task(size, n, seed)
+        todo = [e for e in examples if _key(e) not in have]
+        fresh = iter(ChoiceScorer(model, todo, batch_size).scores() if todo else [])
+        width = max(len(e.choices) for e in examples)
+        scores = torch.full((len(examples), width), -math.inf, dtype=torch.float64)
+        for i, e in enumerate(examples):
+            row = have[_key(e)] if _key(e) in have else next(fresh)
+            scores[i, : len(e.choices)] = row[: len(e.choices)]
+        ex = per_example(scores, examples)
         lo, hi = clopper_pearson(int(ex["correct"].sum()), len(ex["correct"]))
         lp_lo, lp_hi = paired_interval(ex["logprob"])
-        rows.append({"pairs": size, "n": n, **scorer.metrics(scores), "accuracy_lo": lo, "accuracy_hi": hi,
-                     "logprob_lo": lp_lo, "logprob_hi": lp_hi, "chance": 1 / size})
+        rows.append({"pairs": size, "n": n, "accuracy": accuracy(scores, examples),
+                     "logprob": answer_logprob(scores, examples), "accuracy_lo": lo, "accuracy_hi": hi,
+                     "logprob_lo": lp_lo, "logprob_hi": lp_hi, "chance": 1 / size, "reused": len(examples) - len(todo)})
     return rows
+
+
+def _key(e: Example) -> tuple:
+    return e.prompt, tuple(e.choices), e.answer
 
 
 def percentile(value: float, values: list[float]) -> float:
@@ -88,18 +105,23 @@ def percentile(value: float, values: list[float]) -> float:
 
 
 def control(model: Any, examples: list[Example], ranking: HeadRanking, units: list[Unit], seed: int = 0,
-            batch_size: int = 16, n_random: int = 5, reuse_pairs: bool = False) -> dict[str, Any]:
+            batch_size: int = 16, n_random: int = 5, reuse_pairs: bool = False,
+            scorer: ChoiceScorer | None = None) -> dict[str, Any]:
     """Accuracy with the top two units ablated vs `n_random` seeded draws of two other units, each
     drawn from the same head module as the top unit it stands for (so the same layers).
 
     reuse_pairs: `examples` are the ranking's, so the top two ablated together are read from
-    `ranking.pairs` when it holds them (the same forward, not run twice)."""
+    `ranking.pairs` when it holds them (the same forward, not run twice). scorer: the ranking's
+    (`ranking_scorer`, its kept clean run) over `examples`."""
     if n_random < 1:
         raise ValueError(f"n_random must be >= 1, got {n_random}")
     by_label = {u.label: u for u in units}
     top = [by_label[label] for label in ranking.top(2)]
     rng = random.Random(seed)
-    scorer = ChoiceScorer(model, examples, batch_size)
+    if scorer is None:
+        scorer = ChoiceScorer(model, examples, batch_size)
+    elif scorer.examples != list(examples):
+        raise ValueError("control: scorer must score the same examples")
     start = min(u.layer for u in top)  # every draw ablates units of the top units' modules: start there
     _, resids = next(scorer.prefixes([start]))
 
@@ -203,10 +225,11 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     scores = ga_scores(model, examples, units)
     lap("ga_scores")
     best = {kind: sorted(units, key=lambda u: -scores[u.label][kind])[:2] for kind in ("gather", "aggregate")}
+    scorer = ranking_scorer(model, examples, batch_size)  # its clean run serves the ranking, the table, the control
     ranking = rank_heads(model, examples, units, method=method, batch_size=batch_size, pairs_top_k=pairs_top_k,
                          progress=progress, pair_with=best["aggregate"] + best["gather"], verify_top=verify_top,
                          n_control=n_control, seed=seed, replicas=replicas, stage_n=stage_n, stage_keep=stage_keep,
-                         refine=refine)
+                         refine=refine, scorer=scorer)
     lap("rank_heads")
     timing["rank_heads"]["steps"] = ranking.timing
     gathers = [s["gather"] for s in scores.values()]
@@ -218,7 +241,8 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     ranking.to_csv(out / "ranking.csv")
     ranking.to_json(out / "ranking.json")
     save_table(ranking.pairs or [{"pair": None}], out / "pairs.csv")
-    acc = accuracy_by_size(model, sizes, n, seed, batch_size, task)  # after the ranking: its files come first
+    acc = accuracy_by_size(model, sizes, n, seed, batch_size, task,  # after the ranking: its files come first
+                           known=(examples, scorer.clean_scores()))
     save_table(acc, out / "accuracy.csv")
     lap("accuracy_by_size")
     n_layers = model.cfg.n_layers
@@ -237,7 +261,8 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
     summary = {"sizes": acc, "baseline": ranking.baseline, "method": method, "top": ranking.rows[:10],
-               "pairs": ranking.pairs, "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True),
+               "pairs": ranking.pairs, "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True,
+                                  scorer=scorer),
                "agreement": agreement(ranking.rows), "n_units": len(units), "rank_examples": len(examples),
                "screen": ranking.screen, "separability": ranking.separability,
                "separability_statement": separability_statement(ranking)}

@@ -67,12 +67,17 @@ class ChoiceScorer:
     shared_prefix: read each prompt once and continue it per choice from the decoding state (the
     default; hooks must act at each position alone, see shared_prefix.py), else one whole row per
     context (`batches`, also what `context=` and the attribution screen use).
+    keep_clean: the first run of `clean_scores` or `prefixes` (with the hooks attached then, normally
+    none) keeps the residual entering every layer (`clean_bytes()`) and its scores: every later
+    `prefixes` and `clean_scores` reads them instead of running the model again.
     """
 
     def __init__(self, model: Any, examples: Sequence[Example], batch_size: int = 16,
-                 shared_prefix: bool = True) -> None:
+                 shared_prefix: bool = True, keep_clean: bool = False) -> None:
         tok = tokenizer_of(model)
         self.model, self.examples, self.shared_prefix = model, list(examples), shared_prefix
+        self.keep_clean = keep_clean
+        self._kept: tuple[list[dict[int, Any]], Tensor, frozenset[str]] | None = None  # resumes, scores, hooked
         joints: list[list[tuple[tuple[int, ...], int]]] = []
         self.n_choices = max(len(e.choices) for e in self.examples)
         contexts: list[tuple[int, tuple[int, ...], int, list[tuple[int, int]]]] = []  # (example, ids, query, spans)
@@ -135,15 +140,97 @@ class ChoiceScorer:
         return batches
 
     # ---------------------------------------------------------------------------- running
-    def prefixes(self, layers: Sequence[int]) -> Iterator[tuple[int, list[Any]]]:
-        """(l, [what `scores(l, ...)` resumes from, per batch]) for ascending `layers`, one clean run in all:
-        the residual entering block l (whole rows), or a shared_prefix.Resume (shared prefix)."""
-        if self.shared_prefix:
-            runs = [sp.resumes(self.model, b, layers) for b in self.prefix_batches]
+    def prefixes(self, layers: Sequence[int], start_at_layer: int | None = None,
+                 resids: Sequence[Any] | None = None) -> Iterator[tuple[int, list[Any]]]:
+        """(l, [what `scores(l, ...)` resumes from, per batch]) for ascending `layers`, one run in all: the
+        residual entering block l (whole rows), or a shared_prefix.Resume (shared prefix).
+
+        Without start_at_layer: the clean run (kept with keep_clean). With start_at_layer + resids
+        (from an earlier `prefixes`): a run from there under the hooks attached now, so what it yields
+        carries their intervention (layers must be later than start_at_layer)."""
+        if start_at_layer is None and self.keep_clean:
+            runs = self._clean()[0]
+            for layer in sorted(set(layers)):
+                yield layer, [run[layer] for run in runs]
+            return
+        if self.shared_prefix:  # each run stops entering the last of `layers`
+            runs = [sp.capture(self.model, b, layers, start_at_layer, None if resids is None else resids[i],
+                               score=False).resumes for i, b in enumerate(self.prefix_batches)]
         else:
-            runs = [layer_inputs(self.model, b.tokens, b.attention_mask, layers) for b in self.batches]
-        for items in zip(*runs):
-            yield items[0][0], [resid for _, resid in items]
+            runs = [self._row_run(b, layers, start_at_layer, None if resids is None else resids[i], to_end=False)
+                    for i, b in enumerate(self.batches)]
+        for layer in sorted(set(layers)):
+            yield layer, [run[layer] for run in runs]
+
+    def clean_scores(self) -> Float[Tensor, "example choice"]:
+        """`scores()` of the model as it is; with keep_clean, from the kept run (made now if not yet)."""
+        if not self.keep_clean:
+            return self.scores()
+        try:
+            _, flat, hooked = self._clean()
+        except StateRefused:  # the hooks attached now are lazy: whole rows, nothing kept
+            return self.scores()
+        now = _hooked(self.model)
+        if now != hooked:
+            raise RuntimeError(f"clean_scores: the kept run saw hooks on {sorted(hooked) or 'nothing'}, now "
+                               f"{sorted(now) or 'nothing'} have hooks; call scores() for the model as it is now")
+        return self._finish(flat.clone(), 1)
+
+    def clean_bytes(self) -> int:
+        """About what keep_clean holds: the residual entering every layer of every row (shared prefix: and
+        the state's keys and values, at most twice that)."""
+        n, d = self.model.cfg.n_layers, self.model.cfg.d_model
+        size = next(self.model.parameters()).element_size()
+        if self.shared_prefix:
+            tokens = sum(b.tokens.numel() + (0 if b.cont is None else b.cont.numel()) for b in self.prefix_batches)
+            return 3 * n * tokens * d * size
+        return n * sum(b.tokens.numel() for b in self.batches) * d * size
+
+    def _clean(self) -> tuple[list[dict[int, Any]], Tensor, frozenset[str]]:
+        """The kept run, made on first use (a hook the state refuses raises StateRefused, nothing kept)."""
+        if self._kept is None:
+            layers, n = range(self.model.cfg.n_layers), self.model.cfg.n_layers
+            flat = torch.zeros(1, len(self.examples) * self.n_choices, dtype=torch.float64)
+            runs: list[dict[int, Any]] = []
+            if self.shared_prefix:
+                for batch in self.prefix_batches:
+                    run = sp.capture(self.model, batch, layers)
+                    runs.append(run.resumes)
+                    for owner, values in run.scored:
+                        flat.index_add_(1, owner.cpu(), values.double().cpu())
+            else:
+                for batch in self.batches:
+                    runs.append(self._row_run(batch, layers))
+                    flat.index_add_(1, batch.owner.cpu(), self._row_logp(batch, runs[-1].pop(n), 1))
+            self._kept = (runs, flat, _hooked(self.model))
+        return self._kept
+
+    def _row_run(self, batch: ChoiceBatch, layers: Sequence[int], start_at_layer: int | None = None,
+                 resid: Tensor | None = None, to_end: bool = True) -> dict[int, Tensor]:
+        """Whole rows: the residual entering each of `layers` and (to_end) the final one (key n_layers),
+        one run from the tokens or from `resid` entering `start_at_layer`."""
+        model, n = self.model, self.model.cfg.n_layers
+        seen = {}
+        with torch.no_grad():
+            at = start_at_layer
+            if at is None:
+                resid, at = model(batch.tokens, batch.attention_mask, stop_at_layer=0), 0
+            for layer in sorted(set(layers) | ({n} if to_end else set())):
+                if layer < at or (layer == at and start_at_layer is not None):
+                    raise ValueError(f"a run from layer {start_at_layer} grabs later layers only, got {layer}")
+                if layer > at:
+                    resid = model(resid, batch.attention_mask, start_at_layer=at, stop_at_layer=layer, tokens=batch.tokens)
+                    at = layer
+                seen[layer] = resid
+        return seen
+
+    def _row_logp(self, batch: ChoiceBatch, resid: Tensor, r: int) -> Tensor:
+        """Log-prob [r picks] (float64, CPU) of each scored token of a whole-row batch from the final residual."""
+        model = self.model
+        rows = batch.rows + len(batch.tokens) * torch.arange(r, device=batch.rows.device)[:, None]
+        picked = resid[rows.reshape(-1), batch.cols.repeat(r)]
+        logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
+        return logp.gather(1, batch.targets.repeat(r)[:, None])[:, 0].double().cpu().view(r, -1)
 
     def scores(self, start_at_layer: int | None = None, resids: Sequence[Any] | None = None,
                context: Callable[[ChoiceBatch], Any] | None = None, replicas: int = 1) -> Float[Tensor, "example choice"]:
@@ -155,13 +242,16 @@ class ChoiceScorer:
         [j * rows, (j + 1) * rows)), for r different interventions in one forward (the context
         applies a per-replica edit); the result is [r, n_examples, max_choices].
         Only the scored positions go through the final norm and the unembedding. With the shared
-        prefix, a hook the decoding state refuses (an SSM's lazy hooks) falls back to whole rows.
+        prefix, a hook the decoding state refuses (an SSM's lazy hooks) falls back to whole rows (from
+        the clean run's residual; resumes that carry an intervention raise the StateRefused instead).
         """
         if context is None and self.shared_prefix:
             try:
                 return self._finish(self._shared(start_at_layer, resids, replicas), replicas)
             except StateRefused:
                 if resids is not None and isinstance(resids[0], sp.Resume):
+                    if not all(r.clean for r in resids):  # whole rows would start from the clean run instead
+                        raise
                     resids = [dict(layer_inputs(self.model, b.tokens, b.attention_mask, [start_at_layer]))[start_at_layer]
                               for b in self.batches]
         return self._finish(self._rows(start_at_layer, resids, context, replicas), replicas)
@@ -222,22 +312,15 @@ class ChoiceScorer:
                     else:
                         resid = model(resids[b].repeat(r, 1, 1), mask, start_at_layer=start_at_layer,
                                       stop_at_layer=n, tokens=tokens)
-                rows = batch.rows + len(batch.tokens) * torch.arange(r, device=batch.rows.device)[:, None]
-                picked = resid[rows.reshape(-1), batch.cols.repeat(r)]
-                logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
-                values = logp.gather(1, batch.targets.repeat(r)[:, None])[:, 0].double().cpu().view(r, -1)
-                flat.index_add_(1, batch.owner.cpu(), values)
+                flat.index_add_(1, batch.owner.cpu(), self._row_logp(batch, resid, r))
         return flat
 
     def answers(self) -> Tensor:
         return torch.tensor([e.answer for e in self.examples])
 
     def per_example(self, scores: Tensor) -> dict[str, Tensor]:
-        """Per example: "correct" (1.0 when the answer has the top score) and "logprob" (answer log-prob
-        normalised over the choices); their means are `metrics`."""
-        answers = self.answers()
-        return {"correct": (scores.argmax(-1) == answers).double(),
-                "logprob": scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]}
+        """Per example: "correct" and "logprob" (`per_example`); their means are `metrics`."""
+        return per_example(scores, self.examples)
 
     def metrics(self, scores: Tensor) -> dict[str, float]:
         return {"accuracy": accuracy(scores, self.examples), "logprob": answer_logprob(scores, self.examples)}
@@ -248,6 +331,14 @@ def score_choices(model: Any, examples: Sequence[Example], batch_size: int = 16,
     """Summed log-probability of each choice's tokens after its prompt (batched, padded). shared_prefix=False
     for hooks that index positions of the whole sequence (see `ChoiceScorer`)."""
     return ChoiceScorer(model, examples, batch_size, shared_prefix).scores()
+
+
+def per_example(scores: Tensor, examples: Sequence[Example]) -> dict[str, Tensor]:
+    """Per example: "correct" (1.0 when the answer has the top score) and "logprob" (answer log-prob
+    normalised over the choices)."""
+    answers = torch.tensor([e.answer for e in examples])
+    return {"correct": (scores.argmax(-1) == answers).double(),
+            "logprob": scores.log_softmax(-1).gather(1, answers[:, None])[:, 0]}
 
 
 def accuracy(scores: Tensor, examples: Sequence[Example]) -> float:
@@ -290,6 +381,11 @@ def score_choices_tokens(model: Any, prompt: Sequence[int] | Tensor, choices: Se
 def choice_scores(logits: Float[Tensor, "batch pos d_vocab"], choices: Int[Tensor, "batch n"]) -> Float[Tensor, "batch n"]:
     """Batched form of `score_choices_tokens` for single-token choices: log-probs at the last position."""
     return logits[:, -1].float().log_softmax(-1).gather(1, choices)
+
+
+def _hooked(model: Any) -> frozenset[str]:
+    """Names of the hook points with a hook visible to this caller."""
+    return frozenset(name for name, point in getattr(model, "hook_dict", {}).items() if point.has_hooks)
 
 
 def _pad_id(tok: Any) -> int:

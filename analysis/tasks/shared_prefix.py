@@ -13,6 +13,10 @@ Glossary
     resume        (start_at_layer) the clean run's residual entering layer l, of the prefix and of the
                   continuation, plus the clean state of the blocks below l (`entries_of`): an
                   intervention at layer >= l reruns the prefix and the continuation from there only
+    capture       one run that keeps the resume at chosen layers and the scores it made: the clean run
+                  (kept by `ChoiceScorer(keep_clean=True)` for every later resume and the baseline), or a
+                  run under an intervention from a resume, whose later resumes carry that intervention
+                  (pair ablations sharing their first unit start at the second unit's layer)
     replicas      r copies of each forward in one (the prefix rows, then the continuation rows, tiled
                   r times: replica j owns the j-th block of rows in both forwards)
 
@@ -60,6 +64,15 @@ class Resume:
     state: DecodeState  # entries of the blocks below the layer, positions rewound
     prefix: Tensor  # [rows pos d_model] residual entering the layer
     cont: Tensor | None  # [crows cpos d_model]
+    clean: bool = True  # False: from a run under an intervention (`capture` from a resume)
+
+
+@dataclass
+class Capture:
+    """One run of a batch (`capture`): where to resume at each grabbed layer, and what it scored."""
+
+    resumes: dict[int, Resume]
+    scored: list[tuple[Tensor, Tensor]]  # (slot [picks], log-prob [1 picks]) per forward, as `run`
 
 
 def build(joints: Sequence[Sequence[tuple[tuple[int, ...], int]]], n_choices: int, batch_size: int, pad: int,
@@ -165,27 +178,73 @@ def _logp(model: Any, picked: Tensor, targets: Tensor, owner: Tensor, r: int) ->
     return owner, logp.gather(1, targets.repeat(r)[:, None])[:, 0].view(r, -1)
 
 
-def resumes(model: Any, batch: PrefixBatch, layers: Sequence[int]) -> Iterator[tuple[int, Resume]]:
-    """(l, Resume) for ascending `layers`, from one clean run of the prefix and one of the continuations."""
+def capture(model: Any, batch: PrefixBatch, layers: Sequence[int], start_at_layer: int | None = None,
+            resume: Resume | None = None, score: bool = True) -> Capture:
+    """One run of the prefix and of the continuations under whatever hooks are active (from `resume` at
+    `start_at_layer`, else from the tokens): the Resume at each of `layers` and the log-prob of every
+    scored token, as `run` gives them. score=False: the run stops at the last of `layers` (nothing
+    scored; the state holds the blocks below it only, all a resume there reads)."""
     layers = sorted(set(layers))
-    state = DecodeState()
-    prefix = _grab(model, batch.tokens, batch.attention_mask, layers, state)
-    cont = None if batch.cont is None else _grab(model, batch.cont, None, layers, state.select(batch.source))
+    if start_at_layer is not None and any(layer <= start_at_layer for layer in layers):
+        raise ValueError(f"capture from layer {start_at_layer} grabs later layers only, got {layers}")
+    if not score and not layers:
+        raise ValueError("capture with score=False needs a layer to stop at")
+    rows = len(batch.tokens)
+    stop = None if score else layers[-1]
+    if start_at_layer is None:
+        state = DecodeState()
+        prefix, resid = _grab(model, batch.tokens, batch.attention_mask, layers, state, stop=stop)
+    else:
+        state = resume.state.select(torch.arange(rows, device=batch.tokens.device))
+        prefix, resid = _grab(model, resume.prefix, batch.attention_mask, layers, state, start_at_layer,
+                              batch.tokens, stop)
+    scored = [] if not score else [_logp(model, resid[batch.p_rows, -1], batch.p_targets, batch.p_owner, 1)]
+    cont: dict[int, Tensor] = {}
+    if batch.cont is not None:
+        x = batch.cont if start_at_layer is None else resume.cont
+        cont, cresid = _grab(model, x, None, layers, state.select(batch.source), start_at_layer, batch.cont, stop)
+        if score:
+            scored.append(_logp(model, cresid[batch.c_rows, batch.c_cols], batch.c_targets, batch.c_owner, 1))
+    out = {}
     for layer in layers:
         below = [m for block in model.blocks[:layer] for m in block.modules()]
-        yield layer, Resume(state.entries_of(below), prefix[layer], None if cont is None else cont[layer])
+        out[layer] = Resume(state.entries_of(below), prefix[layer], cont.get(layer), start_at_layer is None)
+    return Capture(out, scored)
 
 
-def _grab(model: Any, tokens: Tensor, mask: Tensor | None, layers: list[int], state: DecodeState) -> dict[int, Tensor]:
-    """Residual entering each of `layers` (their hook_resid_pre) in one clean run with `state`."""
+def resumes(model: Any, batch: PrefixBatch, layers: Sequence[int]) -> Iterator[tuple[int, Resume]]:
+    """(l, Resume) for ascending `layers`, from one clean run of the prefix and one of the continuations."""
+    yield from sorted(capture(model, batch, layers).resumes.items())
+
+
+class _Enough(Exception):
+    """Raised by `_grab`'s hook at its stop layer: the rest of the forward is not needed."""
+
+
+def _grab(model: Any, x: Tensor, mask: Tensor | None, layers: list[int], state: DecodeState,
+          start_at_layer: int | None = None, tokens: Tensor | None = None,
+          stop: int | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
+    """(residual entering each of `layers` (their hook_resid_pre), final residual) of one run with `state`:
+    from tokens `x`, or from the residual `x` entering `start_at_layer`. stop (one of `layers`): the run
+    ends entering that block (final residual None); the state advances as the whole forward would."""
     seen: dict[int, Tensor] = {}
 
     def keep(layer: int) -> Any:
         def hook(resid: Tensor, hook: Any) -> None:
             seen[layer] = resid.detach()
+            if layer == stop:
+                raise _Enough
         return hook
 
     hooks = [(f"blocks.{layer}.hook_resid_pre", keep(layer)) for layer in layers]
-    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
-        model(tokens, mask, stop_at_layer=model.cfg.n_layers, state=state)
-    return seen
+    n = model.cfg.n_layers
+    try:
+        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+            if start_at_layer is None:
+                resid = model(x, mask, stop_at_layer=n, state=state)
+            else:
+                resid = model(x, mask, start_at_layer=start_at_layer, stop_at_layer=n, tokens=tokens, state=state)
+    except _Enough:  # as the forward's own `state.advance` after its last block (its mask: bool, None unpadded)
+        state.advance(None if mask is None else mask.bool(), *x.shape[:2], x.device)
+        resid = None
+    return seen, resid
