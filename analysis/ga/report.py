@@ -204,8 +204,8 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
 def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
               progress: bool = True, task: Task = kv_retrieval, n_random: int = 5, method: str = "screened",
-              verify_top: int = 45, n_control: int = 10, replicas: int | None = None, refine: str = "none",
-              stage_n: int | None = 6, stage_keep: int = 20) -> dict[str, Any]:
+              verify_top: int = 40, n_control: int = 10, replicas: int | None = None, refine: str = "none",
+              stage_n: int | None = 6, stage_keep: int = 12) -> dict[str, Any]:
     """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds."""
     n, batch_size = positive_int(n, "n"), positive_int(batch_size, "batch_size")
     rank_n = None if rank_n is None else positive_int(rank_n, "rank_n")
@@ -300,9 +300,10 @@ def add_ga_parser(subparsers: Any) -> Any:
     p.add_argument("--channel-group", type=int, default=None, help="Mamba-1 channels per unit (default d_inner/16)")
     p.add_argument("--random-draws", type=int, default=5, help="random head pairs in the control (default 5)")
     p.add_argument("--exhaustive", action="store_true", help="ablate every unit exactly (default: screened)")
-    p.add_argument("--verify-top", type=int, default=45,
-                   help="screened: candidates verified exactly, by each estimate (default 45: with the staged "
-                        "defaults 9/10 of the exhaustive top 10 on SmolLM2-135M in a replay)")
+    p.add_argument("--verify-top", type=int, default=40,
+                   help="screened: candidates verified exactly, by each estimate (default 40: with --stage-n 6 "
+                        "--stage-keep 12, 9/10 of the exhaustive top 10 on SmolLM2-135M, in a replay of every "
+                        "unit's exact per-prompt scores and in the report itself)")
     p.add_argument("--refine", default="none", choices=["none", "scores", "qk"],
                    help="screened: the estimate's refinement (analysis.ga.screening; default none)")
     p.add_argument("--controls", type=int, default=10, help="screened: random units verified exactly (default 10)")
@@ -310,8 +311,9 @@ def add_ga_parser(subparsers: Any) -> Any:
                    help="screened: verify the candidates on this many prompts first (those answered right "
                         "first), then only the --stage-keep best of them on all (default 6)")
     p.add_argument("--one-stage", action="store_true", help="screened: verify every candidate on every prompt")
-    p.add_argument("--stage-keep", type=int, default=20,
-                   help="screened, staged: candidates verified on all prompts (default 20)")
+    p.add_argument("--stage-keep", type=int, default=12,
+                   help="screened, staged: candidates verified on all prompts (default 12: the top 10 and two "
+                        "more; a control that ranks above the last of them at stage 1 goes on too)")
     p.add_argument("--replicas", type=int, default=None, help="units ablated per forward (default: the batching rule)")
     p.add_argument("--out", default="out/ga", help="output directory")
     p.add_argument("--no-progress", action="store_true")
