@@ -185,3 +185,18 @@ def test_rank_heads_rejects_a_scorer_of_other_examples():
     with pytest.raises(ValueError, match="same examples"):
         rank_heads(model, kv_retrieval(3, 4, seed=0), scorer=ranking_scorer(model, kv_retrieval(3, 4, seed=1)),
                    progress=False)
+
+
+def test_picked_logp_unembeds_each_distinct_row_once():
+    from analysis.tasks.shared_prefix import picked_logp
+
+    model = _model("llama")
+    resid = torch.randn(5, model.cfg.d_model)
+    index = torch.tensor([3, 0, 3, 3, 4, 0])
+    targets = torch.tensor([1, 2, 3, 4, 5, 6])
+    seen = []
+    with torch.no_grad(), model.hooks(fwd_hooks=[("ln_final.hook_normalized", lambda x, hook: seen.append(x.shape))]):
+        got = picked_logp(model, resid, index, targets)
+    naive = model.unembed(model.ln_final(resid[index][None]))[0].float().log_softmax(-1)
+    torch.testing.assert_close(got, naive[torch.arange(6), targets], rtol=0, atol=1e-6)
+    assert [s[-2] for s in seen] == [3]  # rows 0, 3, 4 once each

@@ -73,13 +73,14 @@ from analysis.interventions.experts import ablate_experts, moe_layout
 from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
-from hooked.models.decode_state import StateRefused
 from analysis.tasks.text import Example
 from analysis.validate import positive_int
+from hooked.models.decode_state import StateRefused
 
 
-# The clean run a ranking keeps (every layer's residual; keys and values): SmolLM2-135M with 16
-# prompts of 5 pairs needs ~0.1 GB; 1 GiB keeps it for 8B models at a few thousand tokens.
+# The clean run a ranking keeps (`ChoiceScorer.clean_bytes`: every layer's residual, keys and values):
+# SmolLM2-135M with the report's 16 prompts of 5 pairs, 167 MiB; a bf16 8B model (32 layers, d_model
+# 4096), ~1,300 prompt tokens. Above this budget every resume is recomputed, as before.
 KEEP_CLEAN_BYTES = 2**30
 
 

@@ -226,11 +226,9 @@ class ChoiceScorer:
 
     def _row_logp(self, batch: ChoiceBatch, resid: Tensor, r: int) -> Tensor:
         """Log-prob [r picks] (float64, CPU) of each scored token of a whole-row batch from the final residual."""
-        model = self.model
         rows = batch.rows + len(batch.tokens) * torch.arange(r, device=batch.rows.device)[:, None]
-        picked = resid[rows.reshape(-1), batch.cols.repeat(r)]
-        logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
-        return logp.gather(1, batch.targets.repeat(r)[:, None])[:, 0].double().cpu().view(r, -1)
+        flat = rows.reshape(-1) * resid.shape[1] + batch.cols.repeat(r)
+        return sp.picked_logp(self.model, resid.flatten(0, 1), flat, batch.targets.repeat(r)).double().cpu().view(r, -1)
 
     def scores(self, start_at_layer: int | None = None, resids: Sequence[Any] | None = None,
                context: Callable[[ChoiceBatch], Any] | None = None, replicas: int = 1) -> Float[Tensor, "example choice"]:
@@ -284,8 +282,8 @@ class ChoiceScorer:
         flat = torch.zeros(len(self.examples) * self.n_choices, dtype=torch.float64, device=device)
         for batch in self.batches:
             resid = self.model(batch.tokens, batch.attention_mask, stop_at_layer=n)
-            logp = self.model.unembed(self.model.ln_final(resid[batch.rows, batch.cols][None]))[0].float().log_softmax(-1)
-            flat = flat.index_add(0, batch.owner, logp.gather(1, batch.targets[:, None])[:, 0].double())
+            index = batch.rows * resid.shape[1] + batch.cols
+            flat = flat.index_add(0, batch.owner, sp.picked_logp(self.model, resid.flatten(0, 1), index, batch.targets).double())
             rows = torch.full((len(batch.tokens),), -1, dtype=torch.long, device=batch.rows.device)
             rows[batch.rows] = batch.owner // self.n_choices
             owners.append(rows)

@@ -146,7 +146,7 @@ def run(model: Any, batch: PrefixBatch, replicas: int = 1, start_at_layer: int |
         state = resume.state.select(torch.arange(rows, device=tokens.device).repeat(r))
         resid = model(resume.prefix.repeat(r, 1, 1), mask, start_at_layer=start_at_layer, stop_at_layer=n,
                       tokens=tokens, state=state)
-    out = [_logp(model, resid[_tiled(batch.p_rows, rows, r), -1], batch.p_targets, batch.p_owner, r)]
+    out = [_logp(model, resid[:, -1], _tiled(batch.p_rows, rows, r), batch.p_targets, batch.p_owner, r)]
     if batch.cont is None:
         return out
     crows = len(batch.cont)
@@ -156,8 +156,8 @@ def run(model: Any, batch: PrefixBatch, replicas: int = 1, start_at_layer: int |
     else:
         cresid = model(resume.cont.repeat(r, 1, 1), start_at_layer=start_at_layer, stop_at_layer=n, tokens=cont,
                        state=cstate)
-    picked = cresid[_tiled(batch.c_rows, crows, r), batch.c_cols.repeat(r)]
-    return out + [_logp(model, picked, batch.c_targets, batch.c_owner, r)]
+    flat = _tiled(batch.c_rows, crows, r) * cresid.shape[1] + batch.c_cols.repeat(r)
+    return out + [_logp(model, cresid.flatten(0, 1), flat, batch.c_targets, batch.c_owner, r)]
 
 
 def row_examples(batch: PrefixBatch) -> list[Tensor]:
@@ -170,12 +170,22 @@ def _tiled(index: Tensor, rows: int, r: int) -> Tensor:
     return (index[None] + rows * torch.arange(r, device=index.device)[:, None]).reshape(-1)
 
 
-def _logp(model: Any, picked: Tensor, targets: Tensor, owner: Tensor, r: int) -> tuple[Tensor, Tensor]:
-    """(owner, log-prob of `targets` [r picks]) from residuals picked [r * picks d_model]."""
+def _logp(model: Any, resid: Tensor, index: Tensor, targets: Tensor, owner: Tensor, r: int) -> tuple[Tensor, Tensor]:
+    """(owner, log-prob of `targets` [r picks]) read at rows `index` of resid [rows d_model] (r blocks of picks)."""
     if len(targets) == 0:
-        return owner, picked.new_zeros(r, 0, dtype=torch.float32)
-    logp = model.unembed(model.ln_final(picked[None]))[0].float().log_softmax(-1)
-    return owner, logp.gather(1, targets.repeat(r)[:, None])[:, 0].view(r, -1)
+        return owner, resid.new_zeros(r, 0, dtype=torch.float32)
+    return owner, picked_logp(model, resid, index, targets.repeat(r)).view(r, -1)
+
+
+def picked_logp(model: Any, resid: Tensor, index: Tensor, targets: Tensor) -> Tensor:
+    """log p(targets[i]) [picks] (float32) at the residual rows resid[index[i]] [rows d_model]. Each distinct row
+    goes through the final norm and the unembedding once: the prompt's last position predicts the first
+    token of every choice, a shared continuation's position the next token of each choice it carries."""
+    if len(index) == 0:
+        return resid.new_zeros(0, dtype=torch.float32)
+    rows, where = torch.unique(index, return_inverse=True)
+    logp = model.unembed(model.ln_final(resid[rows][None]))[0].float().log_softmax(-1)
+    return logp[where, targets]
 
 
 def capture(model: Any, batch: PrefixBatch, layers: Sequence[int], start_at_layer: int | None = None,
@@ -198,13 +208,14 @@ def capture(model: Any, batch: PrefixBatch, layers: Sequence[int], start_at_laye
         state = resume.state.select(torch.arange(rows, device=batch.tokens.device))
         prefix, resid = _grab(model, resume.prefix, batch.attention_mask, layers, state, start_at_layer,
                               batch.tokens, stop)
-    scored = [] if not score else [_logp(model, resid[batch.p_rows, -1], batch.p_targets, batch.p_owner, 1)]
+    scored = [] if not score else [_logp(model, resid[:, -1], batch.p_rows, batch.p_targets, batch.p_owner, 1)]
     cont: dict[int, Tensor] = {}
     if batch.cont is not None:
         x = batch.cont if start_at_layer is None else resume.cont
         cont, cresid = _grab(model, x, None, layers, state.select(batch.source), start_at_layer, batch.cont, stop)
         if score:
-            scored.append(_logp(model, cresid[batch.c_rows, batch.c_cols], batch.c_targets, batch.c_owner, 1))
+            flat = batch.c_rows * cresid.shape[1] + batch.c_cols
+            scored.append(_logp(model, cresid.flatten(0, 1), flat, batch.c_targets, batch.c_owner, 1))
     out = {}
     for layer in layers:
         below = [m for block in model.blocks[:layer] for m in block.modules()]
