@@ -19,8 +19,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _examples():
-    return kv_retrieval(3, 3, seed=2) + kv_retrieval(5, 2, seed=5) + [multiple_choice("Pick one", ["red", "green", "blue"], 2),
-                                                                     Example("x is", ["12", "13", "2", "24"], 0)]
+    return (kv_retrieval(3, 3, seed=2) + kv_retrieval(5, 2, seed=5)
+            + [multiple_choice("Pick one", ["red", "green", "blue"], 2), Example("x is", ["12", "13", "2", "24"], 0)])
 
 
 def _close(a, b):

@@ -2,7 +2,8 @@
 
     ranking  `rank_heads` (accuracy drop when each unit is ablated, pairs too; method="screened" verifies
              only the units an attribution pass picks), `head_units`, `expert_units` (mixture-of-experts
-             experts as units), `HeadRanking`
+             experts as units), `HeadRanking`, `ranking_scorer` (the scorer a ranking keeps its clean
+             run in: pass it to `rank_heads(scorer=)` and to later runs on the same prompts)
     screening  `estimate_effects` (every unit's ablation effect from one forward and backward; refine=
              "scores" (per-choice, exact log-softmax) or "qk" (+ AtP*'s QK fix, qk_fix.py))
     scores   `ga_scores` (gather / aggregate mass from patterns and SSM kernels), masking experiments
@@ -14,7 +15,7 @@
 `kv_retrieval` and `score_choices` (analysis.tasks) are exported here too, as DESIGN.md section 5 names them.
 """
 
-from analysis.ga.ranking import HeadRanking, Unit, expert_units, head_units, rank_heads
+from analysis.ga.ranking import HeadRanking, Unit, expert_units, head_units, rank_heads, ranking_scorer
 from analysis.ga.reads import reads
 from analysis.ga.screening import estimate_effects
 from analysis.ga.report import ga_report
@@ -22,6 +23,7 @@ from analysis.ga.scores import aggregate_only, ga_scores, gather_only, masked_ac
 from analysis.tasks.scoring import score_choices
 from analysis.tasks.text import kv_retrieval
 
-__all__ = ["HeadRanking", "Unit", "expert_units", "head_units", "rank_heads", "estimate_effects", "reads",
+__all__ = ["HeadRanking", "Unit", "expert_units", "head_units", "rank_heads", "ranking_scorer", "estimate_effects",
+           "reads",
            "ga_report", "aggregate_only",
            "ga_scores", "gather_only", "masked_accuracy", "restrict_heads", "score_choices", "kv_retrieval"]

@@ -219,7 +219,8 @@ class ChoiceScorer:
                 if layer < at or (layer == at and start_at_layer is not None):
                     raise ValueError(f"a run from layer {start_at_layer} grabs later layers only, got {layer}")
                 if layer > at:
-                    resid = model(resid, batch.attention_mask, start_at_layer=at, stop_at_layer=layer, tokens=batch.tokens)
+                    resid = model(resid, batch.attention_mask, start_at_layer=at, stop_at_layer=layer,
+                                  tokens=batch.tokens)
                     at = layer
                 seen[layer] = resid
         return seen
@@ -283,7 +284,8 @@ class ChoiceScorer:
         for batch in self.batches:
             resid = self.model(batch.tokens, batch.attention_mask, stop_at_layer=n)
             index = batch.rows * resid.shape[1] + batch.cols
-            flat = flat.index_add(0, batch.owner, sp.picked_logp(self.model, resid.flatten(0, 1), index, batch.targets).double())
+            logp = sp.picked_logp(self.model, resid.flatten(0, 1), index, batch.targets)
+            flat = flat.index_add(0, batch.owner, logp.double())
             rows = torch.full((len(batch.tokens),), -1, dtype=torch.long, device=batch.rows.device)
             rows[batch.rows] = batch.owner // self.n_choices
             owners.append(rows)
