@@ -200,3 +200,17 @@ def test_picked_logp_unembeds_each_distinct_row_once():
     naive = model.unembed(model.ln_final(resid[index][None]))[0].float().log_softmax(-1)
     torch.testing.assert_close(got, naive[torch.arange(6), targets], rtol=0, atol=1e-6)
     assert [s[-2] for s in seen] == [3]  # rows 0, 3, 4 once each
+
+
+def test_prefixes_rejects_bad_resume_arguments():
+    model = _model("llama")
+    scorer = ChoiceScorer(model, _examples(), 3)
+    clean = dict(scorer.prefixes([0, 1]))
+    with pytest.raises(ValueError, match="together"):  # at the call, not at the first item
+        scorer.prefixes([2], 1)
+    with pytest.raises(ValueError, match="together"):
+        scorer.prefixes([2], resids=clean[1])
+    with pytest.raises(ValueError, match="one entry per batch"):
+        scorer.prefixes([2], 1, clean[1][:1])
+    with pytest.raises(ValueError, match="later layers only"):
+        scorer.prefixes([1, 2], 1, clean[1])

@@ -148,6 +148,19 @@ class ChoiceScorer:
         Without start_at_layer: the clean run (kept with keep_clean). With start_at_layer + resids
         (from an earlier `prefixes`): a run from there under the hooks attached now, so what it yields
         carries their intervention (layers must be later than start_at_layer)."""
+        if (start_at_layer is None) != (resids is None):
+            raise ValueError("prefixes: pass start_at_layer and resids together (resids from an earlier prefixes "
+                             f"at that layer), got start_at_layer={start_at_layer} and resids "
+                             f"{'None' if resids is None else 'given'}")
+        n_batches = len(self.prefix_batches if self.shared_prefix else self.batches)
+        if resids is not None and len(resids) != n_batches:
+            raise ValueError(f"prefixes: resids must hold one entry per batch ({n_batches}), got {len(resids)}")
+        if start_at_layer is not None and any(layer <= start_at_layer for layer in layers):
+            raise ValueError(f"prefixes from layer {start_at_layer} yields later layers only, got {sorted(set(layers))}")
+        return self._prefixes(layers, start_at_layer, resids)
+
+    def _prefixes(self, layers: Sequence[int], start_at_layer: int | None,
+                  resids: Sequence[Any] | None) -> Iterator[tuple[int, list[Any]]]:
         if start_at_layer is None and self.keep_clean:
             runs = self._clean()[0]
             for layer in sorted(set(layers)):
