@@ -29,7 +29,7 @@ shared_prefix=False)`, or `scores(context=...)`, which uses it). An SSM's lazy h
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,11 +221,6 @@ def capture(model: Any, batch: PrefixBatch, layers: Sequence[int], start_at_laye
         below = [m for block in model.blocks[:layer] for m in block.modules()]
         out[layer] = Resume(state.entries_of(below), prefix[layer], cont.get(layer), start_at_layer is None)
     return Capture(out, scored)
-
-
-def resumes(model: Any, batch: PrefixBatch, layers: Sequence[int]) -> Iterator[tuple[int, Resume]]:
-    """(l, Resume) for ascending `layers`, from one clean run of the prefix and one of the continuations."""
-    yield from sorted(capture(model, batch, layers).resumes.items())
 
 
 class _Enough(Exception):
