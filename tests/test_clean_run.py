@@ -11,6 +11,7 @@ from test_ga import _model
 from analysis.ga.ranking import Unit, _pairs_exact, ablated, head_units, pair_trees, rank_heads, ranking_scorer
 from analysis.ga.report import accuracy_by_size
 from analysis.interventions.ablation import ablate_heads
+from analysis.interventions.patching import layer_inputs
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example, kv_retrieval, multiple_choice
 from hooked.models.decode_state import StateRefused
@@ -214,3 +215,9 @@ def test_prefixes_rejects_bad_resume_arguments():
         scorer.prefixes([2], 1, clean[1][:1])
     with pytest.raises(ValueError, match="later layers only"):
         scorer.prefixes([1, 2], 1, clean[1])
+    batch = scorer.batches[0]  # the whole-row runs underneath: analysis.interventions.layer_inputs
+    resid = dict(layer_inputs(model, batch.tokens, batch.attention_mask, [1]))[1]
+    with pytest.raises(ValueError, match="together"):
+        next(layer_inputs(model, batch.tokens, batch.attention_mask, [2], start_at_layer=1))
+    with pytest.raises(ValueError, match="later layers only"):
+        next(layer_inputs(model, batch.tokens, batch.attention_mask, [1, 2], 1, resid))

@@ -261,7 +261,8 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
     summary = {"sizes": acc, "baseline": ranking.baseline, "method": method, "top": ranking.rows[:10],
-               "pairs": ranking.pairs, "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True,
+               "pairs": ranking.pairs,
+               "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True,
                                   scorer=scorer),
                "agreement": agreement(ranking.rows), "n_units": len(units), "rank_examples": len(examples),
                "screen": ranking.screen, "separability": ranking.separability,

@@ -205,15 +205,25 @@ def patch(model: Any, tokens: Tensor, clean_cache: Any, hook_name: str, index: A
     return _run(model, tokens, None, tokens, attention_mask, [(hook_name, hook)])
 
 
-def layer_inputs(model: Any, tokens: Tensor, attention_mask: Tensor | None,
-                 layers: Sequence[int]) -> Iterator[tuple[int, Tensor]]:
-    """(l, residual entering block l) of the base run for each l in `layers` (ascending), computed once.
+def layer_inputs(model: Any, tokens: Tensor, attention_mask: Tensor | None, layers: Sequence[int],
+                 start_at_layer: int | None = None, resid: Tensor | None = None) -> Iterator[tuple[int, Tensor]]:
+    """(l, residual entering block l) of the base run for each l in `layers` (ascending), computed once;
+    `layers` may include n_layers (the final residual, before ln_final). With start_at_layer + resid (the
+    residual entering that block): the run resumes there, under the hooks attached now, and yields later
+    layers only.
 
     Runs without gradients (a model may take another, equally exact path when autograd records).
     """
-    with torch.no_grad():
-        resid = model(tokens, attention_mask, stop_at_layer=0)
-    at = 0
+    if (start_at_layer is None) != (resid is None):
+        raise ValueError("layer_inputs: pass start_at_layer and resid together")
+    if start_at_layer is None:
+        with torch.no_grad():
+            resid = model(tokens, attention_mask, stop_at_layer=0)
+        at = 0
+    elif any(layer <= start_at_layer for layer in layers):
+        raise ValueError(f"a run from layer {start_at_layer} yields later layers only, got {sorted(set(layers))}")
+    else:
+        at = start_at_layer
     for layer in sorted(layers):
         if layer > at:
             with torch.no_grad():

@@ -221,22 +221,9 @@ class ChoiceScorer:
     def _row_run(self, batch: ChoiceBatch, layers: Sequence[int], start_at_layer: int | None = None,
                  resid: Tensor | None = None, to_end: bool = True) -> dict[int, Tensor]:
         """Whole rows: the residual entering each of `layers` and (to_end) the final one (key n_layers),
-        one run from the tokens or from `resid` entering `start_at_layer`."""
-        model, n = self.model, self.model.cfg.n_layers
-        seen = {}
-        with torch.no_grad():
-            at = start_at_layer
-            if at is None:
-                resid, at = model(batch.tokens, batch.attention_mask, stop_at_layer=0), 0
-            for layer in sorted(set(layers) | ({n} if to_end else set())):
-                if layer < at or (layer == at and start_at_layer is not None):
-                    raise ValueError(f"a run from layer {start_at_layer} grabs later layers only, got {layer}")
-                if layer > at:
-                    resid = model(resid, batch.attention_mask, start_at_layer=at, stop_at_layer=layer,
-                                  tokens=batch.tokens)
-                    at = layer
-                seen[layer] = resid
-        return seen
+        one run from the tokens or from `resid` entering `start_at_layer` (`layer_inputs`)."""
+        grab = set(layers) | ({self.model.cfg.n_layers} if to_end else set())
+        return dict(layer_inputs(self.model, batch.tokens, batch.attention_mask, grab, start_at_layer, resid))
 
     def _row_logp(self, batch: ChoiceBatch, resid: Tensor, r: int) -> Tensor:
         """Log-prob [r picks] (float64, CPU) of each scored token of a whole-row batch from the final residual."""
