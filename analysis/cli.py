@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,32 +118,13 @@ def hooks_command(args: Any) -> int:
 
 
 def hook_shapes(model: Any, tokens: Tensor) -> list[tuple[str, str, str]]:
-    """(name, shape, dtype) of every hook in forward order, from one run with every hook listening.
-
-    A hook the model refuses to build at this size (DESIGN: Mamba-1 hook_head_out may be refused)
-    makes that run fail; then hooks are run one family at a time ("blocks.{l}.mixer.hook_h" for all
-    layers at once) and a refused family is reported with its error.
-    """
-    seen: dict[str, tuple[str, str]] = {}
-
-    def record(x: Tensor, hook: Any) -> None:
-        seen[hook.name] = (str(list(x.shape)), str(x.dtype).removeprefix("torch."))
-
-    names = list(model.hook_dict)
-    with torch.no_grad():
-        try:
-            model.run_with_hooks(tokens, fwd_hooks=[(lambda n: True, record)])
-        except Exception:
-            seen.clear()
-            families: dict[str, list[str]] = {}
-            for n in names:
-                families.setdefault(re.sub(r"\.\d+\.", ".{l}.", n), []).append(n)
-            for family in families.values():
-                try:
-                    model.run_with_hooks(tokens, fwd_hooks=[(n, record) for n in family])
-                except Exception as e:
-                    seen.update({n: (f"refused: {str(e).splitlines()[0]}", "") for n in family})
-    return [(n, *seen.get(n, ("not fired", ""))) for n in names]
+    """(name, shape, dtype) of every hook in forward order for `tokens`, from the hooks' declared
+    axes (`model.hook_shape`): nothing is built, so lazy quantities of any size are listed too."""
+    batch, pos = (1, tokens.shape[0]) if tokens.ndim == 1 else tuple(tokens.shape)
+    p = next(model.parameters())
+    dtypes = {"model": p.dtype, "wide": torch.promote_types(p.dtype, torch.float32), "int64": torch.int64}
+    return [(name, str(list(point.shape(batch, pos))), str(dtypes[point.element]).removeprefix("torch."))
+            for name, point in model.hook_dict.items()]
 
 
 # ----------------------------------------------------------------------------------------- parity

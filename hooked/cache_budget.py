@@ -5,12 +5,9 @@ Glossary
                  (hook_result, hook_A_bar, hook_B_bar, hook_h, hook_kernel, hook_head_out). A bare
                  `run_with_cache()` leaves lazy hooks out; a filter that selects them, or
                  `incl_lazy=True`, takes them.
-    size law     bytes of one hook as a function of (batch, pos): batch * (a * pos^2 + b * pos),
-                 fitted per hook from two recording runs of batch 1 at pos 2 and 3 (every hook
-                 active, so lazy quantities are built at that tiny size; the run at pos 2 is the
-                 one that records the hooks' forward order). Exact for every hook
-                 whose shape is batch x at most two pos axes x fixed widths, which is every hook
-                 the models have; it is measured, so a new family needs no declaration.
+    size         bytes of one hook for a [batch, pos] input: the product of its declared axes
+                 (`HookPoint.shape`) times its element size (the model's dtype, at least float32
+                 for "wide" hooks, 8 for indices); nothing runs to find it.
     budget       `max_cache_bytes`; by default `CACHE_BUDGET_FRACTION` of the memory available on
                  the model's device when the run starts (CPU: MemAvailable of /proc/meminfo; CUDA:
                  the device's free memory). Override it per call (`max_cache_bytes=`) or here.
@@ -21,6 +18,7 @@ over layers), their sizes, and a filter that would fit.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -52,26 +50,22 @@ def default_budget(model: Any) -> int:
     return int(CACHE_BUDGET_FRACTION * available_bytes(model._device()))
 
 
-def size_laws(model: Any) -> dict[str, tuple[float, float]]:
-    """{hook name: (a, b)} with bytes = batch * (a * pos^2 + b * pos); measured once per model."""
-    model.hook_dict  # the forward-order recording run is the one at pos 2
-    at2 = model._record_run(2)
-    try:
-        at3 = model._record_run(3)  # each run once per model and dtype
-    except TypeError:  # a root whose _example_input takes no length: every hook counted as linear in pos
-        at3 = {name: n * 3 // 2 for name, n in at2.items()}
-    laws = {}
-    for name in at2:
-        n2, n3 = at2[name], at3.get(name, at2[name])
-        a = max((n3 - 1.5 * n2) / 3.0, 0.0)  # n2 = 4a + 2b, n3 = 9a + 3b
-        laws[name] = (a, max((n2 - 4 * a) / 2.0, 0.0))
-    return laws
+def element_bytes(model: Any, element: str) -> int:
+    """Bytes of one element of a hook whose element type is `element` (hook_points.py's glossary)."""
+    if element == "int64":
+        return 8
+    p = next(model.parameters(), None)
+    dtype = p.dtype if p is not None else torch.float32
+    if element == "wide":
+        dtype = torch.promote_types(dtype, torch.float32)
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def estimate_cache_bytes(model: Any, names: list[str], batch: int, pos: int) -> dict[str, int]:
-    """Estimated bytes of each named hook's activation for a [batch, pos] input."""
-    laws = size_laws(model)
-    return {n: int(batch * (laws[n][0] * pos * pos + laws[n][1] * pos)) for n in names if n in laws}
+    """Bytes of each named hook's activation for a [batch, pos] input, from the hooks' declared axes."""
+    points = model.hook_dict
+    return {n: math.prod(points[n].shape(batch, pos)) * element_bytes(model, points[n].element)
+            for n in names if n in points}
 
 
 def _gib(n: int | float) -> str:

@@ -25,6 +25,15 @@ Glossary
                    after the size check of `hooked.cache_budget`.
     permanent      a model hook added with `add_hook(..., is_permanent=True)`: `reset_hooks()` keeps
                    it, `reset_hooks(including_permanent=True)` removes it (TransformerLens's API).
+    axes           what each axis of the activation is, declared where the HookPoint is made:
+                   `HookPoint("batch pos n_heads d_head")`. Words are DESIGN section 3's (batch, pos,
+                   q_pos, k_pos, d_model, d_vocab, n_heads, n_kv_heads, d_head, d_mlp, d_inner,
+                   d_state, n_groups, ...) or an integer literal ("1"). A size word is read from the
+                   `dims` of the modules on the hook's path, nearest first (the root supplies
+                   d_model and d_vocab): `model.hook_shape(name, batch=, pos=)` needs no forward.
+                   A HookPoint made without axes is a residual-stream quantity, "batch pos d_model".
+    element        the activation's element type relative to the model's: "model" (its dtype),
+                   "wide" (at least float32, whatever the model's dtype) or "int64" (indices).
     HookedRootModule  the model's root: `hook_dict`, `add_hook`, `run_with_hooks`, `run_with_cache`, `hooks()`.
 
 Scoped hooks are removed on exit, also when the forward or a hook raises (KeyboardInterrupt included).
@@ -112,16 +121,50 @@ def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Ite
             hook.detach()
 
 
-class HookPoint(nn.Module):
-    """Identity module with TransformerLens-style hooks `fn(tensor, hook)`."""
+POSITION_AXES = ("pos", "q_pos", "k_pos")  # sized by the input's length
+ELEMENTS = ("model", "wide", "int64")
 
-    def __init__(self, lazy: bool = False) -> None:
+
+class HookPoint(nn.Module):
+    """Identity module with TransformerLens-style hooks `fn(tensor, hook)`, and its declared axes."""
+
+    def __init__(self, axes: str = "batch pos d_model", lazy: bool = False, element: str = "model") -> None:
         super().__init__()
+        if element not in ELEMENTS:
+            raise ValueError(f"element must be one of {ELEMENTS}, got {element!r}")
+        self.axes: tuple[str, ...] = tuple(axes.split())
+        if not self.axes or self.axes[0] != "batch":
+            raise ValueError(f"a hook's axes start with 'batch', got {axes!r}")
+        self.element = element
+        self.sizes: dict[str, int] = {}  # size of each width axis, resolved by the root's setup()
         self.name: str | None = None
         self._hooks: list[Hook] = []  # model hooks (every caller); scoped hooks live in _SCOPED
         self._permanent: list[Hook] = []  # model hooks that survive reset_hooks()
         self.lazy = lazy  # built only when hooked; a bare run_with_cache() leaves it out (cache_budget.py)
         self.ctx: dict[Any, Any] = {}  # scratch space for hook functions (TL's hook.ctx), cleared by reset_hooks()
+
+    def shape(self, batch: int, pos: int) -> tuple[int, ...]:
+        """The activation's shape for a [batch, pos] input of a full forward (no decoding state)."""
+        out = []
+        for axis in self.axes:
+            if axis == "batch":
+                out.append(batch)
+            elif axis in POSITION_AXES:
+                out.append(pos)
+            elif axis.isdigit():
+                out.append(int(axis))
+            elif axis in self.sizes:
+                out.append(self.sizes[axis])
+            else:
+                raise KeyError(f"hook {self.name!r}: no module on its path sizes axis {axis!r}")
+        return tuple(out)
+
+    def axis(self, word: str) -> int:
+        """Index of axis `word` in the activation; "pos" finds q_pos where there are two."""
+        for i, a in enumerate(self.axes):
+            if a == word or (word == "pos" and a == "q_pos"):
+                return i
+        raise ValueError(f"hook {self.name!r} has no axis {word!r}; its axes are {' '.join(self.axes)}")
 
     def layer(self) -> int:
         """The block index of a hook named "blocks.{l}...."; a ValueError for other hooks."""
@@ -200,7 +243,8 @@ class HookPoint(nn.Module):
 
     def extra_repr(self) -> str:
         n = len(self.visible_hooks())
-        return f"{self.name}, {n} hook(s)" if n else str(self.name)
+        lazy = ", lazy" if self.lazy else ""
+        return f"[{' '.join(self.axes)}]{lazy}" + (f", {n} hook(s)" if n else "")
 
 
 class HookedRootModule(nn.Module):
@@ -216,7 +260,23 @@ class HookedRootModule(nn.Module):
                 seen[id(module)] = name
                 module.name = name
         self._points = {n: m for n, m in self.named_modules() if isinstance(m, HookPoint)}
+        for name, point in self._points.items():
+            point.sizes = self._path_dims(name)
         self._hook_order: list[str] | None = None
+
+    def _path_dims(self, name: str) -> dict[str, int]:
+        """The `dims` of every module from the root down to `name`'s owner, nearer ones winning."""
+        sizes: dict[str, int] = {}
+        module: nn.Module = self
+        for part in name.split(".")[:-1]:
+            sizes.update(getattr(module, "dims", None) or {})
+            module = getattr(module, part)
+        sizes.update(getattr(module, "dims", None) or {})
+        return sizes
+
+    def hook_shape(self, name: str, batch: int = 1, pos: int = 1) -> tuple[int, ...]:
+        """Shape of hook `name`'s activation for a [batch, pos] input, from its axes (no forward)."""
+        return self._resolve(name)[0].shape(batch, pos)
 
     # ----------------------------------------------------------------------------------- lookup
     def _example_input(self, pos: int = 2) -> Any:
@@ -252,29 +312,16 @@ class HookedRootModule(nn.Module):
         return ordered
 
     def _record_order(self) -> list[str]:
-        """Hook names in the order they fire; only this caller's HookPoints record, no hook runs."""
-        return list(self._record_run(2))
-
-    def _record_run(self, pos: int) -> dict[str, int]:
-        """{hook name: bytes} in forward order, from a batch-1 run of `pos` tokens with every hook
-        active and none running. Kept per (pos, dtype) in `_recorded_bytes` (cache_budget reads it)."""
-        recorded = self.__dict__.setdefault("_recorded_bytes", {})
-        key = (pos, next((p.dtype for p in self.parameters()), None))
-        if key in recorded:
-            return recorded[key]
-        sizes: dict[str, int] = {}
-
-        def on_fire(name: str, x: Tensor) -> None:
-            sizes[name] = sizes.get(name, 0) + x.numel() * x.element_size()
-
-        token = _RECORDING.set(on_fire)
+        """Hook names in the order they fire, from a batch-1 run of 2 tokens with every hook active
+        and none running (only this caller's HookPoints record)."""
+        order: dict[str, None] = {}
+        token = _RECORDING.set(lambda name, x: order.setdefault(name))
         try:
             with torch.no_grad():
-                self(self._example_input() if pos == 2 else self._example_input(pos))  # roots may take no length
+                self(self._example_input())
         finally:
             _RECORDING.reset(token)
-        recorded[key] = sizes
-        return sizes
+        return list(order)
 
     def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:
         points = self._module_hooks()
@@ -369,18 +416,17 @@ class HookedRootModule(nn.Module):
         The caching hooks are scoped to this call: a concurrent caller neither sees nor fills them.
         """
         from hooked.cache import ActivationCache
-        from hooked.cache_budget import check_cache_budget, size_laws
+        from hooked.cache_budget import check_cache_budget
         from hooked.cache_resid import slice_pos
 
         store: dict[str, Tensor] = {}
         if isinstance(pos_slice, int):
             pos_slice = slice(pos_slice, pos_slice + 1 if pos_slice != -1 else None)
-        quadratic = {n for n, (a, _) in size_laws(self).items() if a > 0} if pos_slice is not None else set()
 
         def save(x: Tensor, hook: HookPoint, suffix: str = "") -> None:
             y = x.detach() if detach or suffix else x
             if pos_slice is not None and y.ndim >= 2:
-                y = slice_pos(y, pos_slice, dim=2 if hook.name in quadratic else 1)
+                y = slice_pos(y, pos_slice, dim=hook.axis("pos"))
             store[hook.name + suffix] = y.to(device) if device is not None else y
 
         def save_grad(g: Tensor, hook: HookPoint) -> None:

@@ -15,7 +15,6 @@ import torch
 import transformers
 from torch import Tensor
 
-from hooked.cache_budget import size_laws
 from hooked.models.attention import Attention
 from loaders.load import from_hf
 
@@ -118,7 +117,6 @@ def test_hook_result_is_computed_only_when_hooked(pair, batch, monkeypatch) -> N
     original = Attention.head_results
     monkeypatch.setattr(Attention, "head_results", lambda self, z: calls.append(1) or original(self, z))
     model.hook_dict  # record the forward order first (that run counts every hook as active)
-    size_laws(model)  # and the cache's size laws (two tiny runs with every hook active)
     calls.clear()
     model(*batch)
     model.run_with_cache(*batch, names_filter=lambda n: not n.endswith("hook_result"))

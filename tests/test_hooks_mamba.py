@@ -16,7 +16,6 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hooked.models.mamba as mamba_module
-from hooked.cache_budget import size_laws
 from hooked.models.mamba import HookedMamba, MambaConfig
 
 BATCH, POS = 2, 9
@@ -165,7 +164,6 @@ def test_lazy_quantities_are_not_built_without_hooks(monkeypatch) -> None:
     model = make_model("mamba", torch.float32)
     cfg, pos = model.cfg, 64
     model.hook_dict  # the one-off run that records the hook order has every hook active
-    size_laws(model)  # and the cache's size laws (two tiny runs with every hook active)
     calls: dict[str, int] = {}
     for fn in ("linear_scan", "mamba1_kernel_chunked", "mamba1_kernel_discrete"):
         original = getattr(mamba_module, fn)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hooked.models.mamba2 as mamba2_module
-from hooked.cache_budget import size_laws
 from hooked.models.mamba2 import HookedMamba2, Mamba2Config, Mamba2Mixer
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -187,7 +186,6 @@ def test_lazy_quantities_not_built_without_hooks(monkeypatch):
     model = make_model(dtype=torch.float32)
     tokens = tokens_for()
     model.hook_dict  # records the hook order once (a run with every hook active) before counting
-    size_laws(model)  # and the cache's size laws (two tiny runs with every hook active)
     calls = count_calls(monkeypatch, LAZY_FUNCS)
     recorder = ShapeRecorder()
     with torch.no_grad(), recorder:
@@ -205,7 +203,6 @@ def test_lazy_quantities_not_built_without_hooks(monkeypatch):
 ])
 def test_one_lazy_hook_builds_only_its_quantity(monkeypatch, hook, expected):
     model = make_model(dtype=torch.float32)
-    size_laws(model)  # and the cache's size laws (two tiny runs with every hook active)
     model.hook_dict  # records the hook order once (a run with every hook active) before counting
     calls = count_calls(monkeypatch, LAZY_FUNCS)
     with torch.no_grad():

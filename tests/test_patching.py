@@ -300,5 +300,5 @@ def test_errors_name_the_problem():
             act_patch(model, corrupted, cache, logit_diff(1, 2), "blocks.{layer}.hook_resid_pre", over=("layer", "time"))
         with pytest.raises(ValueError, match="source has shape"):
             patch(model, corrupted[:, :4], cache, "blocks.0.hook_resid_pre")
-    assert index_tuple("blocks.0.attn.hook_pattern", {"head": 2}) == (2,)
-    assert index_tuple("blocks.0.attn.hook_z", {"head": 2}) == (slice(None), 2)
+    assert index_tuple(model.hook_dict["blocks.0.attn.hook_pattern"], {"head": 2}) == (2,)
+    assert index_tuple(model.hook_dict["blocks.0.attn.hook_z"], {"head": 2}) == (slice(None), 2)

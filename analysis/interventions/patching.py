@@ -47,7 +47,7 @@ from analysis.validate import NotAnIndex, as_index, index_list, index_mask, laye
 Metric = Callable[[Tensor], Any]
 Setter = Callable[[Tensor, Tensor, tuple], Tensor]
 AXES = ("layer", "pos", "head", "channel")
-QUERY_FIRST = ("hook_pattern", "hook_attn_scores", "hook_kernel")  # [batch head q_pos k_pos]
+STREAM_AXES = ("d_model", "d_vocab")  # an axis of the residual stream or logits is no head
 
 
 # ---------------------------------------------------------------------------------- setters
@@ -59,18 +59,22 @@ def set_slice(act: Tensor, source: Tensor, index: tuple) -> Tensor:
     return out
 
 
-def axis_dim(hook_name: str, axis: str) -> int:
-    """Where `axis` ("pos", "head"/"channel") lives in the named hook's activation."""
-    query_first = hook_name.rsplit(".", 1)[-1] in QUERY_FIRST
+def axis_dim(point: Any, axis: str) -> int:
+    """Where `axis` ("pos", "head"/"channel") lives in the activation of HookPoint `point`, from its
+    declared axes: "pos" is the (query) position axis; "head" and "channel" name the first width axis
+    after batch and positions (heads, SSM channels, experts), never the residual stream's d_model."""
     if axis == "pos":
-        return 2 if query_first else 1
-    if axis in ("head", "channel"):
-        return 1 if query_first else 2
-    raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+        return point.axis("pos")
+    if axis not in ("head", "channel"):
+        raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+    widths = [i for i, a in enumerate(point.axes) if a != "batch" and a not in ("pos", "q_pos", "k_pos")]
+    if not widths or point.axes[widths[0]] in STREAM_AXES:
+        raise ValueError(f"{point.name} has no {axis!r} axis: its activation is [{' '.join(point.axes)}]")
+    return widths[0]
 
 
-def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None,
-                shape: Sequence[int] | None = None, d_model: int | None = None) -> tuple:
+def index_tuple(point: Any, index: dict[str, Any] | tuple | int | None,
+                shape: Sequence[int] | None = None) -> tuple:
     """Normalise `index` to a tuple applied after the batch axis.
 
     With the activation's `shape`, every axis named in a dict must exist on that hook (a "head" of a
@@ -82,14 +86,11 @@ def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None,
     if isinstance(index, dict):
         if not index:
             return ()
-        if shape is not None:
-            for axis in index:
-                check_axis(hook_name, axis, shape, d_model)
         dims = {}
         for a, i in index.items():
-            d = axis_dim(hook_name, a)
+            d = axis_dim(point, a)
             if d in dims:
-                raise ValueError(f"index {index!r}: two names for one axis of {hook_name} ('head' and 'channel' "
+                raise ValueError(f"index {index!r}: two names for one axis of {point.name} ('head' and 'channel' "
                                  f"are aliases)")
             if not (isinstance(i, slice) or _scalar(i)):
                 raise NotAnIndex(f"index {index!r}: the value for {a!r} must be one integer or a slice, got {i!r} "
@@ -100,21 +101,10 @@ def index_tuple(hook_name: str, index: dict[str, Any] | tuple | int | None,
         out = index if isinstance(index, tuple) else (index,)
     if shape is not None:
         if len(out) > len(shape) - 1:
-            raise IndexError(f"index {index!r} has {len(out)} entries; {hook_name} has {len(shape) - 1} axes after batch")
-        out = tuple(_checked(i, shape[d + 1], f"index {index!r} on {hook_name}, axis {d + 1}")
+            raise IndexError(f"index {index!r} has {len(out)} entries; {point.name} has {len(shape) - 1} axes after batch")
+        out = tuple(_checked(i, shape[d + 1], f"index {index!r} on {point.name}, axis {d + 1}")
                     for d, i in enumerate(out))
     return out
-
-
-def check_axis(hook_name: str, axis: str, shape: Sequence[int], d_model: int | None) -> None:
-    """Refuse an axis the hook's activation does not have ("head" on [batch pos d_model], "pos" on 2-D)."""
-    dim = axis_dim(hook_name, axis)
-    if dim >= len(shape):
-        raise ValueError(f"{hook_name} has no {axis!r} axis (its activation is {list(shape)})")
-    stream = len(shape) == 3 and d_model is not None and shape[-1] == d_model
-    query_first = hook_name.rsplit(".", 1)[-1] in QUERY_FIRST
-    if axis in ("head", "channel") and stream and not query_first:
-        raise ValueError(f"{hook_name} has no {axis!r} axis: its activation is [batch pos d_model] = {list(shape)}")
 
 
 def _scalar(i: Any) -> bool:
@@ -132,6 +122,12 @@ def _checked(i: Any, n: int, what: str) -> Any:
 
 
 # ------------------------------------------------------------------------------ patched runs
+def _point(model: Any, name: str) -> Any:
+    """The HookPoint named `name` (a KeyError with close matches when there is none)."""
+    return model._resolve(name)[0]
+
+
+
 def _source(clean_cache: Any, name: str) -> Tensor:
     try:
         return clean_cache[name]
@@ -201,7 +197,7 @@ def patch(model: Any, tokens: Tensor, clean_cache: Any, hook_name: str, index: A
           attention_mask: Tensor | None = None, setter: Setter = set_slice) -> Tensor:
     """Logits of `tokens` with the activation `hook_name` (or its slice `index`) from `clean_cache`."""
     source = _source(clean_cache, hook_name)
-    hook = _patch_hook(source, index_tuple(hook_name, index, source.shape, model.cfg.d_model), setter)
+    hook = _patch_hook(source, index_tuple(_point(model, hook_name), index, source.shape), setter)
     return _run(model, tokens, None, tokens, attention_mask, [(hook_name, hook)])
 
 
@@ -261,9 +257,7 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
     first = _source(clean_cache, names[layers[0]])
     r = patch_replicas(model, tokens, replicas, first)
     inner = [a for a in over if a != "layer"]
-    for a in inner:
-        check_axis(names[layers[0]], a, first.shape, model.cfg.d_model)
-    ranges = [range(first.shape[axis_dim(names[layers[0]], a)]) for a in inner]
+    ranges = [range(first.shape[axis_dim(_point(model, names[layers[0]]), a)]) for a in inner]
     shape = [model.cfg.n_layers if a == "layer" else len(ranges[inner.index(a)]) for a in over]
     out = torch.full(shape, float("nan"), dtype=torch.float64)
     bar = tqdm(total=len(layers) * _count(ranges), desc="act_patch", disable=not progress)
@@ -275,7 +269,7 @@ def act_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric, hook
             combos = list(itertools.product(*ranges))
             for s in range(0, len(combos), r):
                 chunk = combos[s:s + r]
-                indices = [index_tuple(name, dict(zip(inner, combo))) for combo in chunk]
+                indices = [index_tuple(_point(model, name), dict(zip(inner, combo))) for combo in chunk]
                 values = _patched_values(model, base, start, tokens, attention_mask, name, source, indices, setter,
                                          metric)
                 for combo, value in zip(chunk, values):
@@ -450,10 +444,8 @@ def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metr
         if source.shape != act.shape:
             raise ValueError(f"{name}: the source cache has shape {tuple(source.shape)}, the base run "
                              f"{tuple(act.shape)} (same batch and length needed)")
-        for a in inner:
-            check_axis(name, a, act.shape, model.cfg.d_model)
         prod = (source.to(act) - act) * grad
-        keep = [axis_dim(name, a) for a in inner]
+        keep = [axis_dim(_point(model, name), a) for a in inner]
         rest = [d for d in range(prod.ndim) if d not in keep]
         parts[layer] = prod.permute(keep + rest).flatten(len(keep)).sum(-1).detach().double().cpu() + base
     if "layer" not in over:
@@ -520,7 +512,7 @@ def screened_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metric,
             start = None if base is tokens else layer
             for s in range(0, len(items), r):
                 chunk = items[s:s + r]
-                indices = [index_tuple(name, dict(zip(inner, combo))) for _, combo in chunk]
+                indices = [index_tuple(_point(model, name), dict(zip(inner, combo))) for _, combo in chunk]
                 values = _patched_values(model, base, start, tokens, attention_mask, name, source, indices, setter,
                                          metric)
                 for (flat, _), value in zip(chunk, values):

@@ -98,17 +98,22 @@ class Attention(AttentionWeights, nn.Module):
         self.v_proj = nn.Linear(d_in, n_kv_heads * d_head, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * d_head, d_out, bias=o_bias)
         self.q_norm, self.k_norm = q_norm, k_norm  # [.. d_head] -> [.. d_head], or None
-        self.softcap = SoftCap(softcap) if softcap is not None else None
-        self.hook_q = HookPoint()  # [batch pos n_heads d_head]
-        self.hook_k = HookPoint()  # [batch pos n_kv_heads d_head]
-        self.hook_v = HookPoint()  # [batch pos n_kv_heads d_head]
+        self.softcap = SoftCap(softcap, "batch n_heads q_pos k_pos") if softcap is not None else None
+        for norm, heads in ((q_norm, "n_heads"), (k_norm, "n_kv_heads")):  # per-head norms over d_head
+            if norm is not None:
+                norm.hook_scale.axes = ("batch", "pos", heads, "1")
+                norm.hook_normalized.axes = ("batch", "pos", heads, "d_head")
+        self.dims = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "d_head": d_head, "d_out": d_out}
+        self.hook_q = HookPoint("batch pos n_heads d_head")
+        self.hook_k = HookPoint("batch pos n_kv_heads d_head")
+        self.hook_v = HookPoint("batch pos n_kv_heads d_head")
         if rotary is not None:
-            self.hook_rot_q = HookPoint()  # [batch pos n_heads d_head]
-            self.hook_rot_k = HookPoint()  # [batch pos n_kv_heads d_head]
-        self.hook_attn_scores = HookPoint()  # [batch n_heads q_pos k_pos]
-        self.hook_pattern = HookPoint()  # [batch n_heads q_pos k_pos]
-        self.hook_z = HookPoint()  # [batch pos n_heads d_head]
-        self.hook_result = HookPoint(lazy=True)  # [batch pos n_heads d_out]
+            self.hook_rot_q = HookPoint("batch pos n_heads d_head")
+            self.hook_rot_k = HookPoint("batch pos n_kv_heads d_head")
+        self.hook_attn_scores = HookPoint("batch n_heads q_pos k_pos")
+        self.hook_pattern = HookPoint("batch n_heads q_pos k_pos")
+        self.hook_z = HookPoint("batch pos n_heads d_head")
+        self.hook_result = HookPoint("batch pos n_heads d_out", lazy=True)
 
     def forward(self, x: Float[Tensor, "batch pos d_in"], ctx: Context) -> Float[Tensor, "batch pos d_out"]:
         q = rearrange(self.q_proj(x), "batch pos (n_heads d_head) -> batch pos n_heads d_head", d_head=self.d_head)
@@ -216,13 +221,13 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
         self.ln1_post, self.ln2_post = ln1_post, ln2_post  # None: no post-norm
-        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
-        self.hook_attn_in = HookPoint()  # [batch pos d_model]
-        self.hook_attn_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_mid = HookPoint()  # [batch pos d_model]
-        self.hook_mlp_in = HookPoint()  # [batch pos d_model]
-        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+        self.hook_resid_pre = HookPoint("batch pos d_model")
+        self.hook_attn_in = HookPoint("batch pos d_model")
+        self.hook_attn_out = HookPoint("batch pos d_model")
+        self.hook_resid_mid = HookPoint("batch pos d_model")
+        self.hook_mlp_in = HookPoint("batch pos d_model")
+        self.hook_mlp_out = HookPoint("batch pos d_model")
+        self.hook_resid_post = HookPoint("batch pos d_model")
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         resid_pre = self.hook_resid_pre(resid)

@@ -77,6 +77,11 @@ class HookedModel(ModelWeights, HookedRootModule):
     def cfg(self, value: Any) -> None:
         self.__dict__["_raw_cfg"] = value
 
+    @property
+    def dims(self) -> dict[str, int]:
+        """Sizes of the axes every hook may use (hook_points.py); modules below add their own."""
+        return {"d_model": self.cfg.d_model, "d_vocab": self.cfg.d_vocab}
+
     # ---------------------------------------------------------------------------- to override
     def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         raise NotImplementedError

@@ -51,13 +51,13 @@ class DecoderBlock(nn.Module):
         self.residual_multiplier = float(residual_multiplier)
         self.ln1 = ln1
         self.add_module(kind, first)
-        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_resid_pre = HookPoint("batch pos d_model")
         self.add_module(f"hook_{kind}_out", HookPoint())  # [batch pos d_model]
         if mlp is not None:
-            self.hook_resid_mid = HookPoint()  # [batch pos d_model]
+            self.hook_resid_mid = HookPoint("batch pos d_model")
             self.ln2, self.mlp = ln2, mlp
-            self.hook_mlp_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+            self.hook_mlp_out = HookPoint("batch pos d_model")
+        self.hook_resid_post = HookPoint("batch pos d_model")
 
     def _first(self, x: Tensor, ctx: Context) -> Tensor:
         module = getattr(self, self.kind)
@@ -96,7 +96,7 @@ class HybridLM(HookedModel):
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tied else None,
                                scale=logit_multiplier)
-        self.hook_embed = HookPoint()  # [batch pos d_model], after the embedding multiplier
+        self.hook_embed = HookPoint("batch pos d_model")  # after the embedding multiplier
         self.setup()
 
     def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
@@ -122,12 +122,12 @@ class ParallelBlock(nn.Module):
         self.attn_in_multiplier = float(attn_in_multiplier)
         self.attn_out_multiplier = float(attn_out_multiplier)
         self.mixer_out_multiplier = float(mixer_out_multiplier)
-        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
-        self.hook_mixer_out = HookPoint()  # [batch pos d_model], times mixer_out_multiplier
-        self.hook_attn_out = HookPoint()  # [batch pos d_model], times attn_out_multiplier
-        self.hook_resid_mid = HookPoint()  # [batch pos d_model]
-        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+        self.hook_resid_pre = HookPoint("batch pos d_model")
+        self.hook_mixer_out = HookPoint("batch pos d_model")  # times mixer_out_multiplier
+        self.hook_attn_out = HookPoint("batch pos d_model")  # times attn_out_multiplier
+        self.hook_resid_mid = HookPoint("batch pos d_model")
+        self.hook_mlp_out = HookPoint("batch pos d_model")
+        self.hook_resid_post = HookPoint("batch pos d_model")
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         resid_pre = self.hook_resid_pre(resid)

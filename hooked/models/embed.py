@@ -33,7 +33,7 @@ class Unembed(nn.Module):
         super().__init__()
         self.scale = float(scale)
         self.__dict__["_tied_to"] = tied_to  # a plain reference, not a submodule
-        self.softcap = SoftCap(softcap) if softcap is not None else None
+        self.softcap = SoftCap(softcap, "batch pos d_vocab") if softcap is not None else None
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
             nn.init.normal_(self.weight, std=0.02)

@@ -97,7 +97,7 @@ class Gemma2(HookedModel):
         tied = self.embed if cfg.tie_word_embeddings else None
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=tied, softcap=cfg.final_softcap)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.hook_embed = HookPoint("batch pos d_model")
         self.setup()
 
     def _block(self, cfg: Gemma2Config, layer: int) -> TransformerBlock:

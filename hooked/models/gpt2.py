@@ -74,8 +74,8 @@ class GPT2(HookedModel):
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tie_word_embeddings else None)
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos_embed.weight, std=0.01)
-        self.hook_embed = HookPoint()  # [batch pos d_model]
-        self.hook_pos_embed = HookPoint()  # [batch pos d_model]
+        self.hook_embed = HookPoint("batch pos d_model")
+        self.hook_pos_embed = HookPoint("batch pos d_model")
         self.setup()
 
     @staticmethod

@@ -78,7 +78,7 @@ class Llama(HookedModel):
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tie_word_embeddings else None)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.hook_embed = HookPoint("batch pos d_model")
         self.setup()
 
     @staticmethod

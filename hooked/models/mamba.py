@@ -121,22 +121,23 @@ class MambaMixer(MixerWeights, nn.Module):
             self.B_norm_weight = nn.Parameter(torch.ones(n))
             self.C_norm_weight = nn.Parameter(torch.ones(n))
         self.reset_parameters()
+        self.dims = {"d_inner": d, "d_state": n}
 
-        self.hook_in = HookPoint()  # [batch pos d_inner]
-        self.hook_gate = HookPoint()  # [batch pos d_inner]
-        self.hook_conv = HookPoint()  # [batch pos d_inner]
-        self.hook_ssm_in = HookPoint()  # [batch pos d_inner]
-        self.hook_dt = HookPoint()  # [batch pos d_inner]
-        self.hook_B = HookPoint()  # [batch pos d_state]
-        self.hook_C = HookPoint()  # [batch pos d_state]
-        self.hook_A_bar = HookPoint(lazy=True)  # [batch pos d_inner d_state], lazy
-        self.hook_B_bar = HookPoint(lazy=True)  # [batch pos d_inner d_state], lazy
-        self.hook_h = HookPoint(lazy=True)  # [batch pos d_inner d_state], lazy
-        self.hook_kernel = HookPoint(lazy=True)  # [batch d_inner q_pos k_pos], lazy
-        self.hook_y = HookPoint()  # [batch pos d_inner]
-        self.hook_ssm_out = HookPoint()  # [batch pos d_inner]
-        self.hook_gated = HookPoint()  # [batch pos d_inner]
-        self.hook_head_out = HookPoint(lazy=True)  # [batch pos d_inner d_model], lazy
+        self.hook_in = HookPoint("batch pos d_inner")
+        self.hook_gate = HookPoint("batch pos d_inner")
+        self.hook_conv = HookPoint("batch pos d_inner")
+        self.hook_ssm_in = HookPoint("batch pos d_inner")
+        self.hook_dt = HookPoint("batch pos d_inner")
+        self.hook_B = HookPoint("batch pos d_state")
+        self.hook_C = HookPoint("batch pos d_state")
+        self.hook_A_bar = HookPoint("batch pos d_inner d_state", lazy=True, element="wide")  # lazy
+        self.hook_B_bar = HookPoint("batch pos d_inner d_state", lazy=True, element="wide")  # lazy
+        self.hook_h = HookPoint("batch pos d_inner d_state", lazy=True, element="wide")  # lazy
+        self.hook_kernel = HookPoint("batch d_inner q_pos k_pos", lazy=True, element="wide")  # lazy
+        self.hook_y = HookPoint("batch pos d_inner")
+        self.hook_ssm_out = HookPoint("batch pos d_inner")
+        self.hook_gated = HookPoint("batch pos d_inner")
+        self.hook_head_out = HookPoint("batch pos d_inner d_model", lazy=True)  # lazy
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -134,22 +134,24 @@ class Mamba2Mixer(MixerWeights, nn.Module):
         if in_scale is not None and in_scale.shape != (self.in_proj.out_features,):
             raise ValueError(f"in_scale must have in_proj's {self.in_proj.out_features} entries, got {tuple(in_scale.shape)}")
         self.register_buffer("in_scale", in_scale, persistent=False)
+        self.dims = {"d_inner": d_inner, "n_heads": n_heads, "d_head": d_head, "d_state": d_state,
+                     "n_groups": n_groups, "conv_dim": self.conv_dim}
 
-        self.hook_in = HookPoint()  # [batch pos conv_dim]  x, B, C before the conv
-        self.hook_gate = HookPoint()  # [batch pos d_inner]  z, before SiLU
-        self.hook_conv = HookPoint()  # [batch pos conv_dim]  conv output, before SiLU
-        self.hook_ssm_in = HookPoint()  # [batch pos n_heads d_head]  u
-        self.hook_dt = HookPoint()  # [batch pos n_heads]  after softplus and clamp
-        self.hook_B = HookPoint()  # [batch pos n_groups d_state]
-        self.hook_C = HookPoint()  # [batch pos n_groups d_state]
-        self.hook_A_bar = HookPoint(lazy=True)  # [batch pos n_heads]  exp(dt A), lazy
-        self.hook_B_bar = HookPoint(lazy=True)  # [batch pos n_heads d_state]  dt B, lazy
-        self.hook_h = HookPoint(lazy=True)  # [batch pos n_heads d_head d_state]  state after pos, lazy
-        self.hook_kernel = HookPoint(lazy=True)  # [batch n_heads q_pos k_pos]  lazy
-        self.hook_y = HookPoint()  # [batch pos n_heads d_head]  C . h
-        self.hook_ssm_out = HookPoint()  # [batch pos n_heads d_head]  y + D u
-        self.hook_gated = HookPoint()  # [batch pos d_inner]  gated RMSNorm output
-        self.hook_head_out = HookPoint(lazy=True)  # [batch pos n_heads d_model]  each head's write, lazy
+        self.hook_in = HookPoint("batch pos conv_dim")  # x, B, C before the conv
+        self.hook_gate = HookPoint("batch pos d_inner")  # z, before SiLU
+        self.hook_conv = HookPoint("batch pos conv_dim")  # conv output, before SiLU
+        self.hook_ssm_in = HookPoint("batch pos n_heads d_head", element="wide")  # u
+        self.hook_dt = HookPoint("batch pos n_heads", element="wide")  # after softplus and clamp
+        self.hook_B = HookPoint("batch pos n_groups d_state", element="wide")
+        self.hook_C = HookPoint("batch pos n_groups d_state", element="wide")
+        self.hook_A_bar = HookPoint("batch pos n_heads", lazy=True, element="wide")  # exp(dt A), lazy
+        self.hook_B_bar = HookPoint("batch pos n_heads d_state", lazy=True, element="wide")  # dt B, lazy
+        self.hook_h = HookPoint("batch pos n_heads d_head d_state", lazy=True, element="wide")  # state after pos, lazy
+        self.hook_kernel = HookPoint("batch n_heads q_pos k_pos", lazy=True, element="wide")  # lazy
+        self.hook_y = HookPoint("batch pos n_heads d_head", element="wide")  # C . h
+        self.hook_ssm_out = HookPoint("batch pos n_heads d_head", element="wide")  # y + D u
+        self.hook_gated = HookPoint("batch pos d_inner")  # gated RMSNorm output
+        self.hook_head_out = HookPoint("batch pos n_heads d_model", lazy=True)  # each head's write, lazy
 
     @classmethod
     def from_config(cls, cfg: Mamba2Config) -> "Mamba2Mixer":

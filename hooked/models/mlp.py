@@ -66,8 +66,9 @@ class MLP(MLPWeights, nn.Module):
         self.act = activation(act_fn)
         self.up_proj = nn.Linear(d_model, d_mlp, bias=bias)
         self.down_proj = nn.Linear(d_mlp, d_model, bias=bias)
-        self.hook_pre = HookPoint()  # [batch pos d_mlp]
-        self.hook_post = HookPoint()  # [batch pos d_mlp]
+        self.dims = {"d_mlp": d_mlp}
+        self.hook_pre = HookPoint("batch pos d_mlp")
+        self.hook_post = HookPoint("batch pos d_mlp")
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         pre = self.up_proj(x)
@@ -93,9 +94,10 @@ class GatedMLP(MLPWeights, nn.Module):
         self.gate_proj = nn.Linear(d_model, d_mlp, bias=bias)
         self.up_proj = nn.Linear(d_model, d_mlp, bias=bias)
         self.down_proj = nn.Linear(d_mlp, d_model, bias=bias)
-        self.hook_pre = HookPoint()  # [batch pos d_mlp]
-        self.hook_pre_linear = HookPoint()  # [batch pos d_mlp]
-        self.hook_post = HookPoint()  # [batch pos d_mlp]
+        self.dims = {"d_mlp": d_mlp}
+        self.hook_pre = HookPoint("batch pos d_mlp")
+        self.hook_pre_linear = HookPoint("batch pos d_mlp")
+        self.hook_post = HookPoint("batch pos d_mlp")
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         pre = self.gate_proj(x)

@@ -116,13 +116,14 @@ class MoE(nn.Module):
         self.up_proj = nn.Parameter(torch.randn(n_experts, d_expert, d_model) * scale)
         self.down_proj = nn.Parameter(torch.randn(n_experts, d_model, d_expert) * d_expert**-0.5)
         self.shared = shared
-        self.hook_router_logits = HookPoint()  # [batch pos n_experts]
-        self.hook_chosen = HookPoint()  # [batch pos top_k] int64
-        self.hook_routing_weights = HookPoint()  # [batch pos top_k]
-        self.hook_expert_out = HookPoint()  # [batch pos top_k d_model]
-        self.hook_routed_out = HookPoint()  # [batch pos d_model]
+        self.dims = {"n_experts": n_experts, "top_k": select.top_k, "d_expert": d_expert}
+        self.hook_router_logits = HookPoint("batch pos n_experts", element="wide")
+        self.hook_chosen = HookPoint("batch pos top_k", element="int64")  # int64
+        self.hook_routing_weights = HookPoint("batch pos top_k")
+        self.hook_expert_out = HookPoint("batch pos top_k d_model")
+        self.hook_routed_out = HookPoint("batch pos d_model")
         if shared is not None:
-            self.hook_shared_out = HookPoint()  # [batch pos d_model]
+            self.hook_shared_out = HookPoint("batch pos d_model")
 
     def expert(self, e: int, x: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_model"]:
         """Expert e on the rows of x."""

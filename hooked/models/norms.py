@@ -35,8 +35,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
-        self.hook_scale = HookPoint()  # [batch pos 1] ([batch pos heads 1] as a q/k norm)
-        self.hook_normalized = HookPoint()  # [batch pos d] ([batch pos heads d_head] as a q/k norm)
+        self.dims = {"d_norm": d}
+        self.hook_scale = HookPoint("batch pos 1", element="wide")  # ([batch pos heads 1] as a q/k norm)
+        self.hook_normalized = HookPoint("batch pos d_norm")  # ([batch pos heads d_head] as a q/k norm)
 
     def forward(self, x: Float[Tensor, "*lead d"]) -> Float[Tensor, "*lead d"]:
         if not self.hook_scale.is_active:
@@ -93,8 +94,9 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
-        self.hook_scale = HookPoint()  # [batch pos 1]
-        self.hook_normalized = HookPoint()  # [batch pos d]
+        self.dims = {"d_norm": d}
+        self.hook_scale = HookPoint("batch pos 1")
+        self.hook_normalized = HookPoint("batch pos d_norm")
 
     def forward(self, x: Float[Tensor, "batch pos d"]) -> Float[Tensor, "batch pos d"]:
         if not self.hook_scale.is_active:

@@ -24,13 +24,14 @@ from hooked.hook_points import HookPoint
 
 
 class SoftCap(nn.Module):
-    def __init__(self, cap: float) -> None:
+    def __init__(self, cap: float, axes: str) -> None:
+        """`axes`: those of what is capped (the owner's scores or logits)."""
         super().__init__()
         if not cap > 0:
             raise ValueError(f"a soft-cap must be positive, got {cap}")
         self.cap = float(cap)
-        self.hook_in = HookPoint()  # [*shape]
-        self.hook_out = HookPoint()  # [*shape]
+        self.hook_in = HookPoint(axes)
+        self.hook_out = HookPoint(axes)
 
     def forward(self, x: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
         x = self.hook_in(x)

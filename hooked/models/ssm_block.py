@@ -23,9 +23,9 @@ class SSMBlock(nn.Module):
         super().__init__()
         self.ln1 = norm
         self.mixer = mixer
-        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
-        self.hook_mixer_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+        self.hook_resid_pre = HookPoint("batch pos d_model")
+        self.hook_mixer_out = HookPoint("batch pos d_model")
+        self.hook_resid_post = HookPoint("batch pos d_model")
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
@@ -48,7 +48,7 @@ class SSMLanguageModel(HookedModel):
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         if cfg.tied:
             self.unembed.weight = self.embed.weight
-        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.hook_embed = HookPoint("batch pos d_model")
         self.setup()
 
     def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:

@@ -154,10 +154,10 @@ class HybridBlock(nn.Module):
     def __init__(self, shared: SharedTransformer, linear: nn.Linear, ln1: nn.Module, mixer: nn.Module) -> None:
         super().__init__()
         self.shared, self.linear, self.ln1, self.mixer = shared, linear, ln1, mixer
-        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
-        self.hook_shared_out = HookPoint()  # [batch pos d_model]
-        self.hook_mixer_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+        self.hook_resid_pre = HookPoint("batch pos d_model")
+        self.hook_shared_out = HookPoint("batch pos d_model")
+        self.hook_mixer_out = HookPoint("batch pos d_model")
+        self.hook_resid_post = HookPoint("batch pos d_model")
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
@@ -197,7 +197,7 @@ class HookedZamba2(HookedModel):
         self.blocks = nn.ModuleList(blocks)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tied else None)
-        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.hook_embed = HookPoint("batch pos d_model")
         self.setup()
 
     def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,

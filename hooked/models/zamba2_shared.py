@@ -74,9 +74,10 @@ class FusedGatedMLP(nn.Module):
         self.act = activation(act_fn)
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
-        self.hook_pre = HookPoint()  # [batch pos d_mlp]
-        self.hook_pre_linear = HookPoint()  # [batch pos d_mlp]
-        self.hook_post = HookPoint()  # [batch pos d_mlp]
+        self.dims = {"d_mlp": down_proj.in_features}
+        self.hook_pre = HookPoint("batch pos d_mlp")
+        self.hook_pre_linear = HookPoint("batch pos d_mlp")
+        self.hook_post = HookPoint("batch pos d_mlp")
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views; contiguous, the layout a hook's clone has
@@ -96,10 +97,11 @@ class SharedTransformer(nn.Module):
     def __init__(self, ln1: RMSNorm, attn: Attention, ln2: RMSNorm, mlp: FusedGatedMLP) -> None:
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
-        self.hook_in = HookPoint()  # [batch pos 2*d_model]
-        self.hook_attn_out = HookPoint()  # [batch pos d_model]
-        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
-        self.hook_out = HookPoint()  # [batch pos d_model]
+        self.dims = {"d_in": ln1.weight.shape[0]}
+        self.hook_in = HookPoint("batch pos d_in")
+        self.hook_attn_out = HookPoint("batch pos d_model")
+        self.hook_mlp_out = HookPoint("batch pos d_model")
+        self.hook_out = HookPoint("batch pos d_model")
 
     def forward(self, hidden: Float[Tensor, "batch pos d_model"], embedding: Float[Tensor, "batch pos d_model"],
                 ctx: Context) -> Float[Tensor, "batch pos d_model"]:
