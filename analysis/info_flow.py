@@ -277,7 +277,7 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
     bar.close()
     fact_rows = [{**{k: kept[i][0].fact.get(k) for k in ("known_id", "subject", "attribute", "prompt")},
                   "p_clean": float(p_clean[i])} for i in range(len(kept))]
-    settings = {"model": getattr(model.cfg, "name", type(model).__name__), "attention": attention,
+    settings = {"model": getattr(model.cfg, "name", getattr(model, "family", type(model).__name__)), "attention": attention,
                 "cut_conv": cut_conv, "relation_includes_last": relation_includes_last,
                 "require_correct": require_correct, "n_facts_given": len(prompts) + len(skipped), "n_screened": n_screened,
                 "n_skipped": len(skipped), "n_kept": len(kept),

@@ -16,20 +16,21 @@ import time
 
 import torch
 
-from hooked.models.gpt2 import GPT2, GPT2Config
-from hooked.models.llama import Llama, LlamaConfig
-from hooked.models.mamba import HookedMamba, MambaConfig
-from hooked.models.mamba2 import HookedMamba2, Mamba2Config
-from hooked.models.zamba2 import HookedZamba2, Zamba2Config
+from hooked.models.gpt2 import GPT2Config
+from hooked.models.llama import LlamaConfig
+from hooked.models.mamba import MambaConfig
+from hooked.models.mamba2 import Mamba2Config
+from hooked.models.zamba2 import Zamba2Config
+from hooked.models.families import build
 
 D, LAYERS, VOCAB = 256, 4, 1000
 MODELS = {
-    "gpt2": lambda: GPT2(GPT2Config(n_layers=LAYERS, d_model=D, n_heads=8, d_mlp=4 * D, d_vocab=VOCAB, n_ctx=1024)),
-    "llama": lambda: Llama(LlamaConfig(n_layers=LAYERS, d_model=D, n_heads=8, n_kv_heads=2, d_mlp=3 * D, d_vocab=VOCAB)),
-    "mamba": lambda: HookedMamba(MambaConfig(n_layers=LAYERS, d_model=D, d_vocab=VOCAB)),
-    "mamba2": lambda: HookedMamba2(Mamba2Config(n_layers=LAYERS, d_model=D, n_heads=8, d_head=64, d_state=64,
+    "gpt2": lambda: build(GPT2Config(n_layers=LAYERS, d_model=D, n_heads=8, d_mlp=4 * D, d_vocab=VOCAB, n_ctx=1024)),
+    "llama": lambda: build(LlamaConfig(n_layers=LAYERS, d_model=D, n_heads=8, n_kv_heads=2, d_mlp=3 * D, d_vocab=VOCAB)),
+    "mamba": lambda: build(MambaConfig(n_layers=LAYERS, d_model=D, d_vocab=VOCAB)),
+    "mamba2": lambda: build(Mamba2Config(n_layers=LAYERS, d_model=D, n_heads=8, d_head=64, d_state=64,
                                                 chunk_size=64, d_vocab=VOCAB)),
-    "zamba2": lambda: HookedZamba2(Zamba2Config(n_layers=LAYERS, layer_types=("mamba", "hybrid", "mamba", "hybrid"),
+    "zamba2": lambda: build(Zamba2Config(n_layers=LAYERS, layer_types=("mamba", "hybrid", "mamba", "hybrid"),
                                                 d_model=D, d_vocab=VOCAB, n_heads=8, d_state=64, chunk_size=64,
                                                 n_attn_heads=8, d_mlp=3 * D)),
 }

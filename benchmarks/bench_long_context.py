@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from hooked.models.families import build
 
 OPS = ("forward", "cache", "knockout", "info_flow")
 ARCHS = ("mamba", "mamba2")
@@ -56,12 +57,12 @@ def tokenizer():
 def build(arch: str, d_vocab: int):
     torch.manual_seed(0)
     if arch == "mamba":
-        from hooked.models.mamba import HookedMamba, MambaConfig
+        from hooked.models.mamba import MambaConfig
 
-        return HookedMamba(MambaConfig(n_layers=1, d_model=768, d_vocab=d_vocab, d_state=16)).eval()
-    from hooked.models.mamba2 import HookedMamba2, Mamba2Config
+        return build(MambaConfig(n_layers=1, d_model=768, d_vocab=d_vocab, d_state=16)).eval()
+    from hooked.models.mamba2 import Mamba2Config
 
-    return HookedMamba2(Mamba2Config(n_layers=1, d_model=768, n_heads=24, d_head=64, d_state=128,
+    return build(Mamba2Config(n_layers=1, d_model=768, n_heads=24, d_head=64, d_state=128,
                                      d_vocab=d_vocab, tied=True)).eval()
 
 

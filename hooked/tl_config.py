@@ -75,8 +75,8 @@ EXTRA = {
     "default_prepend_bos": _prepend_bos,
     "n_key_value_heads": _kv_heads,
     "d_vocab_out": lambda c: c.d_vocab,
-    "original_architecture": lambda c: type(_model(c)).__name__,
-    "model_name": lambda c: type(_model(c)).__name__,
+    "original_architecture": lambda c: getattr(_model(c), "family", type(_model(c)).__name__),
+    "model_name": lambda c: getattr(_model(c), "family", type(_model(c)).__name__),
 }
 
 

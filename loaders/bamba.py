@@ -23,7 +23,7 @@ from typing import Any
 
 from einops import rearrange
 
-from hooked.models.bamba import BambaConfig, HookedBamba
+from hooked.models.bamba import BambaConfig, build
 from loaders.llama import rope_from_hf
 from loaders.registry import Architecture, Key, register
 
@@ -126,7 +126,7 @@ BAMBA = register(
         hf_classes=("BambaForCausalLM",),
         model_types=("bamba",),
         config_from_hf=config_from_hf,
-        build=HookedBamba,
+        build=build,
         key_map=key_map,
     )
 )

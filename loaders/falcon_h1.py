@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models.falcon_h1 import FalconH1Config, HookedFalconH1
+from hooked.models.falcon_h1 import FalconH1Config, build
 from loaders.bamba import attention_keys, dt_limit_from_hf, gated_mlp_keys, mamba2_keys, rope_fields
 from loaders.registry import Architecture, Key, register
 
@@ -80,7 +80,7 @@ FALCON_H1 = register(
         hf_classes=("FalconH1ForCausalLM",),
         model_types=("falcon_h1",),
         config_from_hf=config_from_hf,
-        build=HookedFalconH1,
+        build=build,
         key_map=key_map,
     )
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models.gemma2 import Gemma2, Gemma2Config
+from hooked.models.gemma2 import Gemma2Config, build
 from loaders.llama import rope_from_hf
 from loaders.registry import Architecture, Key, register
 
@@ -41,7 +41,7 @@ def shared_fields(hf: dict[str, Any]) -> dict[str, Any]:
         attention_bias=hf.get("attention_bias", False),
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
         sliding_window=hf.get("sliding_window"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        tied=hf.get("tie_word_embeddings", True),
     )
 
 
@@ -76,7 +76,7 @@ def key_map(cfg: Gemma2Config) -> dict[str, Key]:
                 keys[f"{ours}.attn.{proj}.{p}"] = _key(f"{theirs}.self_attn.{proj}.{p}")
         for proj in ("gate_proj", "up_proj", "down_proj"):
             keys[f"{ours}.mlp.{proj}.weight"] = _key(f"{theirs}.mlp.{proj}.weight")
-    if not cfg.tie_word_embeddings:
+    if not cfg.tied:
         keys["unembed.weight"] = Key.of("lm_head.weight")
     return keys
 
@@ -86,6 +86,6 @@ ARCHITECTURE = register(Architecture(
     hf_classes=("Gemma2ForCausalLM", "Gemma2Model"),
     model_types=("gemma2",),
     config_from_hf=config_from_hf,
-    build=Gemma2,
+    build=build,
     key_map=key_map,
 ))

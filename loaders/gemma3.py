@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models.gemma3 import Gemma3, Gemma3Config
+from hooked.models.gemma2 import build
+from hooked.models.gemma3 import Gemma3Config
 from loaders import gemma2
 from loaders.llama import rope_from_hf
 from loaders.qwen3 import qk_norm_keys
@@ -60,7 +61,7 @@ ARCHITECTURE = register(Architecture(
     hf_classes=("Gemma3ForCausalLM", "Gemma3TextModel"),
     model_types=("gemma3_text",),
     config_from_hf=config_from_hf,
-    build=Gemma3,
+    build=build,
     key_map=key_map,
 ))
 
@@ -96,7 +97,7 @@ MULTIMODAL = register(Architecture(
     hf_classes=("Gemma3ForConditionalGeneration",),
     model_types=("gemma3",),
     config_from_hf=multimodal_config_from_hf,
-    build=Gemma3,
+    build=build,
     key_map=multimodal_key_map,
     ignore=(r"^(model\.)?vision_tower\.", r"^(model\.)?multi_modal_projector\."),
 ))

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hooked.models.gpt2 import GPT2, GPT2Config
+from hooked.models.gpt2 import GPT2Config, build
 from loaders.registry import Architecture, Key, register
 
 def config_from_hf(hf: dict[str, Any]) -> GPT2Config:
@@ -33,7 +33,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPT2Config:
         n_ctx=hf.get("n_positions", hf.get("max_position_embeddings", 1024)),
         eps=hf.get("layer_norm_epsilon", 1e-5),
         act_fn=hf.get("activation_function", "gelu_new"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        tied=hf.get("tie_word_embeddings", True),
         scale_attn_weights=hf.get("scale_attn_weights", True),
         scale_attn_by_inverse_layer_idx=hf.get("scale_attn_by_inverse_layer_idx", False),
     )
@@ -80,7 +80,7 @@ def key_map(cfg: GPT2Config) -> dict[str, Key]:
         keys[f"{ours}.mlp.up_proj.bias"] = _key(f"{theirs}.mlp.c_fc.bias")
         keys[f"{ours}.mlp.down_proj.weight"] = _key(f"{theirs}.mlp.c_proj.weight", _conv1d())
         keys[f"{ours}.mlp.down_proj.bias"] = _key(f"{theirs}.mlp.c_proj.bias")
-    if not cfg.tie_word_embeddings:
+    if not cfg.tied:
         keys["unembed.weight"] = Key.of("lm_head.weight")
     return keys
 
@@ -90,6 +90,6 @@ ARCHITECTURE = register(Architecture(
     hf_classes=("GPT2LMHeadModel", "GPT2Model"),
     model_types=("gpt2",),
     config_from_hf=config_from_hf,
-    build=GPT2,
+    build=build,
     key_map=key_map,
 ))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models.granitemoehybrid import GraniteMoeHybridConfig, HookedGraniteMoeHybrid
+from hooked.models.granitemoehybrid import GraniteMoeHybridConfig, build
 from loaders.bamba import attention_keys, dt_limit_from_hf, mamba2_keys, rope_fields
 from loaders.checkpoint_view import expert_view
 from loaders.registry import Architecture, Key, register
@@ -114,7 +114,7 @@ GRANITE_MOE_HYBRID = register(
         hf_classes=("GraniteMoeHybridForCausalLM",),
         model_types=("granitemoehybrid",),
         config_from_hf=config_from_hf,
-        build=HookedGraniteMoeHybrid,
+        build=build,
         key_map=key_map,
         adapt=expert_view(renames=[  # the original GraniteMoe names (what save_pretrained writes)
             (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hooked.models.jamba import HookedJamba, JambaConfig
+from hooked.models.jamba import JambaConfig, build
 from loaders.bamba import attention_keys, gated_mlp_keys, squeeze_conv
 from loaders.checkpoint_view import expert_view
 from loaders.granitemoehybrid import stacked_experts_keys
@@ -87,7 +87,7 @@ JAMBA = register(
         hf_classes=("JambaForCausalLM",),
         model_types=("jamba",),
         config_from_hf=config_from_hf,
-        build=HookedJamba,
+        build=build,
         key_map=key_map,
         adapt=expert_view(stacks={"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models.llama import Llama, LlamaConfig
+from hooked.models.llama import LlamaConfig, build
 from loaders.registry import Architecture, Key, register
 
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -47,7 +47,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         rope_scaling=scaling,
         attention_bias=hf.get("attention_bias", False),
         mlp_bias=hf.get("mlp_bias", False),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        tied=hf.get("tie_word_embeddings", False),
     )
 
 
@@ -68,7 +68,7 @@ def key_map(cfg: LlamaConfig) -> dict[str, Key]:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             for p in params[: 1 + cfg.mlp_bias]:
                 keys[f"{ours}.mlp.{proj}.{p}"] = _key(f"{theirs}.mlp.{proj}.{p}")
-    if not cfg.tie_word_embeddings:
+    if not cfg.tied:
         keys["unembed.weight"] = Key.of("lm_head.weight")
     return keys
 
@@ -78,6 +78,6 @@ ARCHITECTURE = register(Architecture(
     hf_classes=("LlamaForCausalLM", "LlamaModel"),
     model_types=("llama",),
     config_from_hf=config_from_hf,
-    build=Llama,
+    build=build,
     key_map=key_map,
 ))

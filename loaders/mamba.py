@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hooked.models.mamba import HookedMamba, MambaConfig
+from hooked.models.mamba import MambaConfig, build
 from loaders.registry import Architecture, Key, register
 
 
@@ -92,7 +92,7 @@ MAMBA = register(Architecture(
     hf_classes=("MambaForCausalLM",),
     model_types=("mamba",),
     config_from_hf=config_from_hf,
-    build=HookedMamba,
+    build=build,
     key_map=key_map,
 ))
 
@@ -101,6 +101,6 @@ FALCON_MAMBA = register(Architecture(
     hf_classes=("FalconMambaForCausalLM",),
     model_types=("falcon_mamba",),
     config_from_hf=falcon_config_from_hf,
-    build=HookedMamba,
+    build=build,
     key_map=key_map,
 ))

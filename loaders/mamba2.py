@@ -19,7 +19,7 @@ from typing import Any
 
 from einops import rearrange
 
-from hooked.models.mamba2 import HookedMamba2, Mamba2Config
+from hooked.models.mamba2 import Mamba2Config, build
 from loaders.registry import Architecture, Key, register
 
 
@@ -80,7 +80,7 @@ MAMBA2 = register(
         hf_classes=("Mamba2ForCausalLM",),
         model_types=("mamba2",),
         config_from_hf=config_from_hf,
-        build=HookedMamba2,
+        build=build,
         key_map=key_map,
     )
 )

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from hooked.models.mistral import Mistral, MistralConfig
+from hooked.models.llama import build
+from hooked.models.mistral import MistralConfig
 from loaders import llama
 from loaders.registry import Architecture, register
 
@@ -28,6 +29,6 @@ ARCHITECTURE = register(Architecture(
     hf_classes=("MistralForCausalLM", "MistralModel"),
     model_types=("mistral",),
     config_from_hf=config_from_hf,
-    build=Mistral,
+    build=build,
     key_map=llama.key_map,
 ))

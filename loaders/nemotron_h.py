@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hooked.models.nemotron_h import HookedNemotronH, NemotronHConfig
+from hooked.models.nemotron_h import NemotronHConfig, build
 from loaders.bamba import attention_keys, mamba2_keys
 from loaders.checkpoint_view import expert_view
 from loaders.granitemoehybrid import stacked_experts_keys
@@ -98,7 +98,7 @@ NEMOTRON_H = register(
         hf_classes=("NemotronHForCausalLM",),
         model_types=("nemotron_h",),
         config_from_hf=config_from_hf,
-        build=HookedNemotronH,
+        build=build,
         key_map=key_map,
         adapt=expert_view(renames=[(r"^backbone\.", "model.")],  # checkpoints: backbone.*, experts.{i}.*
                           stacks={"up_proj": ("up_proj",), "down_proj": ("down_proj",)}),

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from hooked.models.qwen2 import Qwen2, Qwen2Config
+from hooked.models.llama import build
+from hooked.models.qwen2 import Qwen2Config
 from loaders import llama
 from loaders.registry import Architecture, Key, register
 
@@ -50,6 +51,6 @@ ARCHITECTURE = register(Architecture(
     hf_classes=("Qwen2ForCausalLM", "Qwen2Model"),
     model_types=("qwen2",),
     config_from_hf=config_from_hf,
-    build=Qwen2,
+    build=build,
     key_map=key_map,
 ))

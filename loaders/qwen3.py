@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from hooked.models.qwen3 import Qwen3, Qwen3Config
+from hooked.models.llama import build
+from hooked.models.qwen3 import Qwen3Config
 from loaders import llama
 from loaders.qwen2 import windows_from_hf
 from loaders.registry import Architecture, Key, register
@@ -35,6 +36,6 @@ ARCHITECTURE = register(Architecture(
     hf_classes=("Qwen3ForCausalLM", "Qwen3Model"),
     model_types=("qwen3",),
     config_from_hf=config_from_hf,
-    build=Qwen3,
+    build=build,
     key_map=key_map,
 ))

@@ -30,7 +30,7 @@ from typing import Any
 
 from einops import rearrange
 
-from hooked.models.zamba2 import HookedZamba2, Zamba2Config
+from hooked.models.zamba2 import Zamba2Config, build
 from loaders.llama import rope_from_hf
 from loaders.registry import Architecture, Key, register
 
@@ -150,7 +150,7 @@ ZAMBA2 = register(
         hf_classes=("Zamba2ForCausalLM",),
         model_types=("zamba2",),
         config_from_hf=config_from_hf,
-        build=HookedZamba2,
+        build=build,
         key_map=key_map,
     )
 )

@@ -80,7 +80,7 @@ def config_matches(cfg, hc) -> None:
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, cfg.d_vocab) == (
         hc.num_hidden_layers, hc.hidden_size, hc.num_attention_heads, hc.num_key_value_heads, head_dim,
         hc.intermediate_size, hc.vocab_size)
-    assert cfg.tie_word_embeddings == hc.tie_word_embeddings
+    assert cfg.tied == hc.tie_word_embeddings
 
 
 def key_map_matches(arch, cfg, model: nn.Module, hf: nn.Module) -> None:

@@ -18,20 +18,21 @@ import pytest
 import torch
 
 from hooked.cache_budget import CacheBudgetError, estimate_cache_bytes
-from hooked.models.gpt2 import GPT2, GPT2Config
-from hooked.models.llama import Llama, LlamaConfig
-from hooked.models.mamba import HookedMamba, MambaConfig
-from hooked.models.mamba2 import HookedMamba2, Mamba2Config
-from hooked.models.zamba2 import HookedZamba2, Zamba2Config
+from hooked.models.gpt2 import GPT2Config
+from hooked.models.llama import LlamaConfig
+from hooked.models.mamba import MambaConfig
+from hooked.models.mamba2 import Mamba2Config
+from hooked.models.zamba2 import Zamba2Config
+from hooked.models.families import build
 
 LAZY = ("hook_result", "hook_A_bar", "hook_B_bar", "hook_h", "hook_kernel", "hook_head_out")
 MODELS = {
-    "gpt2": lambda: GPT2(GPT2Config(n_layers=2, d_model=16, n_heads=4, d_mlp=32, d_vocab=50, n_ctx=32)),
-    "llama_gqa": lambda: Llama(LlamaConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_mlp=24, d_vocab=50)),
-    "mamba": lambda: HookedMamba(MambaConfig(n_layers=2, d_model=16, d_vocab=50)),
-    "mamba2": lambda: HookedMamba2(Mamba2Config(n_layers=2, d_model=16, n_heads=4, d_head=8, d_state=8,
+    "gpt2": lambda: build(GPT2Config(n_layers=2, d_model=16, n_heads=4, d_mlp=32, d_vocab=50, n_ctx=32)),
+    "llama_gqa": lambda: build(LlamaConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_mlp=24, d_vocab=50)),
+    "mamba": lambda: build(MambaConfig(n_layers=2, d_model=16, d_vocab=50)),
+    "mamba2": lambda: build(Mamba2Config(n_layers=2, d_model=16, n_heads=4, d_head=8, d_state=8,
                                                 n_groups=2, chunk_size=8, d_vocab=50)),
-    "zamba2": lambda: HookedZamba2(Zamba2Config(n_layers=3, layer_types=("mamba", "hybrid", "mamba"), d_model=16,
+    "zamba2": lambda: build(Zamba2Config(n_layers=3, layer_types=("mamba", "hybrid", "mamba"), d_model=16,
                                                 d_vocab=50, n_heads=4, d_state=8, n_groups=2, chunk_size=8,
                                                 n_attn_heads=4, d_mlp=24)),
 }
@@ -99,9 +100,10 @@ REAL_SIZE = textwrap.dedent("""
     import torch
     resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
     from hooked.cache_budget import CacheBudgetError
-    from hooked.models.mamba import HookedMamba, MambaConfig
+    from hooked.models.families import build
+    from hooked.models.mamba import MambaConfig
     torch.manual_seed(0)
-    model = HookedMamba(MambaConfig(n_layers=24, d_model=768, d_vocab=50280)).eval()  # mamba-130m's sizes
+    model = build(MambaConfig(n_layers=24, d_model=768, d_vocab=50280)).eval()  # mamba-130m's sizes
     tokens = torch.randint(0, 50280, (1, 1024))
     out = {}
     for attempt in ("refusal_first_s", "refusal_again_s"):  # the first also records the hooks (two tiny runs)

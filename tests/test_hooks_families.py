@@ -279,5 +279,5 @@ def test_transformerlens_weight_names(pair) -> None:
     assert model.W_O.shape == (n, h, cfg.d_head, cfg.d_model) and model.OV.shape == (n, h, cfg.d_model, cfg.d_model)
     o_proj = model.blocks[1].attn.o_proj.weight
     assert torch.equal(model.W_O[1, 2], o_proj[:, 2 * cfg.d_head:3 * cfg.d_head].T)
-    if cfg.tie_word_embeddings:
+    if cfg.tied:
         assert torch.equal(model.W_U, model.W_E.T)

@@ -16,7 +16,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hooked.models.mamba as mamba_module
-from hooked.models.mamba import HookedMamba, MambaConfig
+from hooked.models.mamba import MambaConfig
+from hooked.models.families import build
+from hooked.models.language_model import LanguageModel
 
 BATCH, POS = 2, 9
 CONFIGS = {
@@ -41,14 +43,14 @@ MIXER_HOOKS = {
     "hook_gated": "batch pos d_inner",
     "hook_head_out": "batch pos d_inner d_model",
 }
-BLOCK_HOOKS = {"hook_resid_pre": "batch pos d_model", "ln1.hook_scale": "batch pos 1", "ln1.hook_normalized": "batch pos d_model",
+BLOCK_HOOKS = {"hook_resid_pre": "batch pos d_model", "hook_mixer_in": "batch pos d_model", "ln1.hook_scale": "batch pos 1", "ln1.hook_normalized": "batch pos d_model",
                "hook_mixer_out": "batch pos d_model", "hook_resid_post": "batch pos d_model"}
 LAZY = ["hook_A_bar", "hook_B_bar", "hook_h", "hook_kernel", "hook_head_out"]
 
 
-def make_model(name: str, dtype: torch.dtype = torch.float64) -> HookedMamba:
+def make_model(name: str, dtype: torch.dtype = torch.float64) -> LanguageModel:
     torch.manual_seed(0)
-    model = HookedMamba(CONFIGS[name]).to(dtype).eval()
+    model = build(CONFIGS[name]).to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -81,7 +83,7 @@ def brute_force(u, dt, A, B, C, *, A_bar=None, B_bar=None, edit_h=None):
     return torch.stack(ys, 1), torch.stack(hs, 1)
 
 
-def mixer_inputs(model: HookedMamba, toks: Tensor, layer: int = 0, edits=()) -> dict[str, Tensor]:
+def mixer_inputs(model: LanguageModel, toks: Tensor, layer: int = 0, edits=()) -> dict[str, Tensor]:
     """u, dt, B, C, y, ... of one layer's mixer (after the given edit hooks ran)."""
     names = ["hook_ssm_in", "hook_dt", "hook_B", "hook_C", "hook_y", "hook_A_bar", "hook_B_bar", "hook_h",
              "hook_kernel"]

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hooked.models.mamba2 as mamba2_module
-from hooked.models.mamba2 import HookedMamba2, Mamba2Config, Mamba2Mixer
+from hooked.models.mamba2 import Mamba2Config, Mamba2Mixer
+from hooked.models.families import build
+from hooked.models.language_model import LanguageModel
 
 TOL = dict(rtol=0, atol=1e-10)
 BATCH, POS = 2, 19
@@ -43,9 +45,9 @@ MIXER_HOOKS = {
 LAZY = ["hook_A_bar", "hook_B_bar", "hook_h", "hook_kernel", "hook_head_out"]
 
 
-def make_model(cfg: Mamba2Config = CFG, dtype: torch.dtype = torch.float64, seed: int = 0) -> HookedMamba2:
+def make_model(cfg: Mamba2Config = CFG, dtype: torch.dtype = torch.float64, seed: int = 0) -> LanguageModel:
     torch.manual_seed(seed)
-    model = HookedMamba2(cfg).to(dtype).eval()
+    model = build(cfg).to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))

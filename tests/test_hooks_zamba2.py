@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooked.models.zamba2 import HookedZamba2, Zamba2Config
+from hooked.models.zamba2 import Zamba2Config
+from hooked.models.families import build
 
 M, H = "mamba", "hybrid"
 BATCH, POS = 2, 11
@@ -62,16 +63,16 @@ def expected_hooks(cfg: Zamba2Config) -> dict:
     """Every hook name -> shape function, in forward order."""
     names = {"hook_embed": RESID}
     for layer, kind in enumerate(cfg.layer_types):
-        block = {"hook_resid_pre": RESID, **(shared_hooks(cfg) if kind == H else {}),
+        block = {"hook_resid_pre": RESID, **(shared_hooks(cfg) if kind == H else {}), "hook_mixer_in": RESID,
                  "ln1.hook_scale": lambda c, b, l: (b, l, 1), "ln1.hook_normalized": RESID}
         block |= {f"mixer.{k}": v for k, v in MIXER.items()} | {"hook_mixer_out": RESID, "hook_resid_post": RESID}
         names |= {f"blocks.{layer}.{k}": v for k, v in block.items()}
     return names | {"ln_final.hook_scale": lambda c, b, l: (b, l, 1), "ln_final.hook_normalized": RESID}
 
 
-def make_model(cfg: Zamba2Config = CFG, dtype: torch.dtype = torch.float64, seed: int = 0) -> HookedZamba2:
+def make_model(cfg: Zamba2Config = CFG, dtype: torch.dtype = torch.float64, seed: int = 0) -> LanguageModel:
     torch.manual_seed(seed)
-    model = HookedZamba2(cfg).to(dtype).eval()
+    model = build(cfg).to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -119,7 +120,7 @@ ADAPTERS = ["attn.q_proj.down.weight", "attn.k_proj.up.weight", "attn.v_proj.dow
             "mlp.gate_up_proj.down.weight", "mlp.gate_up_proj.up.weight"]
 
 
-def _ptr(model: HookedZamba2, layer: int, name: str) -> int:
+def _ptr(model: LanguageModel, layer: int, name: str) -> int:
     return model.blocks[layer].shared.get_parameter(name).data_ptr()
 
 

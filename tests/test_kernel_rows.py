@@ -10,18 +10,19 @@ import pytest
 import torch
 
 from analysis.kernel_rows import kernel_cols, kernel_rows, ssm_sites
-from hooked.models.mamba import HookedMamba, MambaConfig
-from hooked.models.mamba2 import HookedMamba2, Mamba2Config
-from hooked.models.zamba2 import HookedZamba2, Zamba2Config
+from hooked.models.mamba import MambaConfig
+from hooked.models.mamba2 import Mamba2Config
+from hooked.models.zamba2 import Zamba2Config
+from hooked.models.families import build
 
 EXACT = dict(atol=1e-10, rtol=1e-10)
 POS = 23
 MODELS = {
-    "mamba": lambda: HookedMamba(MambaConfig(n_layers=2, d_model=8, d_vocab=23, d_inner=12, d_state=4, dt_rank=3)),
-    "falcon": lambda: HookedMamba(MambaConfig(n_layers=2, d_model=8, d_vocab=23, d_state=5, mixer_rms_eps=1e-6)),
-    "mamba2": lambda: HookedMamba2(Mamba2Config(n_layers=2, d_model=16, n_heads=4, d_head=8, d_state=8, n_groups=2,
+    "mamba": lambda: build(MambaConfig(n_layers=2, d_model=8, d_vocab=23, d_inner=12, d_state=4, dt_rank=3)),
+    "falcon": lambda: build(MambaConfig(n_layers=2, d_model=8, d_vocab=23, d_state=5, mixer_rms_eps=1e-6)),
+    "mamba2": lambda: build(Mamba2Config(n_layers=2, d_model=16, n_heads=4, d_head=8, d_state=8, n_groups=2,
                                                 chunk_size=8, d_vocab=23)),
-    "zamba2": lambda: HookedZamba2(Zamba2Config(n_layers=3, layer_types=("mamba", "hybrid", "mamba"), d_model=16,
+    "zamba2": lambda: build(Zamba2Config(n_layers=3, layer_types=("mamba", "hybrid", "mamba"), d_model=16,
                                                 d_vocab=23, n_heads=4, d_state=8, n_groups=2, chunk_size=8,
                                                 n_attn_heads=4, d_mlp=24)),
 }

@@ -19,6 +19,7 @@ import transformers
 
 from analysis.interventions.knockout import (decay_norms, decay_split, feature_knockout, feature_plan, knockout,
                                knockout_sites)
+from hooked.models.families import build
 from loaders.load import from_hf
 
 V, L = 64, 11
@@ -401,11 +402,12 @@ def test_feature_knockout_states_what_it_cuts(group, reading):
 # ------------------------------------------------------------------------------- memory
 MEMORY_SCRIPT = textwrap.dedent('''
     import resource, torch
-    from hooked.models.mamba import HookedMamba, MambaConfig
+    from hooked.models.families import build
+    from hooked.models.mamba import MambaConfig
     from analysis.interventions.knockout import knockout
     torch.manual_seed(0)
     L, d_inner = 2048, 128
-    model = HookedMamba(MambaConfig(n_layers=1, d_model=64, d_vocab=64, d_inner=d_inner, d_state=16)).eval()
+    model = build(MambaConfig(n_layers=1, d_model=64, d_vocab=64, d_inner=d_inner, d_state=16)).eval()
     toks = torch.randint(0, 64, (1, L))
     with torch.no_grad():
         model(toks)  # warm up: the plain forward's own peak

@@ -14,11 +14,11 @@ import torch
 import transformers
 from torch import Tensor
 
-from hooked.models.gpt2 import GPT2
 from loaders.gpt2 import config_from_hf, key_map
 from loaders.load import from_hf
 
 import attention_parity
+from hooked.models.families import build
 from attention_parity import compare
 
 VOCAB = 101
@@ -119,9 +119,9 @@ def test_config_and_key_map(name: str, make_hf) -> None:
     cfg = config_from_hf(hc.to_dict())
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_mlp, cfg.d_vocab, cfg.n_ctx) == (
         hc.n_layer, hc.n_embd, hc.n_head, hc.n_inner or 4 * hc.n_embd, hc.vocab_size, hc.n_positions)
-    assert (cfg.act_fn, cfg.eps, cfg.tie_word_embeddings) == (hc.activation_function, hc.layer_norm_epsilon,
+    assert (cfg.act_fn, cfg.eps, cfg.tied) == (hc.activation_function, hc.layer_norm_epsilon,
                                                               hc.tie_word_embeddings)
-    model = GPT2(cfg)
+    model = build(cfg)
     assert set(key_map(cfg)) == {n for n, _ in model.named_parameters()}
     hf_names = set(hf.state_dict())
     assert all(any(k in hf_names for k in key.names) for key in key_map(cfg).values())

@@ -13,12 +13,13 @@ import torch
 import transformers
 from torch import Tensor
 
-from hooked.models.llama import Llama, LlamaConfig
+from hooked.models.llama import LlamaConfig
 from hooked.ops.rotary import Rotary, rope_inv_freq
 from loaders.llama import config_from_hf, key_map, rope_from_hf
 from loaders.load import from_hf
 
 import attention_parity
+from hooked.models.families import build
 from attention_parity import compare
 
 VOCAB = 101
@@ -148,9 +149,9 @@ def test_config_and_key_map(name: str, make_hf) -> None:
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, cfg.d_vocab) == (
         hc.num_hidden_layers, hc.hidden_size, hc.num_attention_heads, hc.num_key_value_heads, head_dim,
         hc.intermediate_size, hc.vocab_size)
-    assert (cfg.tie_word_embeddings, cfg.attention_bias, cfg.mlp_bias, cfg.act_fn) == (
+    assert (cfg.tied, cfg.attention_bias, cfg.mlp_bias, cfg.act_fn) == (
         hc.tie_word_embeddings, hc.attention_bias, hc.mlp_bias, hc.hidden_act)
-    model = Llama(cfg)
+    model = build(cfg)
     assert set(key_map(cfg)) == {n for n, _ in model.named_parameters()}
     hf_names = set(hf.state_dict())
     assert all(any(k in hf_names for k in key.names) for key in key_map(cfg).values())
@@ -178,5 +179,5 @@ def test_unsupported_rope_type_raises() -> None:
     with pytest.raises(NotImplementedError, match="yarn"):
         Rotary.of(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(NotImplementedError, match="dynamic"):
-        Llama(LlamaConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=8, d_vocab=10,
+        build(LlamaConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=8, d_vocab=10,
                           rope_scaling={"rope_type": "dynamic", "factor": 2.0}))

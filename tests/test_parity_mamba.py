@@ -13,7 +13,9 @@ import torch
 import transformers
 from torch import Tensor
 
-from hooked.models.mamba import HookedMamba, MambaConfig
+from hooked.models.mamba import MambaConfig
+from hooked.models.families import build
+from hooked.models.language_model import LanguageModel
 from loaders.load import from_hf
 from loaders.mamba import key_map
 from loaders.registry import find_architecture
@@ -47,7 +49,7 @@ def make_hf(case: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     return hf.to(dtype)
 
 
-def run_ours(model: HookedMamba, tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+def run_ours(model: LanguageModel, tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
     names = [f"blocks.{l}.hook_resid_post" for l in range(model.cfg.n_layers)] + ["ln_final.hook_normalized"]
     logits, cache = model.run_with_cache(tokens, attention_mask=mask, names_filter=names)
     return logits, [cache[n] for n in names]
@@ -58,7 +60,7 @@ def assert_rel_close(ours: Tensor, ref: Tensor, rel: float, what: str) -> None:
     torch.testing.assert_close(ours.float(), ref.float(), rtol=0, atol=rel * scale, msg=lambda m: f"{what}: {m}")
 
 
-def check_parity(hf, model: HookedMamba, tokens: Tensor, mask: Tensor | None, rel: float) -> None:
+def check_parity(hf, model: LanguageModel, tokens: Tensor, mask: Tensor | None, rel: float) -> None:
     with torch.no_grad():
         out = hf(tokens, attention_mask=mask, output_hidden_states=True)
         logits, resids = run_ours(model, tokens, mask)
@@ -132,7 +134,7 @@ def test_original_state_spaces_embedding_key() -> None:
     state = hf.state_dict()
     state["backbone.embedding.weight"] = state.pop("backbone.embeddings.weight")
     cfg = find_architecture(hf.config.to_dict()).config_from_hf(hf.config.to_dict())
-    model = HookedMamba(cfg)
+    model = build(cfg)
     params = dict(model.named_parameters())
     keys = key_map(cfg)
     assert set(keys) == set(params)
@@ -181,7 +183,7 @@ def test_key_map_covers_every_parameter_exactly_once() -> None:
     for case in ("dt_rank_auto", "proj_bias_on", "conv_bias_off", "untied"):
         hf = make_hf(case)
         cfg = find_architecture(hf.config.to_dict()).config_from_hf(hf.config.to_dict())
-        model = HookedMamba(cfg)
+        model = build(cfg)
         keys = key_map(cfg)
         assert set(keys) == {n for n, _ in model.named_parameters()}
         hf_names = set(hf.state_dict())

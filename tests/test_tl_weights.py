@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from hooked.factored_matrix import FactoredMatrix
-from hooked.models.mamba import HookedMamba, MambaConfig
-from hooked.models.mamba2 import HookedMamba2, Mamba2Config
-from hooked.models.zamba2 import HookedZamba2, Zamba2Config
+from hooked.models.mamba import MambaConfig
+from hooked.models.mamba2 import Mamba2Config
+from hooked.models.zamba2 import Zamba2Config
 from hooked.processing import process_weights
+from hooked.models.families import build
 from loaders.load import from_hf
 from tests.tl_oracle import pair, tl_model
 
@@ -78,10 +79,10 @@ def test_processed_weights_and_logits_equal_tls_from_pretrained_defaults(models)
 
 
 SSMS = {
-    "mamba": lambda: HookedMamba(MambaConfig(n_layers=2, d_model=16, d_vocab=50)),
-    "mamba2": lambda: HookedMamba2(Mamba2Config(n_layers=2, d_model=16, n_heads=4, d_head=8, d_state=8,
+    "mamba": lambda: build(MambaConfig(n_layers=2, d_model=16, d_vocab=50)),
+    "mamba2": lambda: build(Mamba2Config(n_layers=2, d_model=16, n_heads=4, d_head=8, d_state=8,
                                                 n_groups=2, chunk_size=8, d_vocab=50)),
-    "zamba2": lambda: HookedZamba2(Zamba2Config(n_layers=3, layer_types=("mamba", "hybrid", "mamba"), d_model=16,
+    "zamba2": lambda: build(Zamba2Config(n_layers=3, layer_types=("mamba", "hybrid", "mamba"), d_model=16,
                                                 d_vocab=50, n_heads=4, d_state=8, n_groups=2, chunk_size=8,
                                                 n_attn_heads=4, d_mlp=24)),
 }

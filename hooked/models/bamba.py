@@ -17,7 +17,7 @@ Glossary (TransformerLens / SSM names; HF BambaConfig names in brackets)
              resid = resid + mlp(ln2(resid))   (SwiGLU)            hook_mlp_out
     logits = ln_final(resid) @ W_U^T
 
-Hooks: decoder.py (block), attention.py (blocks.{l}.attn.*), mamba2.py (blocks.{l}.mixer.*), mlp.py.
+Hooks: block.py, attention.py (blocks.{l}.attn.*), mamba2.py (blocks.{l}.mixer.*), mlp.py.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
-
 from hooked.models.attention import Attention
-from hooked.models.decoder import DecoderBlock, HybridLM
-from hooked.models.mamba2 import Mamba2Mixer
+from hooked.models.config import derived
+from hooked.models.hybrid import check_kinds, pre_norm_block
+from hooked.models.language_model import LanguageModel
+from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import GatedMLP
 from hooked.models.norms import RMSNorm
 from hooked.ops.rotary import Rotary
@@ -47,8 +47,8 @@ class BambaConfig:
     d_mlp: int
     layer_types: Sequence[str]  # "mamba" or "attention", one per layer (stored as a tuple)
     n_heads: int  # H, SSM heads
-    d_head: int | None = None  # P; None: d_inner // n_heads
-    d_inner: int | None = None  # None: 2 * d_model
+    d_head: int = derived(lambda c: c.d_inner // c.n_heads)  # P
+    d_inner: int = derived(lambda c: 2 * c.d_model)
     d_state: int = 256  # N
     n_groups: int = 1  # G
     d_conv: int = 4
@@ -57,8 +57,8 @@ class BambaConfig:
     conv_bias: bool = True
     proj_bias: bool = False
     n_attn_heads: int = 32
-    n_attn_kv_heads: int | None = None  # None: n_attn_heads
-    d_attn_head: int | None = None  # None: d_model // n_attn_heads
+    n_attn_kv_heads: int = derived(lambda c: c.n_attn_heads)
+    d_attn_head: int = derived(lambda c: c.d_model // c.n_attn_heads)
     partial_rotary_factor: float = 0.5  # rotated share of each attention head (HF Bamba fixes 0.5)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -70,53 +70,32 @@ class BambaConfig:
     n_ctx: int = 262144
 
     def __post_init__(self) -> None:
-        fill_hybrid_defaults(self, LAYER_TYPES)
+        object.__setattr__(self, "layer_types", check_kinds("layer_types", self.layer_types, self.n_layers, LAYER_TYPES))
+        object.__setattr__(self, "dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
+        if self.d_inner != self.n_heads * self.d_head:
+            raise ValueError(f"d_inner ({self.d_inner}) must equal n_heads * d_head ({self.n_heads} * {self.d_head})")
+        self.mixer  # validates the SSM fields
+
+    @property
+    def mixer(self) -> Mamba2Spec:
+        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
+                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
 
     @property
     def rotary(self) -> Rotary:
         return Rotary.of(int(self.d_attn_head * self.partial_rotary_factor), self.rope_theta, self.rope_scaling)
 
 
-def fill_hybrid_defaults(cfg: Any, layer_kinds: Sequence[str]) -> None:
-    """Derived sizes and checks shared by the Mamba-2 + attention hybrid configs (Bamba, Granite 4):
-    d_inner = 2 d_model, d_head = d_inner / n_heads, kv heads and attention head size from the
-    attention fields; `layer_types` must name one kind from `layer_kinds` per layer."""
-    put = lambda name, value: object.__setattr__(cfg, name, value)  # noqa: E731
-    put("layer_types", tuple(cfg.layer_types))
-    put("dt_limit", (float(cfg.dt_limit[0]), float(cfg.dt_limit[1])))
-    if cfg.d_inner is None:
-        put("d_inner", 2 * cfg.d_model)
-    if cfg.d_head is None:
-        put("d_head", cfg.d_inner // cfg.n_heads)
-    if cfg.n_attn_kv_heads is None:
-        put("n_attn_kv_heads", cfg.n_attn_heads)
-    if cfg.d_attn_head is None:
-        put("d_attn_head", cfg.d_model // cfg.n_attn_heads)
-    bad = sorted(set(cfg.layer_types) - set(layer_kinds))
-    if bad or len(cfg.layer_types) != cfg.n_layers:
-        raise ValueError(f"layer_types must hold {cfg.n_layers} entries from {tuple(layer_kinds)}; got "
-                         f"{len(cfg.layer_types)}{f', unknown {bad}' if bad else ''}")
-
-
-def mamba2_layer(cfg: Any) -> Mamba2Mixer:
-    """One Mamba-2 mixer from a hybrid config's SSM fields (Bamba and Granite 4 spell them alike)."""
-    return Mamba2Mixer(cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_head, cfg.d_state, cfg.n_groups, cfg.d_conv,
-                       cfg.chunk_size, cfg.conv_bias, cfg.proj_bias, cfg.eps, cfg.dt_limit)
-
-
-class HookedBamba(HybridLM):
+def build(cfg: BambaConfig) -> LanguageModel:
     """Bamba with a hook on every quantity; attention layers are `blocks.{l}.attn`, Mamba-2 ones `blocks.{l}.mixer`."""
-
-    def __init__(self, cfg: BambaConfig) -> None:
-        rotary = cfg.rotary
-        blocks = []
-        for kind in cfg.layer_types:
-            if kind == "attention":
-                first, name = Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
-                                        qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary), "attn"
-            else:
-                first, name = mamba2_layer(cfg), "mixer"
-            blocks.append(DecoderBlock(RMSNorm(cfg.d_model, cfg.eps), first, name, RMSNorm(cfg.d_model, cfg.eps),
-                                       GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)))
-        super().__init__(cfg, blocks)
-        nn.init.normal_(self.embed.weight, std=0.02)
+    rotary, mixer = cfg.rotary, cfg.mixer
+    blocks = []
+    for kind in cfg.layer_types:
+        if kind == "attention":
+            first = ("attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
+                                       qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary))
+        else:
+            first = ("mixer", Mamba2Mixer(mixer))
+        mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)
+        blocks.append(pre_norm_block(cfg.d_model, cfg.eps, first, ("mlp", mlp)))
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps))

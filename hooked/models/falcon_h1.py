@@ -23,7 +23,7 @@ Glossary (TransformerLens / SSM names; HF FalconH1Config names in brackets)
              resid = resid + mlp(ln2(resid))
     logits = lm_head_multiplier * ln_final(resid) @ W_U^T
 
-Hooks: decoder.py's ParallelBlock (hook_attn_out and hook_mixer_out are the two branches, multipliers
+Hooks: block.py's Parallel step (hook_attn_out and hook_mixer_out are the two branches, multipliers
 applied, before the sum), attention.py (blocks.{l}.attn.*), mamba2.py (blocks.{l}.mixer.*), mlp.py.
 """
 
@@ -33,13 +33,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor, nn
-
 from hooked.models.attention import Attention
-from hooked.models.decoder import HybridLM, ParallelBlock
-from hooked.models.gated_norm import GatedRMSNorm, NormThenGate, SiluGate
-from hooked.models.mamba2 import Mamba2Mixer
+from hooked.models.block import Branch, Parallel, ResidualBlock, Sublayer
+from hooked.models.config import derived
+from hooked.models.language_model import LanguageModel
+from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import GatedMLP
 from hooked.models.norms import RMSNorm
 from hooked.ops.rotary import Rotary
@@ -52,8 +50,8 @@ class FalconH1Config:
     d_vocab: int
     d_mlp: int
     n_heads: int  # H, SSM heads
-    d_head: int | None = None  # P
-    d_inner: int | None = None  # None: 2 * d_model
+    d_head: int = derived(lambda c: c.d_inner // c.n_heads)  # P
+    d_inner: int = derived(lambda c: 2 * c.d_model)
     d_state: int = 256
     n_groups: int = 1
     d_conv: int = 4
@@ -65,8 +63,8 @@ class FalconH1Config:
     ssm_norm: bool = False  # HF mamba_rms_norm
     norm_before_gate: bool = True  # HF mamba_norm_before_gate (with ssm_norm)
     n_attn_heads: int = 32
-    n_attn_kv_heads: int | None = None
-    d_attn_head: int | None = None
+    n_attn_kv_heads: int = derived(lambda c: c.n_attn_heads)
+    d_attn_head: int = derived(lambda c: c.d_model // c.n_attn_heads)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     attention_bias: bool = False
@@ -87,60 +85,38 @@ class FalconH1Config:
     n_ctx: int = 8192
 
     def __post_init__(self) -> None:
-        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        put("dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
-        put("ssm_multipliers", tuple(float(m) for m in self.ssm_multipliers))
-        if len(self.ssm_multipliers) != 5:
-            raise ValueError(f"ssm_multipliers holds 5 scales (z, x, B, C, dt), got {len(self.ssm_multipliers)}")
-        if self.d_inner is None:
-            put("d_inner", 2 * self.d_model)
-        if self.d_head is None:
-            put("d_head", self.d_inner // self.n_heads)
-        if self.n_attn_kv_heads is None:
-            put("n_attn_kv_heads", self.n_attn_heads)
-        if self.d_attn_head is None:
-            put("d_attn_head", self.d_model // self.n_attn_heads)
+        object.__setattr__(self, "dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
+        object.__setattr__(self, "ssm_multipliers", tuple(float(m) for m in self.ssm_multipliers))
+        if self.d_inner != self.n_heads * self.d_head:
+            raise ValueError(f"d_inner ({self.d_inner}) must equal n_heads * d_head ({self.n_heads} * {self.d_head})")
+        self.mixer  # validates the SSM fields
+
+    @property
+    def mixer(self) -> Mamba2Spec:
+        gate = "silu_gate" if not self.ssm_norm else "norm_then_gate" if self.norm_before_gate else "gated_rms_norm"
+        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
+                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit,
+                          out_bias=self.out_bias, gate=gate, in_multiplier=self.ssm_in_multiplier,
+                          ssm_multipliers=self.ssm_multipliers)
 
     @property
     def rotary(self) -> Rotary:
         return Rotary.of(self.d_attn_head, self.rope_theta, self.rope_scaling)
 
-    @property
-    def mup_vector(self) -> Tensor:
-        """The scale of each in_proj output: z and x by d_inner, B and C by n_groups * d_state, dt by n_heads."""
-        gs = self.n_groups * self.d_state
-        sizes = (self.d_inner, self.d_inner, gs, gs, self.n_heads)
-        return torch.cat([torch.full((n,), m) for n, m in zip(sizes, self.ssm_multipliers)])
 
-
-def falcon_mixer(cfg: FalconH1Config) -> Mamba2Mixer:
-    group = cfg.d_inner // cfg.n_groups
-    if not cfg.ssm_norm:
-        norm: nn.Module = SiluGate()
-    elif cfg.norm_before_gate:
-        norm = NormThenGate(cfg.d_inner, group, cfg.eps)
-    else:
-        norm = GatedRMSNorm(cfg.d_inner, group, cfg.eps)
-    scale = cfg.mup_vector if any(m != 1.0 for m in cfg.ssm_multipliers) else None
-    return Mamba2Mixer(cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_head, cfg.d_state, cfg.n_groups, cfg.d_conv,
-                       cfg.chunk_size, cfg.conv_bias, cfg.proj_bias, cfg.eps, cfg.dt_limit, out_bias=cfg.out_bias,
-                       norm=norm, in_multiplier=cfg.ssm_in_multiplier, in_scale=scale)
-
-
-class HookedFalconH1(HybridLM):
-    """Falcon-H1: every layer a ParallelBlock of `blocks.{l}.attn` and `blocks.{l}.mixer`, then `blocks.{l}.mlp`."""
-
-    def __init__(self, cfg: FalconH1Config) -> None:
-        rotary = cfg.rotary
-        blocks = []
-        for _ in range(cfg.n_layers):
-            attn = Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
-                             qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
-                             scale=cfg.key_multiplier * cfg.d_attn_head**-0.5)
-            mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias,
-                           gate_multiplier=cfg.mlp_gate_multiplier, out_multiplier=cfg.mlp_down_multiplier)
-            blocks.append(ParallelBlock(RMSNorm(cfg.d_model, cfg.eps), attn, falcon_mixer(cfg),
-                                        RMSNorm(cfg.d_model, cfg.eps), mlp, cfg.attention_in_multiplier,
-                                        cfg.attention_out_multiplier, cfg.ssm_out_multiplier))
-        super().__init__(cfg, blocks, cfg.embedding_multiplier, cfg.lm_head_multiplier)
-        nn.init.normal_(self.embed.weight, std=0.02)
+def build(cfg: FalconH1Config) -> LanguageModel:
+    """Falcon-H1: every layer a parallel step of `blocks.{l}.mixer` and `blocks.{l}.attn`, then `blocks.{l}.mlp`."""
+    rotary, mixer = cfg.rotary, cfg.mixer
+    blocks = []
+    for _ in range(cfg.n_layers):
+        attn = Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
+                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
+                         scale=cfg.key_multiplier * cfg.d_attn_head**-0.5)
+        mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias,
+                       gate_multiplier=cfg.mlp_gate_multiplier, out_multiplier=cfg.mlp_down_multiplier)
+        branches = (Branch("mixer", Mamba2Mixer(mixer), out_scale=cfg.ssm_out_multiplier),
+                    Branch("attn", attn, in_scale=cfg.attention_in_multiplier, out_scale=cfg.attention_out_multiplier))
+        blocks.append(ResidualBlock([Parallel(RMSNorm(cfg.d_model, cfg.eps), branches),
+                                     Sublayer("mlp", RMSNorm(cfg.d_model, cfg.eps), mlp)]))
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps), embedding_multiplier=cfg.embedding_multiplier,
+                         logit_multiplier=cfg.lm_head_multiplier)

@@ -31,16 +31,14 @@ hook_attn_out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
-from jaxtyping import Float, Int
-from torch import Tensor, nn
+from torch import nn
 
-from hooked.hook_points import HookPoint
-from hooked.models.attention import Attention, TransformerBlock
-from hooked.models.base import Context, HookedModel
-from hooked.models.embed import Unembed
+from hooked.models.attention import Attention
+from hooked.models.block import ResidualBlock, Sublayer
+from hooked.models.config import derived
+from hooked.models.language_model import LanguageModel
 from hooked.models.mlp import GatedMLP
 from hooked.models.norms import UnitOffsetRMSNorm
 from hooked.models.windows import check_layer_types, layer_window
@@ -54,8 +52,8 @@ class Gemma2Config:
     n_heads: int
     d_mlp: int
     d_vocab: int
-    n_kv_heads: int | None = None  # None: n_heads
-    d_head: int | None = None  # None: d_model // n_heads
+    n_kv_heads: int = derived(lambda c: c.n_heads)
+    d_head: int = derived(lambda c: c.d_model // c.n_heads)
     n_ctx: int = 8192
     eps: float = 1e-6
     act_fn: str = "gelu_pytorch_tanh"
@@ -67,13 +65,11 @@ class Gemma2Config:
     final_softcap: float | None = 30.0
     sliding_window: int | None = 4096  # W, used by the "sliding_attention" layers
     layer_types: tuple[str, ...] | None = None  # None: every layer "full_attention"
-    tie_word_embeddings: bool = True
+    tied: bool = True  # unembed shares the embedding matrix
+
+    qk_norm: ClassVar[bool] = False  # per-head (1 + w) RMSNorms on q and k (Gemma 3)
 
     def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.d_head is None:
-            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         check_layer_types(self.layer_types, self.n_layers, self.sliding_window)
@@ -85,35 +81,23 @@ class Gemma2Config:
         return Rotary.of(self.d_head, self.rope_theta, self.rope_scaling)
 
 
-class Gemma2(HookedModel):
-    """Gemma 2 with a hook on every quantity. Build with `Gemma2(cfg)`, load with `loaders.from_hf`."""
+def attention(cfg: Gemma2Config, layer: int) -> Attention:
+    qk: dict[str, nn.Module] = {}
+    if cfg.qk_norm:
+        qk = dict(q_norm=UnitOffsetRMSNorm(cfg.d_head, cfg.eps), k_norm=UnitOffsetRMSNorm(cfg.d_head, cfg.eps))
+    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, qkv_bias=cfg.attention_bias,
+                     o_bias=cfg.attention_bias, rotary=cfg.rotary_of(layer), scale=cfg.query_pre_attn_scalar**-0.5,
+                     window=cfg.window(layer), softcap=cfg.attn_softcap, **qk)
 
-    def __init__(self, cfg: Gemma2Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        self.blocks = nn.ModuleList([self._block(cfg, l) for l in range(cfg.n_layers)])
-        self.ln_final = UnitOffsetRMSNorm(cfg.d_model, cfg.eps)
-        tied = self.embed if cfg.tie_word_embeddings else None
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=tied, softcap=cfg.final_softcap)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.hook_embed = HookPoint("batch pos d_model")
-        self.setup()
 
-    def _block(self, cfg: Gemma2Config, layer: int) -> TransformerBlock:
-        def norm() -> UnitOffsetRMSNorm:
-            return UnitOffsetRMSNorm(cfg.d_model, cfg.eps)
+def build(cfg: Gemma2Config) -> LanguageModel:
+    """Gemma 2 (and Gemma 3: its config) with a hook on every quantity; load weights with `loaders`."""
+    def norm() -> UnitOffsetRMSNorm:
+        return UnitOffsetRMSNorm(cfg.d_model, cfg.eps)
 
-        mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=False)
-        return TransformerBlock(norm(), self._attention(cfg, layer), norm(), mlp, ln1_post=norm(), ln2_post=norm())
-
-    def _attention(self, cfg: Gemma2Config, layer: int, **parts: nn.Module) -> Attention:
-        return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, qkv_bias=cfg.attention_bias,
-                         o_bias=cfg.attention_bias, rotary=cfg.rotary_of(layer), scale=cfg.query_pre_attn_scalar**-0.5,
-                         window=cfg.window(layer), softcap=cfg.attn_softcap, **parts)
-
-    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        scale = torch.tensor(self.cfg.d_model**0.5).to(self.embed.weight.dtype)  # rounded as HF rounds it
-        embed = self.embed(tokens) * scale
-        embed = self.hook_embed(embed)
-        return embed
+    blocks = [ResidualBlock([
+        Sublayer("attn", norm(), attention(cfg, layer), post_norm=norm()),
+        Sublayer("mlp", norm(), GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=False), post_norm=norm()),
+    ]) for layer in range(cfg.n_layers)]
+    return LanguageModel(cfg, blocks, norm(), embedding_multiplier=cfg.d_model**0.5, round_multiplier=True,
+                         final_softcap=cfg.final_softcap)

@@ -19,13 +19,9 @@ Glossary (TransformerLens names; HF Gemma3TextConfig names in brackets): as gemm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from torch import nn
-
-from hooked.models.attention import Attention
-from hooked.models.gemma2 import Gemma2, Gemma2Config
-from hooked.models.norms import UnitOffsetRMSNorm
+from hooked.models.gemma2 import Gemma2Config
 from hooked.ops.rotary import Rotary
 
 
@@ -37,15 +33,9 @@ class Gemma3Config(Gemma2Config):
     attn_softcap: float | None = None
     final_softcap: float | None = None
 
+    qk_norm: ClassVar[bool] = True
+
     def rotary_of(self, layer: int) -> Rotary:
         if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
             return Rotary.of(self.d_head, self.rope_local_theta, self.rope_local_scaling)
         return Rotary.of(self.d_head, self.rope_theta, self.rope_scaling)
-
-
-class Gemma3(Gemma2):
-    """Gemma 3 text with a hook on every quantity. Build with `Gemma3(cfg)`, load with `loaders.from_hf`."""
-
-    def _attention(self, cfg: Gemma3Config, layer: int, **parts: nn.Module) -> Attention:
-        return super()._attention(cfg, layer, q_norm=UnitOffsetRMSNorm(cfg.d_head, cfg.eps),
-                                  k_norm=UnitOffsetRMSNorm(cfg.d_head, cfg.eps), **parts)

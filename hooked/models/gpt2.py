@@ -19,13 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxtyping import Float, Int
-from torch import Tensor, nn
-
-from hooked.hook_points import HookPoint
-from hooked.models.attention import Attention, TransformerBlock
-from hooked.models.base import Context, HookedModel
-from hooked.models.embed import Unembed
+from hooked.models.attention import Attention
+from hooked.models.block import ResidualBlock, Sublayer
+from hooked.models.language_model import LanguageModel
 from hooked.models.mlp import MLP
 from hooked.models.norms import LayerNorm
 
@@ -40,7 +36,7 @@ class GPT2Config:
     n_ctx: int = 1024  # longest sequence: the number of learned positions
     eps: float = 1e-5
     act_fn: str = "gelu_new"
-    tie_word_embeddings: bool = True
+    tied: bool = True  # unembed shares the embedding matrix
     scale_attn_weights: bool = True  # False: scores are q.k, not divided by sqrt(d_head)
     scale_attn_by_inverse_layer_idx: bool = False  # True: layer l's scores also divided by l + 1
 
@@ -61,36 +57,15 @@ class GPT2Config:
         return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
 
-class GPT2(HookedModel):
-    """GPT-2 with a hook on every quantity. Build with `GPT2(cfg)`, load with `loaders.from_hf`."""
+def block(cfg: GPT2Config, layer: int) -> ResidualBlock:
+    attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.d_head, qkv_bias=True, o_bias=True,
+                     scale=cfg.attn_scale(layer))
+    mlp = MLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=True)
+    return ResidualBlock([Sublayer("attn", LayerNorm(cfg.d_model, cfg.eps), attn),
+                          Sublayer("mlp", LayerNorm(cfg.d_model, cfg.eps), mlp)])
 
-    def __init__(self, cfg: GPT2Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        self.pos_embed = nn.Embedding(cfg.n_ctx, cfg.d_model)
-        self.blocks = nn.ModuleList([self._block(cfg, layer) for layer in range(cfg.n_layers)])
-        self.ln_final = LayerNorm(cfg.d_model, cfg.eps)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tie_word_embeddings else None)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.normal_(self.pos_embed.weight, std=0.01)
-        self.hook_embed = HookPoint("batch pos d_model")
-        self.hook_pos_embed = HookPoint("batch pos d_model")
-        self.setup()
 
-    @staticmethod
-    def _block(cfg: GPT2Config, layer: int) -> TransformerBlock:
-        attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.d_head, qkv_bias=True, o_bias=True,
-                         scale=cfg.attn_scale(layer))
-        mlp = MLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=True)
-        return TransformerBlock(LayerNorm(cfg.d_model, cfg.eps), attn, LayerNorm(cfg.d_model, cfg.eps), mlp)
-
-    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        if tokens.shape[1] > self.cfg.n_ctx or (ctx.state is not None and ctx.state.length + tokens.shape[1] > self.cfg.n_ctx):
-            length = tokens.shape[1] + (ctx.state.length if ctx.state is not None else 0)
-            raise ValueError(f"sequence of {length} tokens is longer than GPT-2's n_ctx={self.cfg.n_ctx}")
-        embed = self.embed(tokens)
-        embed = self.hook_embed(embed)
-        pos_embed = self.pos_embed(ctx.position_ids)
-        pos_embed = self.hook_pos_embed(pos_embed)
-        return embed + pos_embed
+def build(cfg: GPT2Config) -> LanguageModel:
+    """GPT-2 with a hook on every quantity; load weights with `loaders.from_hf` / `from_pretrained`."""
+    blocks = [block(cfg, layer) for layer in range(cfg.n_layers)]
+    return LanguageModel(cfg, blocks, LayerNorm(cfg.d_model, cfg.eps), pos_embed=True)

@@ -20,7 +20,7 @@ Glossary (TransformerLens / SSM names; HF GraniteMoeHybridConfig names in bracke
     logits = (ln_final(resid) @ W_U^T) * logit_multiplier
 
 Dense layers' MLP is the shared SwiGLU itself (blocks.{l}.mlp.*); MoE layers' is moe.py's MoE with
-it as `shared` (blocks.{l}.mlp.shared.*). Hooks: decoder.py, attention.py, mamba2.py, mlp.py, moe.py.
+it as `shared` (blocks.{l}.mlp.shared.*). Hooks: block.py, attention.py, mamba2.py, mlp.py, moe.py.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from typing import Any
 from torch import nn
 
 from hooked.models.attention import Attention
-from hooked.models.bamba import fill_hybrid_defaults, mamba2_layer
-from hooked.models.decoder import DecoderBlock, HybridLM
+from hooked.models.config import derived
+from hooked.models.hybrid import check_kinds, pre_norm_block
+from hooked.models.language_model import LanguageModel
+from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import GatedMLP
 from hooked.models.moe import MoE, SoftmaxTopK
 from hooked.models.norms import RMSNorm
@@ -50,8 +52,8 @@ class GraniteMoeHybridConfig:
     d_vocab: int
     layer_types: Sequence[str]
     n_heads: int  # H, SSM heads
-    d_head: int | None = None  # P
-    d_inner: int | None = None  # None: 2 * d_model
+    d_head: int = derived(lambda c: c.d_inner // c.n_heads)  # P
+    d_inner: int = derived(lambda c: 2 * c.d_model)  # None: 2 * d_model
     d_state: int = 256
     n_groups: int = 1
     d_conv: int = 4
@@ -60,8 +62,8 @@ class GraniteMoeHybridConfig:
     conv_bias: bool = True
     proj_bias: bool = False
     n_attn_heads: int = 32
-    n_attn_kv_heads: int | None = None
-    d_attn_head: int | None = None
+    n_attn_kv_heads: int = derived(lambda c: c.n_attn_heads)
+    d_attn_head: int = derived(lambda c: c.d_model // c.n_attn_heads)
     use_rope: bool = False  # HF position_embedding_type == "rope"
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -80,9 +82,19 @@ class GraniteMoeHybridConfig:
     n_ctx: int = 2048
 
     def __post_init__(self) -> None:
-        fill_hybrid_defaults(self, LAYER_TYPES)
+        object.__setattr__(self, "layer_types", check_kinds("layer_types", self.layer_types, self.n_layers, LAYER_TYPES))
+        object.__setattr__(self, "dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
+        if self.d_inner != self.n_heads * self.d_head:
+            raise ValueError(f"d_inner ({self.d_inner}) must equal n_heads * d_head ({self.n_heads} * {self.d_head})")
         if self.n_experts and not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be in [1, n_experts = {self.n_experts}]")
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be in [1, n_experts = {self.n_experts}]")
+
+    @property
+    def mixer(self) -> Mamba2Spec:
+        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
+                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
 
     @property
     def rotary(self) -> Rotary | None:
@@ -97,20 +109,18 @@ def granite_mlp(cfg: GraniteMoeHybridConfig) -> nn.Module:
                shared=shared)
 
 
-class HookedGraniteMoeHybrid(HybridLM):
+def build(cfg: GraniteMoeHybridConfig) -> LanguageModel:
     """Granite 4 hybrid; attention layers `blocks.{l}.attn`, Mamba-2 layers `blocks.{l}.mixer`, MLPs `blocks.{l}.mlp`."""
-
-    def __init__(self, cfg: GraniteMoeHybridConfig) -> None:
-        rotary = cfg.rotary
-        blocks = []
-        for kind in cfg.layer_types:
-            if kind == "attention":
-                first, name = Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
-                                        qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
-                                        scale=cfg.attention_multiplier), "attn"
-            else:
-                first, name = mamba2_layer(cfg), "mixer"
-            blocks.append(DecoderBlock(RMSNorm(cfg.d_model, cfg.eps), first, name, RMSNorm(cfg.d_model, cfg.eps),
-                                       granite_mlp(cfg), residual_multiplier=cfg.residual_multiplier))
-        super().__init__(cfg, blocks, cfg.embedding_multiplier, cfg.logit_multiplier)
-        nn.init.normal_(self.embed.weight, std=0.02)
+    rotary, mixer = cfg.rotary, cfg.mixer
+    blocks = []
+    for kind in cfg.layer_types:
+        if kind == "attention":
+            first = ("attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
+                                       qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
+                                       scale=cfg.attention_multiplier))
+        else:
+            first = ("mixer", Mamba2Mixer(mixer))
+        blocks.append(pre_norm_block(cfg.d_model, cfg.eps, first, ("mlp", granite_mlp(cfg)),
+                                     scale=cfg.residual_multiplier))
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps), embedding_multiplier=cfg.embedding_multiplier,
+                         logit_multiplier=cfg.logit_multiplier)

@@ -15,19 +15,22 @@ Glossary (TransformerLens / SSM names; HF JambaConfig names in brackets)
     layer l: resid = resid + (attn or mixer)(ln1(resid));  resid = resid + (mlp or moe)(ln2(resid))
 
 For ablation a Mamba-1 "head" is one of the d_inner channels (as in mamba.py); cfg.n_heads = d_inner.
-Hooks: decoder.py, attention.py (blocks.{l}.attn.*), mamba.py (blocks.{l}.mixer.*), mlp.py, moe.py.
+Hooks: block.py, attention.py (blocks.{l}.attn.*), mamba.py (blocks.{l}.mixer.*), mlp.py, moe.py.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from hooked.models.attention import Attention
-from hooked.models.decoder import DecoderBlock, HybridLM
-from hooked.models.mamba import MambaConfig, MambaMixer
+from hooked.models.config import derived
+from hooked.models.hybrid import check_kinds, pre_norm_block
+from hooked.models.language_model import LanguageModel
+from hooked.models.mamba import MambaMixer, MambaSpec
 from hooked.models.mlp import GatedMLP
 from hooked.models.moe import MoE, SoftmaxTopK
 from hooked.models.norms import RMSNorm
@@ -41,15 +44,15 @@ class JambaConfig:
     d_mlp: int
     layer_types: Sequence[str]  # "mamba" or "attention"
     mlp_types: Sequence[str]  # "mlp" or "moe"
-    d_inner: int | None = None  # None: 2 * d_model
+    d_inner: int = derived(lambda c: 2 * c.d_model)
     d_state: int = 16  # N
     d_conv: int = 4
-    dt_rank: int | None = None  # None: ceil(d_model / 16)
+    dt_rank: int = derived(lambda c: math.ceil(c.d_model / 16))
     conv_bias: bool = True
     proj_bias: bool = False
     n_attn_heads: int = 32
-    n_attn_kv_heads: int | None = None
-    d_attn_head: int | None = None
+    n_attn_kv_heads: int = derived(lambda c: c.n_attn_heads)
+    d_attn_head: int = derived(lambda c: c.d_model // c.n_attn_heads)
     n_experts: int = 16
     top_k: int = 2
     act_fn: str = "silu"
@@ -58,27 +61,16 @@ class JambaConfig:
     n_ctx: int = 262144
 
     def __post_init__(self) -> None:
-        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        put("layer_types", tuple(self.layer_types))
-        put("mlp_types", tuple(self.mlp_types))
-        if self.d_inner is None:
-            put("d_inner", 2 * self.d_model)
-        if self.n_attn_kv_heads is None:
-            put("n_attn_kv_heads", self.n_attn_heads)
-        if self.d_attn_head is None:
-            put("d_attn_head", self.d_model // self.n_attn_heads)
-        for name, kinds, known in (("layer_types", self.layer_types, ("mamba", "attention")),
-                                   ("mlp_types", self.mlp_types, ("mlp", "moe"))):
-            if len(kinds) != self.n_layers or set(kinds) - set(known):
-                raise ValueError(f"{name} must hold {self.n_layers} entries from {known}, got {kinds}")
-        put("dt_rank", self.mamba.dt_rank)
+        object.__setattr__(self, "layer_types", check_kinds("layer_types", self.layer_types, self.n_layers,
+                                                            ("mamba", "attention")))
+        object.__setattr__(self, "mlp_types", check_kinds("mlp_types", self.mlp_types, self.n_layers, ("mlp", "moe")))
+        self.mamba  # validates the mixer's fields
 
     @property
-    def mamba(self) -> MambaConfig:
-        """The Mamba-1 mixer's config (its norms: weighted RMS on Δ input, B, C)."""
-        return MambaConfig(self.n_layers, self.d_model, self.d_vocab, d_inner=self.d_inner, d_state=self.d_state,
-                           d_conv=self.d_conv, dt_rank=self.dt_rank, eps=self.eps, conv_bias=self.conv_bias,
-                           proj_bias=self.proj_bias, tied=self.tied, mixer_rms_eps=self.eps, mixer_norm_weights=True)
+    def mamba(self) -> MambaSpec:
+        """The Mamba-1 mixer's spec (its norms: weighted RMS on Δ input, B, C)."""
+        return MambaSpec(self.d_model, self.d_inner, self.d_state, self.d_conv, self.dt_rank, self.conv_bias,
+                         self.proj_bias, mixer_rms_eps=self.eps, mixer_norm_weights=True)
 
     @property
     def n_heads(self) -> int:
@@ -90,21 +82,17 @@ class JambaConfig:
         return 1
 
 
-class HookedJamba(HybridLM):
+def build(cfg: JambaConfig) -> LanguageModel:
     """Jamba; attention layers `blocks.{l}.attn`, Mamba-1 layers `blocks.{l}.mixer`, `blocks.{l}.mlp` an MLP or MoE."""
-
-    def __init__(self, cfg: JambaConfig) -> None:
-        mamba_cfg = cfg.mamba
-        blocks = []
-        for kind, mlp_kind in zip(cfg.layer_types, cfg.mlp_types):
-            if kind == "attention":
-                first, name = Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head), "attn"
-            else:
-                first, name = MambaMixer(mamba_cfg), "mixer"
-            if mlp_kind == "moe":
-                mlp: nn.Module = MoE(cfg.d_model, cfg.d_mlp, cfg.n_experts, SoftmaxTopK(cfg.top_k), cfg.act_fn)
-            else:
-                mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn)
-            blocks.append(DecoderBlock(RMSNorm(cfg.d_model, cfg.eps), first, name, RMSNorm(cfg.d_model, cfg.eps), mlp))
-        super().__init__(cfg, blocks)
-        nn.init.normal_(self.embed.weight, std=0.02)
+    blocks = []
+    for kind, mlp_kind in zip(cfg.layer_types, cfg.mlp_types):
+        if kind == "attention":
+            first = ("attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head))
+        else:
+            first = ("mixer", MambaMixer(cfg.mamba))
+        if mlp_kind == "moe":
+            mlp: nn.Module = MoE(cfg.d_model, cfg.d_mlp, cfg.n_experts, SoftmaxTopK(cfg.top_k), cfg.act_fn)
+        else:
+            mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn)
+        blocks.append(pre_norm_block(cfg.d_model, cfg.eps, first, ("mlp", mlp)))
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps))

@@ -19,15 +19,14 @@ them. Attention and MLP hooks are listed in attention.py and mlp.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from jaxtyping import Float, Int
-from torch import Tensor, nn
+from torch import nn
 
-from hooked.hook_points import HookPoint
-from hooked.models.attention import Attention, TransformerBlock
-from hooked.models.base import Context, HookedModel
-from hooked.models.embed import Unembed
+from hooked.models.attention import Attention
+from hooked.models.block import ResidualBlock, Sublayer
+from hooked.models.config import derived, is_given
+from hooked.models.language_model import LanguageModel
 from hooked.models.mlp import GatedMLP
 from hooked.models.norms import RMSNorm
 from hooked.ops.rotary import Rotary
@@ -40,8 +39,8 @@ class LlamaConfig:
     n_heads: int
     d_mlp: int
     d_vocab: int
-    n_kv_heads: int | None = None  # None: n_heads (no grouping)
-    d_head: int | None = None  # None: d_model // n_heads
+    n_kv_heads: int = derived(lambda c: c.n_heads)  # no grouping unless given
+    d_head: int = derived(lambda c: c.d_model // c.n_heads)
     n_ctx: int = 2048
     eps: float = 1e-6
     act_fn: str = "silu"
@@ -49,15 +48,13 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)  # HF rope_parameters without rope_theta
     attention_bias: bool = False  # biases on q, k, v and o
     mlp_bias: bool = False
-    tie_word_embeddings: bool = False
+    tied: bool = False  # unembed shares the embedding matrix
+
+    qk_norm: ClassVar[bool] = False  # per-head RMSNorms on q and k (Qwen3)
 
     def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.d_head is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(f"d_model ({self.d_model}) is not a multiple of n_heads ({self.n_heads}); give d_head")
-            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+        if not is_given(self, "d_head") and self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) is not a multiple of n_heads ({self.n_heads}); give d_head")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
 
@@ -65,31 +62,30 @@ class LlamaConfig:
     def rotary(self) -> Rotary:
         return Rotary.of(self.d_head, self.rope_theta, self.rope_scaling)
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q, k and v only (Qwen2's layout); attention_bias puts them on all four."""
+        return False
 
-class Llama(HookedModel):
-    """Llama with a hook on every quantity. Build with `Llama(cfg)`, load with `loaders.from_hf`."""
+    def window(self, layer: int) -> int | None:
+        """Sliding window of layer `layer`'s attention (None: full causal)."""
+        return None
 
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        rotary = cfg.rotary  # one spec shared by every layer (a dataclass, not a module)
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        self.blocks = nn.ModuleList([self._block(cfg, rotary, l) for l in range(cfg.n_layers)])
-        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tie_word_embeddings else None)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.hook_embed = HookPoint("batch pos d_model")
-        self.setup()
 
-    @staticmethod
-    def _block(cfg: LlamaConfig, rotary: Rotary, layer: int) -> TransformerBlock:
-        """Block `layer` (the same for every layer here; families built on Llama vary it)."""
-        attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, qkv_bias=cfg.attention_bias,
-                         o_bias=cfg.attention_bias, rotary=rotary)
-        mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)
-        return TransformerBlock(RMSNorm(cfg.d_model, cfg.eps), attn, RMSNorm(cfg.d_model, cfg.eps), mlp)
+def attention(cfg: LlamaConfig, layer: int, rotary: Rotary) -> Attention:
+    qk: dict[str, nn.Module] = {}
+    if cfg.qk_norm:
+        qk = dict(q_norm=RMSNorm(cfg.d_head, cfg.eps), k_norm=RMSNorm(cfg.d_head, cfg.eps))
+    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, qkv_bias=cfg.qkv_bias or cfg.attention_bias,
+                     o_bias=cfg.attention_bias, rotary=rotary, window=cfg.window(layer), **qk)
 
-    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        embed = self.embed(tokens)
-        embed = self.hook_embed(embed)
-        return embed
+
+def build(cfg: LlamaConfig) -> LanguageModel:
+    """Llama (and Mistral, Qwen2, Qwen3: their configs) with a hook on every quantity; load weights with
+    `loaders.from_hf` / `from_pretrained`."""
+    rotary = cfg.rotary  # one spec shared by every layer (a dataclass, not a module)
+    blocks = [ResidualBlock([
+        Sublayer("attn", RMSNorm(cfg.d_model, cfg.eps), attention(cfg, layer, rotary)),
+        Sublayer("mlp", RMSNorm(cfg.d_model, cfg.eps), GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)),
+    ]) for layer in range(cfg.n_layers)]
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps))

@@ -52,7 +52,10 @@ from torch import Tensor, nn
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.decode_state import DecodeState
-from hooked.models.ssm_block import SSMLanguageModel
+from hooked.models.block import ResidualBlock, Sublayer
+from hooked.models.config import derived
+from hooked.models.language_model import LanguageModel
+from hooked.models.norms import RMSNorm
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.selective_kernel import mamba1_kernel_chunked
 from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, selective_scan
@@ -62,14 +65,33 @@ HEAD_OUT_BUDGET_BYTES = 2 * 1024**3  # hook_head_out is refused above this size 
 
 
 @dataclass(frozen=True)
+class MambaSpec:
+    """One Mamba-1 mixer's sizes and options (MambaConfig.mixer; Jamba's Mamba layers)."""
+
+    d_model: int
+    d_inner: int  # E*D
+    d_state: int = 16  # N
+    d_conv: int = 4
+    dt_rank: int = derived(lambda s: math.ceil(s.d_model / 16))  # R, HF's "auto"
+    conv_bias: bool = True
+    proj_bias: bool = False  # bias of in_proj and out_proj (HF use_bias)
+    mixer_rms_eps: float | None = None  # FalconMamba: weightless RMS norms on Δ input, B, C
+    mixer_norm_weights: bool = False  # Jamba: those norms have weights (dt_norm_weight, B_norm_weight, C_norm_weight)
+
+    def __post_init__(self) -> None:
+        if self.mixer_norm_weights and self.mixer_rms_eps is None:
+            raise ValueError("mixer_norm_weights needs mixer_rms_eps (the norms they weight)")
+
+
+@dataclass(frozen=True)
 class MambaConfig:
     n_layers: int
     d_model: int
     d_vocab: int
-    d_inner: int | None = None  # E*D; None -> 2 * d_model
+    d_inner: int = derived(lambda c: 2 * c.d_model)  # E*D
     d_state: int = 16  # N
     d_conv: int = 4
-    dt_rank: int | None = None  # R; None -> ceil(d_model / 16), HF's "auto"
+    dt_rank: int = derived(lambda c: math.ceil(c.d_model / 16))  # R, HF's "auto"
     n_ctx: int = 2048  # informational: the scan has no position limit
     eps: float = 1e-5  # block and final RMSNorm
     conv_bias: bool = True
@@ -79,10 +101,12 @@ class MambaConfig:
     mixer_norm_weights: bool = False  # Jamba: those norms have weights (dt_norm_weight, B_norm_weight, C_norm_weight)
 
     def __post_init__(self) -> None:
-        if self.d_inner is None:
-            object.__setattr__(self, "d_inner", 2 * self.d_model)
-        if self.dt_rank is None:
-            object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
+        self.mixer  # validates the mixer's fields
+
+    @property
+    def mixer(self) -> MambaSpec:
+        return MambaSpec(self.d_model, self.d_inner, self.d_state, self.d_conv, self.dt_rank, self.conv_bias,
+                         self.proj_bias, self.mixer_rms_eps, self.mixer_norm_weights)
 
     @property
     def n_heads(self) -> int:
@@ -102,9 +126,9 @@ class MambaConfig:
 class MambaMixer(MixerWeights, nn.Module):
     """in_proj -> causal conv -> selective scan -> gate -> out_proj, all hooked."""
 
-    def __init__(self, cfg: MambaConfig) -> None:
+    def __init__(self, spec: MambaSpec) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.spec = cfg = spec
         d, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
         self.in_proj = nn.Linear(cfg.d_model, 2 * d, bias=cfg.proj_bias)  # [in ; gate]
         self.conv_weight = nn.Parameter(torch.empty(d, cfg.d_conv))  # HF conv1d.weight [d 1 w] squeezed
@@ -115,8 +139,6 @@ class MambaMixer(MixerWeights, nn.Module):
         self.D = nn.Parameter(torch.ones(d))
         self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
         if cfg.mixer_norm_weights:
-            if cfg.mixer_rms_eps is None:
-                raise ValueError("mixer_norm_weights needs mixer_rms_eps (the norms they weight)")
             self.dt_norm_weight = nn.Parameter(torch.ones(r))
             self.B_norm_weight = nn.Parameter(torch.ones(n))
             self.C_norm_weight = nn.Parameter(torch.ones(n))
@@ -166,15 +188,15 @@ class MambaMixer(MixerWeights, nn.Module):
         if ctx.state is None:
             conv = causal_conv1d(in_, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
         else:  # decoding: the conv also reads the previous d_conv - 1 inputs
-            window = ctx.state.conv_window(self, in_, self.cfg.d_conv)
+            window = ctx.state.conv_window(self, in_, self.spec.d_conv)
             conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - in_.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
         ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
         ssm_in = self.hook_ssm_in(ssm_in)
-        dt_in, B, C = self.x_proj(ssm_in).split([self.cfg.dt_rank, self.cfg.d_state, self.cfg.d_state], dim=-1)
-        if self.cfg.mixer_rms_eps is not None:  # FalconMamba; Jamba with weights
-            dt_in, B, C = (_weightless_rms_norm(t, self.cfg.mixer_rms_eps) for t in (dt_in, B, C))
-            if self.cfg.mixer_norm_weights:
+        dt_in, B, C = self.x_proj(ssm_in).split([self.spec.dt_rank, self.spec.d_state, self.spec.d_state], dim=-1)
+        if self.spec.mixer_rms_eps is not None:  # FalconMamba; Jamba with weights
+            dt_in, B, C = (_weightless_rms_norm(t, self.spec.mixer_rms_eps) for t in (dt_in, B, C))
+            if self.spec.mixer_norm_weights:
                 dt_in, B, C = dt_in * self.dt_norm_weight, B * self.B_norm_weight, C * self.C_norm_weight
         dt = F.softplus(self.dt_proj(dt_in))
         dt = self.hook_dt(dt)
@@ -244,11 +266,11 @@ class MambaMixer(MixerWeights, nn.Module):
         if not self.hook_head_out.is_active:
             return self.out_proj(gated)
         batch, pos, d_inner = gated.shape
-        size = batch * pos * d_inner * self.cfg.d_model * gated.element_size()
+        size = batch * pos * d_inner * self.spec.d_model * gated.element_size()
         if size > HEAD_OUT_BUDGET_BYTES:
             raise ValueError(
                 f"{self.hook_head_out.name}: one write per channel would be a [{batch}, {pos}, {d_inner}, "
-                f"{self.cfg.d_model}] tensor ({size / 2**30:.1f} GiB > HEAD_OUT_BUDGET_BYTES = "
+                f"{self.spec.d_model}] tensor ({size / 2**30:.1f} GiB > HEAD_OUT_BUDGET_BYTES = "
                 f"{HEAD_OUT_BUDGET_BYTES / 2**30:.1f} GiB); hook fewer tokens, or leave hook_head_out out of "
                 "names_filter and use hook_gated with out_proj.weight instead"
             )
@@ -266,8 +288,9 @@ def _weightless_rms_norm(t: Float[Tensor, "batch pos d"], eps: float) -> Float[T
     return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
 
 
-class HookedMamba(SSMLanguageModel):
-    """Mamba-1 / FalconMamba language model: embed -> n_layers SSMBlocks -> RMSNorm -> unembed."""
-
-    def __init__(self, cfg: MambaConfig) -> None:
-        super().__init__(cfg, MambaMixer)
+def build(cfg: MambaConfig) -> LanguageModel:
+    """Mamba-1 / FalconMamba with a hook on every quantity: embed -> n_layers x (RMSNorm, MambaMixer)
+    residual blocks -> RMSNorm -> unembed; load weights with `loaders`."""
+    blocks = [ResidualBlock([Sublayer("mixer", RMSNorm(cfg.d_model, cfg.eps), MambaMixer(cfg.mixer))])
+              for _ in range(cfg.n_layers)]
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps), embed_init_std=None)

@@ -48,12 +48,81 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
-from hooked.models.gated_norm import GatedRMSNorm
-from hooked.models.ssm_block import SSMLanguageModel
+from hooked.models.block import ResidualBlock, Sublayer
+from hooked.models.config import derived
+from hooked.models.gated_norm import GatedRMSNorm, NormThenGate, SiluGate
+from hooked.models.language_model import LanguageModel
+from hooked.models.norms import RMSNorm
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.ssd import linear_scan_heads, ssd_chunked
 from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_discrete
 from hooked.weights import MixerWeights
+
+
+GATES = ("gated_rms_norm", "norm_then_gate", "silu_gate")  # the step between the SSM and out_proj
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """One Mamba-2 mixer's sizes and options (every family with Mamba-2 layers builds one).
+
+    gate: "gated_rms_norm" (RMSNorm(y * SiLU(z)) per group, HF's MambaRMSNormGated), "norm_then_gate"
+        (weight * RMSNorm(y) * SiLU(z), Falcon-H1's mamba_norm_before_gate) or "silu_gate" (y * SiLU(z),
+        no norm: Falcon-H1 without mamba_rms_norm).
+    out_bias: out_proj's bias (default: as in_proj's; Falcon-H1's projectors_bias).
+    in_multiplier, ssm_multipliers: muP scales (Falcon-H1): in_proj reads in_multiplier * x and its
+        output sections z, x, B, C, dt are multiplied by the five ssm_multipliers.
+    """
+
+    d_model: int
+    n_heads: int  # H
+    d_head: int  # P
+    d_state: int = 128  # N
+    n_groups: int = 1  # G
+    d_conv: int = 4
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    eps: float = 1e-5  # the gated norm's
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    out_bias: bool = derived(lambda s: s.proj_bias)
+    gate: str = "gated_rms_norm"
+    in_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
+        object.__setattr__(self, "ssm_multipliers", tuple(float(m) for m in self.ssm_multipliers))
+        if self.n_heads % self.n_groups:
+            raise ValueError(f"n_groups ({self.n_groups}) must divide n_heads ({self.n_heads})")
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if len(self.ssm_multipliers) != 5:
+            raise ValueError(f"ssm_multipliers holds 5 scales (z, x, B, C, dt), got {len(self.ssm_multipliers)}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.d_head
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    def in_scale(self) -> Tensor | None:
+        """The scale of each in_proj output (z, x by d_inner; B, C by n_groups * d_state; dt by n_heads)."""
+        if all(m == 1.0 for m in self.ssm_multipliers):
+            return None
+        gs = self.n_groups * self.d_state
+        sizes = (self.d_inner, self.d_inner, gs, gs, self.n_heads)
+        return torch.cat([torch.full((n,), m) for n, m in zip(sizes, self.ssm_multipliers)])
+
+    def make_gate(self) -> nn.Module:
+        group = self.d_inner // self.n_groups
+        if self.gate == "silu_gate":
+            return SiluGate()
+        if self.gate == "norm_then_gate":
+            return NormThenGate(self.d_inner, group, self.eps)
+        return GatedRMSNorm(self.d_inner, group, self.eps)
 
 
 @dataclass(frozen=True)
@@ -62,7 +131,7 @@ class Mamba2Config:
     d_model: int
     n_heads: int  # H, SSM heads
     d_head: int  # P, channels per SSM head
-    d_inner: int | None = None  # expand * d_model; must equal n_heads * d_head (None: that product)
+    d_inner: int = derived(lambda c: c.n_heads * c.d_head)  # expand * d_model; must equal n_heads * d_head
     d_state: int = 128  # N
     n_groups: int = 1  # G, groups of heads sharing B and C
     d_conv: int = 4
@@ -76,12 +145,14 @@ class Mamba2Config:
     n_ctx: int = 2048  # no positional limit in an SSM; kept for TransformerLens compatibility
 
     def __post_init__(self) -> None:
-        if self.d_inner is None:
-            object.__setattr__(self, "d_inner", self.n_heads * self.d_head)
         if self.d_inner != self.n_heads * self.d_head:
             raise ValueError(f"d_inner ({self.d_inner}) must equal n_heads * d_head ({self.n_heads * self.d_head})")
-        if self.n_heads % self.n_groups:
-            raise ValueError(f"n_groups ({self.n_groups}) must divide n_heads ({self.n_heads})")
+        self.mixer  # validates the mixer's fields
+
+    @property
+    def mixer(self) -> Mamba2Spec:
+        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
+                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
 
     @property
     def conv_dim(self) -> int:
@@ -94,48 +165,29 @@ def _heads(BC: Float[Tensor, "batch pos n_groups d_state"], n_heads: int) -> Flo
 
 
 class Mamba2Mixer(MixerWeights, nn.Module):
-    """The Mamba-2 mixer from plain sizes (Zamba2 builds its Mamba layers from this too).
+    """The Mamba-2 mixer of a `Mamba2Spec` (its docstring lists the options)."""
 
-    Args:
-        d_model, d_inner, n_heads, d_head, d_state, n_groups, d_conv: sizes (glossary).
-        chunk_size: SSD chunk length of the fast path.
-        conv_bias, proj_bias: biases of the conv and of in_proj / out_proj.
-        eps: epsilon of the gated RMSNorm (its group size is d_inner // n_groups, as in HF).
-        dt_limit: (min, max) clamp of dt after softplus.
-        out_bias: out_proj's bias when it differs from in_proj's (Falcon-H1's projectors_bias).
-        norm: the gate-and-norm module between the SSM and out_proj, called norm(ssm_out, z)
-            (default GatedRMSNorm; Falcon-H1 uses gated_norm.py's NormThenGate or SiluGate).
-        in_multiplier, in_scale: muP scales (Falcon-H1): in_proj reads in_multiplier * x, and its
-            output [z, x, B, C, dt] is multiplied by in_scale (a buffer, one entry per output).
-    """
-
-    def __init__(self, d_model: int, d_inner: int, n_heads: int, d_head: int, d_state: int, n_groups: int,
-                 d_conv: int, chunk_size: int, conv_bias: bool = True, proj_bias: bool = False,
-                 eps: float = 1e-5, dt_limit: tuple[float, float] = (0.0, math.inf), *, out_bias: bool | None = None,
-                 norm: nn.Module | None = None, in_multiplier: float = 1.0, in_scale: Tensor | None = None) -> None:
+    def __init__(self, spec: Mamba2Spec) -> None:
         super().__init__()
-        if d_inner != n_heads * d_head or n_heads % n_groups:
-            raise ValueError(f"need d_inner == n_heads * d_head and n_groups | n_heads; got d_inner={d_inner}, "
-                             f"n_heads={n_heads}, d_head={d_head}, n_groups={n_groups}")
-        self.d_inner, self.n_heads, self.d_head = d_inner, n_heads, d_head
-        self.d_state, self.n_groups, self.chunk_size = d_state, n_groups, chunk_size
-        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
-        self.conv_dim = d_inner + 2 * n_groups * d_state
-        self.in_proj = nn.Linear(d_model, d_inner + self.conv_dim + n_heads, bias=proj_bias)  # z, xBC, dt
+        self.spec = spec
+        d_inner, n_heads, d_conv = spec.d_inner, spec.n_heads, spec.d_conv
+        self.d_inner, self.n_heads, self.d_head = d_inner, n_heads, spec.d_head
+        self.d_state, self.n_groups, self.chunk_size = spec.d_state, spec.n_groups, spec.chunk_size
+        self.dt_limit = spec.dt_limit
+        self.conv_dim = spec.conv_dim
+        self.in_proj = nn.Linear(spec.d_model, d_inner + self.conv_dim + n_heads, bias=spec.proj_bias)  # z, xBC, dt
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, d_conv).uniform_(-d_conv**-0.5, d_conv**-0.5))
-        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if conv_bias else None
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if spec.conv_bias else None
         dt = torch.exp(torch.rand(n_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1 of dt in [1e-3, 0.1]
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(n_heads))
-        self.norm = GatedRMSNorm(d_inner, d_inner // n_groups, eps) if norm is None else norm
-        self.out_proj = nn.Linear(d_inner, d_model, bias=proj_bias if out_bias is None else out_bias)
-        self.in_multiplier = float(in_multiplier)
-        if in_scale is not None and in_scale.shape != (self.in_proj.out_features,):
-            raise ValueError(f"in_scale must have in_proj's {self.in_proj.out_features} entries, got {tuple(in_scale.shape)}")
-        self.register_buffer("in_scale", in_scale, persistent=False)
-        self.dims = {"d_inner": d_inner, "n_heads": n_heads, "d_head": d_head, "d_state": d_state,
-                     "n_groups": n_groups, "conv_dim": self.conv_dim}
+        self.norm = spec.make_gate()
+        self.out_proj = nn.Linear(d_inner, spec.d_model, bias=spec.out_bias)
+        self.in_multiplier = spec.in_multiplier
+        self.register_buffer("in_scale", spec.in_scale(), persistent=False)
+        self.dims = {"d_inner": d_inner, "n_heads": n_heads, "d_head": spec.d_head, "d_state": spec.d_state,
+                     "n_groups": spec.n_groups, "conv_dim": self.conv_dim}
 
         self.hook_in = HookPoint("batch pos conv_dim")  # x, B, C before the conv
         self.hook_gate = HookPoint("batch pos d_inner")  # z, before SiLU
@@ -152,11 +204,6 @@ class Mamba2Mixer(MixerWeights, nn.Module):
         self.hook_ssm_out = HookPoint("batch pos n_heads d_head", element="wide")  # y + D u
         self.hook_gated = HookPoint("batch pos d_inner")  # gated RMSNorm output
         self.hook_head_out = HookPoint("batch pos n_heads d_model", lazy=True)  # each head's write, lazy
-
-    @classmethod
-    def from_config(cls, cfg: Mamba2Config) -> "Mamba2Mixer":
-        return cls(cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_head, cfg.d_state, cfg.n_groups, cfg.d_conv,
-                   cfg.chunk_size, cfg.conv_bias, cfg.proj_bias, cfg.eps, cfg.dt_limit)
 
     def A(self) -> Float[Tensor, "n_heads"]:
         """A = -exp(A_log), the (negative) continuous decay rate of each head, in float32 or wider."""
@@ -268,8 +315,9 @@ class Mamba2Mixer(MixerWeights, nn.Module):
         return einsum(per_head, W_out, "... l h p, h p m -> ... l h m")
 
 
-class HookedMamba2(SSMLanguageModel):
-    """Mamba-2 language model: embed, n_layers x SSMBlock(RMSNorm, Mamba2Mixer), RMSNorm, unembed."""
-
-    def __init__(self, cfg: Mamba2Config) -> None:
-        super().__init__(cfg, Mamba2Mixer.from_config)
+def build(cfg: Mamba2Config) -> LanguageModel:
+    """Mamba-2 with a hook on every quantity: embed -> n_layers x (RMSNorm, Mamba2Mixer) residual blocks
+    -> RMSNorm -> unembed; load weights with `loaders`."""
+    blocks = [ResidualBlock([Sublayer("mixer", RMSNorm(cfg.d_model, cfg.eps), Mamba2Mixer(cfg.mixer))])
+              for _ in range(cfg.n_layers)]
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps), embed_init_std=None)

@@ -18,11 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hooked.models.attention import Attention, TransformerBlock
-from hooked.models.llama import Llama, LlamaConfig
-from hooked.models.mlp import GatedMLP
-from hooked.models.norms import RMSNorm
-from hooked.ops.rotary import Rotary
+from hooked.models.llama import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -31,14 +27,3 @@ class MistralConfig(LlamaConfig):
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window
-
-
-class Mistral(Llama):
-    """Mistral with a hook on every quantity. Build with `Mistral(cfg)`, load with `loaders.from_hf`."""
-
-    @staticmethod
-    def _block(cfg: MistralConfig, rotary: Rotary, layer: int) -> TransformerBlock:
-        attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, qkv_bias=cfg.attention_bias,
-                         o_bias=cfg.attention_bias, rotary=rotary, window=cfg.window(layer))
-        mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)
-        return TransformerBlock(RMSNorm(cfg.d_model, cfg.eps), attn, RMSNorm(cfg.d_model, cfg.eps), mlp)

@@ -17,6 +17,8 @@ Hooks, under `blocks.{l}.mlp.`:
 
 from __future__ import annotations
 
+from typing import Any
+
 import math
 from collections.abc import Callable
 
@@ -70,7 +72,7 @@ class MLP(MLPWeights, nn.Module):
         self.hook_pre = HookPoint("batch pos d_mlp")
         self.hook_post = HookPoint("batch pos d_mlp")
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         pre = self.up_proj(x)
         pre = self.hook_pre(pre)
         post = self.act(pre)
@@ -99,7 +101,7 @@ class GatedMLP(MLPWeights, nn.Module):
         self.hook_pre_linear = HookPoint("batch pos d_mlp")
         self.hook_post = HookPoint("batch pos d_mlp")
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         pre = self.gate_proj(x)
         if self.gate_multiplier != 1.0:
             pre = pre * self.gate_multiplier

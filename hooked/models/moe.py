@@ -30,6 +30,8 @@ the weights of expert e (analysis `ablate_experts`) equals zeroing expert e's do
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import einsum, rearrange
@@ -116,7 +118,7 @@ class MoE(nn.Module):
         self.up_proj = nn.Parameter(torch.randn(n_experts, d_expert, d_model) * scale)
         self.down_proj = nn.Parameter(torch.randn(n_experts, d_model, d_expert) * d_expert**-0.5)
         self.shared = shared
-        self.dims = {"n_experts": n_experts, "top_k": select.top_k, "d_expert": d_expert}
+        self.dims = {"d_model": d_model, "n_experts": n_experts, "top_k": select.top_k, "d_expert": d_expert}
         self.hook_router_logits = HookPoint("batch pos n_experts", element="wide")
         self.hook_chosen = HookPoint("batch pos top_k", element="int64")  # int64
         self.hook_routing_weights = HookPoint("batch pos top_k")
@@ -131,7 +133,7 @@ class MoE(nn.Module):
         hidden = self.act(up) if self.gate_proj is None else self.act(F.linear(x, self.gate_proj[e])) * up
         return F.linear(hidden, self.down_proj[e])
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         batch, _, d_model = x.shape
         router_dtype = torch.promote_types(x.dtype, torch.float32)
         router_logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype))

@@ -18,7 +18,7 @@ Glossary (TransformerLens / SSM names; HF NemotronHConfig names in brackets)
 
     layer l: resid = resid + sublayer_l(ln1(resid))     sublayer = mixer | attn | mlp (MLP or MoE)
 
-Hooks: decoder.py (blocks.{l}.hook_{mixer|attn|mlp}_out), mamba2.py, attention.py, mlp.py, moe.py.
+Hooks: block.py (blocks.{l}.hook_{mixer|attn|mlp}_out), mamba2.py, attention.py, mlp.py, moe.py.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from hooked.models.attention import Attention
-from hooked.models.decoder import DecoderBlock, HybridLM
-from hooked.models.mamba2 import Mamba2Mixer
+from hooked.models.config import derived
+from hooked.models.hybrid import pre_norm_block
+from hooked.models.language_model import LanguageModel
+from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import MLP
 from hooked.models.moe import MoE, SigmoidTopK
 from hooked.models.norms import RMSNorm
@@ -54,7 +56,7 @@ class NemotronHConfig:
     conv_bias: bool = True
     proj_bias: bool = False
     n_attn_heads: int = 32
-    n_attn_kv_heads: int | None = None
+    n_attn_kv_heads: int = derived(lambda c: c.n_attn_heads)
     d_attn_head: int = 128
     d_mlp: int = 21504
     mlp_bias: bool = False
@@ -75,11 +77,14 @@ class NemotronHConfig:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         put("layer_types", tuple(self.layer_types))
         put("dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
-        if self.n_attn_kv_heads is None:
-            put("n_attn_kv_heads", self.n_attn_heads)
         bad = sorted(set(self.layer_types) - set(PATTERN))
         if bad or not self.layer_types:
             raise ValueError(f"layer_types must be a non-empty list from {tuple(PATTERN)}; unknown: {bad}")
+
+    @property
+    def mixer(self) -> Mamba2Spec:
+        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
+                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
 
     @property
     def n_layers(self) -> int:
@@ -103,23 +108,20 @@ class NemotronHConfig:
         return tuple(inverse[c] for c in pattern)
 
 
-def nemotron_sublayer(cfg: NemotronHConfig, kind: str) -> tuple[nn.Module, str]:
+def sublayer(cfg: NemotronHConfig, kind: str) -> tuple[str, nn.Module]:
+    """Layer kind -> (sublayer kind, module)."""
     if kind == "mamba":
-        return Mamba2Mixer(cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_head, cfg.d_state, cfg.n_groups, cfg.d_conv,
-                           cfg.chunk_size, cfg.conv_bias, cfg.proj_bias, cfg.eps, cfg.dt_limit), "mixer"
+        return "mixer", Mamba2Mixer(cfg.mixer)
     if kind == "attention":
-        return Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head), "attn"
+        return "attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head)
     if kind == "mlp":
-        return MLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias), "mlp"
+        return "mlp", MLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)
     select = SigmoidTopK(cfg.n_experts, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.renormalise, cfg.routed_scaling)
     shared = MLP(cfg.d_model, cfg.d_shared, cfg.act_fn, bias=cfg.mlp_bias)
-    return MoE(cfg.d_model, cfg.d_expert, cfg.n_experts, select, cfg.act_fn, gated=False, shared=shared), "mlp"
+    return "mlp", MoE(cfg.d_model, cfg.d_expert, cfg.n_experts, select, cfg.act_fn, gated=False, shared=shared)
 
 
-class HookedNemotronH(HybridLM):
+def build(cfg: NemotronHConfig) -> LanguageModel:
     """NemotronH; layer l's one sublayer is `blocks.{l}.mixer`, `.attn` or `.mlp` (an MLP or a MoE)."""
-
-    def __init__(self, cfg: NemotronHConfig) -> None:
-        blocks = [DecoderBlock(RMSNorm(cfg.d_model, cfg.eps), *nemotron_sublayer(cfg, kind)) for kind in cfg.layer_types]
-        super().__init__(cfg, blocks)
-        nn.init.normal_(self.embed.weight, std=0.02)
+    blocks = [pre_norm_block(cfg.d_model, cfg.eps, sublayer(cfg, kind)) for kind in cfg.layer_types]
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps))

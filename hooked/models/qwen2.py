@@ -21,19 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
-from hooked.models.attention import Attention, TransformerBlock
-from hooked.models.llama import Llama, LlamaConfig
-from hooked.models.mlp import GatedMLP
-from hooked.models.norms import RMSNorm
+from hooked.models.llama import LlamaConfig
 from hooked.models.windows import check_layer_types, layer_window
-from hooked.ops.rotary import Rotary
 
 
 @dataclass(frozen=True)
 class Qwen2Config(LlamaConfig):
-    qkv_bias: bool = True
+    qkv_bias: bool = True  # type: ignore[assignment]  (a field here, a property of LlamaConfig)
     sliding_window: int | None = None  # W, used by the "sliding_attention" layers
     layer_types: tuple[str, ...] | None = None  # None: every layer "full_attention"
 
@@ -43,17 +37,3 @@ class Qwen2Config(LlamaConfig):
 
     def window(self, layer: int) -> int | None:
         return layer_window(self.layer_types, self.sliding_window, layer)
-
-
-class Qwen2(Llama):
-    """Qwen2 with a hook on every quantity. Build with `Qwen2(cfg)`, load with `loaders.from_hf`."""
-
-    def _block(self, cfg: Qwen2Config, rotary: Rotary, layer: int) -> TransformerBlock:
-        mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)
-        return TransformerBlock(RMSNorm(cfg.d_model, cfg.eps), self._attention(cfg, rotary, layer),
-                                RMSNorm(cfg.d_model, cfg.eps), mlp)
-
-    def _attention(self, cfg: Qwen2Config, rotary: Rotary, layer: int, **parts: nn.Module) -> Attention:
-        return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head,
-                         qkv_bias=cfg.qkv_bias or cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
-                         window=cfg.window(layer), **parts)

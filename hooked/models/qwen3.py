@@ -19,23 +19,12 @@ The other hooks are Llama's (attention.py, mlp.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from torch import nn
-
-from hooked.models.attention import Attention
-from hooked.models.norms import RMSNorm
-from hooked.models.qwen2 import Qwen2, Qwen2Config
-from hooked.ops.rotary import Rotary
+from hooked.models.qwen2 import Qwen2Config
 
 
 @dataclass(frozen=True)
 class Qwen3Config(Qwen2Config):
     qkv_bias: bool = False  # Qwen3 has no q/k/v-only biases; attention_bias puts one on all four
-
-
-class Qwen3(Qwen2):
-    """Qwen3 with a hook on every quantity. Build with `Qwen3(cfg)`, load with `loaders.from_hf`."""
-
-    def _attention(self, cfg: Qwen3Config, rotary: Rotary, layer: int, **parts: nn.Module) -> Attention:
-        return super()._attention(cfg, rotary, layer, q_norm=RMSNorm(cfg.d_head, cfg.eps),
-                                  k_norm=RMSNorm(cfg.d_head, cfg.eps), **parts)
+    qk_norm: ClassVar[bool] = True

@@ -15,17 +15,17 @@ Glossary (TransformerLens / SSM names; HF Zamba2Config names in brackets)
     embedding  the token embedding, read again by every shared block (Context.embedding)
 
     resid_0 = W_E[token]                                                   hook_embed
-    mamba layer l:   resid = resid + mixer(ln1(resid))                     (SSMBlock)
+    mamba layer l:   resid = resid + mixer(ln1(resid))
     hybrid layer l:  shared_out = linear_l(shared_{i % num_mem_blocks}([resid, embedding]))
-                     resid = resid + mixer(ln1(resid + shared_out))        (HybridBlock)
+                     resid = resid + mixer(ln1(resid + shared_out))        (block.py's Side input)
     logits = ln_final(resid) @ W_U^T  (W_U tied to W_E by default)
 
 The shared block's output enters the Mamba layer's INPUT only; the residual skips it.
 
-Hooks: hook_embed; every layer blocks.{l}.hook_resid_pre, ln1.hook_normalized, mixer.* (Mamba-2,
-mamba2.py), hook_mixer_out, hook_resid_post; hybrid layers also blocks.{l}.shared.* (one set per
-invocation, zamba2_shared.py) and blocks.{l}.hook_shared_out [batch pos d_model] after linear_l;
-ln_final.hook_normalized. A shared attention head at one invocation is ("blocks.{l}.shared.attn", h).
+Hooks: hook_embed; every layer blocks.{l}.hook_resid_pre, hook_mixer_in, ln1.hook_normalized, mixer.*
+(Mamba-2, mamba2.py), hook_mixer_out, hook_resid_post; hybrid layers also blocks.{l}.shared.* (one set
+per invocation, zamba2_shared.py) and blocks.{l}.hook_shared_out [batch pos d_model] after linear_l,
+before hook_mixer_in (which is then resid + shared_out); ln_final.hook_normalized. A shared attention head at one invocation is ("blocks.{l}.shared.attn", h).
 
 The shared blocks read the original embedding: `model(resid, start_at_layer=k, tokens=tokens)` needs
 `tokens` when a hybrid layer follows k (it is embedded again, without hook_embed firing).
@@ -38,16 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from jaxtyping import Float, Int
-from torch import Tensor, nn
+from torch import nn
 
-from hooked.hook_points import HookPoint
-from hooked.models.base import Context, HookedModel
-from hooked.models.embed import Unembed
-from hooked.models.mamba2 import Mamba2Mixer
+from hooked.models.block import ResidualBlock, Side, Sublayer
+from hooked.models.config import derived
+from hooked.models.language_model import LanguageModel
+from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.norms import RMSNorm
-from hooked.models.ssm_block import SSMBlock
 from hooked.models.zamba2_shared import SharedSizes, SharedTransformer, shared_invocation
 from hooked.ops.rotary import Rotary
 
@@ -62,8 +59,8 @@ class Zamba2Config:
     d_vocab: int
     layer_types: Sequence[str]  # "mamba" or "hybrid", one per layer (stored as a tuple)
     n_heads: int  # H, SSM heads of every Mamba-2 layer
-    d_head: int | None = None  # P; None: d_inner // n_heads
-    d_inner: int | None = None  # None: 2 * d_model (HF mamba_expand = 2)
+    d_head: int = derived(lambda c: c.d_inner // c.n_heads)  # P
+    d_inner: int = derived(lambda c: 2 * c.d_model)  # HF mamba_expand = 2
     d_state: int = 64  # N
     n_groups: int = 1  # G
     d_conv: int = 4
@@ -71,9 +68,9 @@ class Zamba2Config:
     dt_limit: tuple[float, float] = (0.001, math.inf)  # HF (time_step_min, inf)
     proj_bias: bool = False
     n_attn_heads: int = 32
-    n_attn_kv_heads: int | None = None  # None: n_attn_heads
-    d_attn_head: int | None = None  # None: 2 * d_model // n_attn_heads
-    d_mlp: int | None = None  # None: 4 * d_model
+    n_attn_kv_heads: int = derived(lambda c: c.n_attn_heads)
+    d_attn_head: int = derived(lambda c: 2 * c.d_model // c.n_attn_heads)
+    d_mlp: int = derived(lambda c: 4 * c.d_model)
     act_fn: str = "gelu"
     num_mem_blocks: int = 1
     use_shared_attention_adapter: bool = False
@@ -86,19 +83,8 @@ class Zamba2Config:
     n_ctx: int = 4096
 
     def __post_init__(self) -> None:
-        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        put("layer_types", tuple(self.layer_types))
-        put("dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
-        if self.d_inner is None:
-            put("d_inner", 2 * self.d_model)
-        if self.d_head is None:
-            put("d_head", self.d_inner // self.n_heads)
-        if self.n_attn_kv_heads is None:
-            put("n_attn_kv_heads", self.n_attn_heads)
-        if self.d_attn_head is None:
-            put("d_attn_head", 2 * self.d_model // self.n_attn_heads)
-        if self.d_mlp is None:
-            put("d_mlp", 4 * self.d_model)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "dt_limit", (float(self.dt_limit[0]), float(self.dt_limit[1])))
         self._check()
 
     def _check(self) -> None:
@@ -120,6 +106,13 @@ class Zamba2Config:
             raise ValueError(f"q/k/v adapters write 2 * d_model = {width} features (as HF's Zamba2 does), so they need "
                              f"n_attn_kv_heads == n_attn_heads and n_attn_heads * d_attn_head == {width}; got "
                              f"{self.n_attn_heads} heads, {self.n_attn_kv_heads} kv heads of {self.d_attn_head}")
+
+    @property
+    def mixer(self) -> Mamba2Spec:
+        """HF's Zamba2 conv always has a bias, and its gated norm a fixed eps (GATED_NORM_EPS)."""
+        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
+                          self.chunk_size, conv_bias=True, proj_bias=self.proj_bias, eps=GATED_NORM_EPS,
+                          dt_limit=self.dt_limit)
 
     @property
     def hybrid_layer_ids(self) -> tuple[int, ...]:
@@ -144,74 +137,17 @@ class Zamba2Config:
                            self.proj_bias, self.rotary)
 
 
-class HybridBlock(nn.Module):
-    """resid + mixer(ln1(resid + linear(shared([resid, embedding])))): a hybrid layer.
-
-    Hooks: blocks.{l}.hook_resid_pre, shared.*, hook_shared_out, ln1.hook_normalized, mixer.*,
-    hook_mixer_out, hook_resid_post (all [batch pos d_model] but shared.* and mixer.*).
-    """
-
-    def __init__(self, shared: SharedTransformer, linear: nn.Linear, ln1: nn.Module, mixer: nn.Module) -> None:
-        super().__init__()
-        self.shared, self.linear, self.ln1, self.mixer = shared, linear, ln1, mixer
-        self.hook_resid_pre = HookPoint("batch pos d_model")
-        self.hook_shared_out = HookPoint("batch pos d_model")
-        self.hook_mixer_out = HookPoint("batch pos d_model")
-        self.hook_resid_post = HookPoint("batch pos d_model")
-
-    def forward(self, resid: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        resid = self.hook_resid_pre(resid)
-        if ctx.embedding is None:
-            raise ValueError(f"{self.hook_resid_pre.name.rsplit('.', 1)[0]} is a hybrid layer: its shared block reads "
-                             "the token embedding; with start_at_layer, pass tokens=")
-        shared_out = self.linear(self.shared(resid, ctx.embedding, ctx))
-        shared_out = self.hook_shared_out(shared_out)
-        mixer_out = self.mixer(self.ln1(resid + shared_out), ctx)  # the shared output enters the input only
-        mixer_out = self.hook_mixer_out(mixer_out)
-        resid_post = resid + mixer_out
-        resid_post = self.hook_resid_post(resid_post)
-        return resid_post
-
-
-class HookedZamba2(HookedModel):
+def build(cfg: Zamba2Config) -> LanguageModel:
     """Zamba2 with a hook on every quantity; every shared-block invocation has its own hooks."""
-
-    def __init__(self, cfg: Zamba2Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        firsts: dict[int, SharedTransformer] = {}  # shared block -> its first invocation (owns the weights)
-        blocks = []
-        for layer, kind in enumerate(cfg.layer_types):
-            mixer = Mamba2Mixer(cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_head, cfg.d_state, cfg.n_groups,
-                                cfg.d_conv, cfg.chunk_size, conv_bias=True, proj_bias=cfg.proj_bias,
-                                eps=GATED_NORM_EPS, dt_limit=cfg.dt_limit)  # HF's conv always has a bias
-            ln1 = RMSNorm(cfg.d_model, cfg.eps)
-            if kind == "mamba":
-                blocks.append(SSMBlock(ln1, mixer))
-                continue
+    mixer = cfg.mixer
+    firsts: dict[int, SharedTransformer] = {}  # shared block -> its first invocation (owns the weights)
+    blocks = []
+    for layer, kind in enumerate(cfg.layer_types):
+        side = None
+        if kind == "hybrid":
             block_id = cfg.shared_block_of(layer)
             shared = shared_invocation(cfg.shared_sizes, firsts.get(block_id))
             firsts.setdefault(block_id, shared)
-            blocks.append(HybridBlock(shared, nn.Linear(cfg.d_model, cfg.d_model, bias=False), ln1, mixer))
-        self.blocks = nn.ModuleList(blocks)
-        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, tied_to=self.embed if cfg.tied else None)
-        self.hook_embed = HookPoint("batch pos d_model")
-        self.setup()
-
-    def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
-                     tokens: Tensor | None, device: torch.device, state: Any = None) -> Context:
-        """The base Context plus the token embedding the shared blocks read (when tokens are known)."""
-        if tokens is not None and tuple(tokens.shape) != (int(shape[0]), int(shape[1])):
-            raise ValueError(f"tokens have shape {tuple(tokens.shape)}, the residual is {tuple(shape[:2])}")
-        ctx = super().make_context(shape, attention_mask, tokens, device, state)
-        if tokens is not None:
-            ctx.embedding = self.embed(tokens.to(device))
-        return ctx
-
-    def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
-        embed = ctx.embedding if ctx.embedding is not None else self.embed(tokens)
-        embed = self.hook_embed(embed)
-        ctx.embedding = embed.clone()  # as hooked; a copy, so in-place edits of the residual leave it alone
-        return embed
+            side = Side("shared", shared, nn.Linear(cfg.d_model, cfg.d_model, bias=False))
+        blocks.append(ResidualBlock([Sublayer("mixer", RMSNorm(cfg.d_model, cfg.eps), Mamba2Mixer(mixer), side=side)]))
+    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps), embed_init_std=None)

@@ -1,0 +1,39 @@
+"""Every family: a frozen config plus its `build(cfg)`; `build(cfg)` here picks the builder by config type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hooked.models import bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, llama, mamba, mamba2, nemotron_h, zamba2
+from hooked.models.gemma3 import Gemma3Config
+from hooked.models.language_model import LanguageModel
+from hooked.models.mistral import MistralConfig
+from hooked.models.qwen2 import Qwen2Config
+from hooked.models.qwen3 import Qwen3Config
+
+BUILDERS = {
+    gpt2.GPT2Config: gpt2.build,
+    llama.LlamaConfig: llama.build,
+    MistralConfig: llama.build,
+    Qwen2Config: llama.build,
+    Qwen3Config: llama.build,
+    gemma2.Gemma2Config: gemma2.build,
+    Gemma3Config: gemma2.build,
+    mamba.MambaConfig: mamba.build,
+    mamba2.Mamba2Config: mamba2.build,
+    zamba2.Zamba2Config: zamba2.build,
+    bamba.BambaConfig: bamba.build,
+    granitemoehybrid.GraniteMoeHybridConfig: granitemoehybrid.build,
+    falcon_h1.FalconH1Config: falcon_h1.build,
+    nemotron_h.NemotronHConfig: nemotron_h.build,
+    jamba.JambaConfig: jamba.build,
+}
+
+
+def build(cfg: Any) -> LanguageModel:
+    """The hooked model of `cfg` (random weights: load a checkpoint with `loaders.from_pretrained`)."""
+    builder = BUILDERS.get(type(cfg))
+    if builder is None:
+        known = ", ".join(sorted(c.__name__ for c in BUILDERS))
+        raise TypeError(f"no family is built from a {type(cfg).__name__}; known configs: {known}")
+    return builder(cfg)
