@@ -84,13 +84,13 @@ _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
 TINY: dict[str, tuple[Any, Any, dict]] = {
     # mlp_only_layers [0, 3]: linear + dense, full + MoE, linear + MoE, full + dense
     "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
-                   dict(_SMALL, **_GDN, **_QWEN_MOE, head_dim=8, layer_types=_ALTERNATING, decoder_sparse_step=1,
+                   dict(_SMALL, **_GDN, **_QWEN_MOE, head_dim=16, layer_types=_ALTERNATING, decoder_sparse_step=1,
                         mlp_only_layers=[0, 3], norm_topk_prob=True)),
     "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
-                     dict(_SMALL, **_GDN, head_dim=8, layer_types=_ALTERNATING)),
+                     dict(_SMALL, **_GDN, head_dim=16, layer_types=_ALTERNATING)),
     "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
                          dict({k: v for k, v in _SMALL.items() if k != "intermediate_size"}, **_GDN, **_QWEN_MOE,
-                              head_dim=8, layer_types=_ALTERNATING)),
+                              head_dim=16, layer_types=_ALTERNATING)),
     # rope_parameters {"rope_theta": None} gives the released checkpoints' NoPE
     "olmo_hybrid": (transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM,
                     dict(_SMALL, **_GDN, layer_types=_ALTERNATING, pad_token_id=0, eos_token_id=1)),
@@ -111,12 +111,14 @@ TINY: dict[str, tuple[Any, Any, dict]] = {
 
 def tiny_delta_hf(model_type: str, perturb: float = 0.2, dtype: torch.dtype = torch.float32, seed: int = 0,
                   **overrides: Any) -> tuple[Any, Any]:
-    """(hf_model, config): a seeded tiny model of `model_type`, eval mode, eager attention, torch paths.
+    """(hf_model, config): a seeded tiny model of `model_type`, eval mode, eager attention and experts,
+    torch paths.
 
     perturb: add perturb * N(0, 1) to every parameter (HF's init leaves norms at their identity and
     gates at their defaults, which hides misplaced weights). overrides: config kwargs.
     """
     config_cls, model_cls, kwargs = TINY[model_type]
     config = config_cls(**{**kwargs, **overrides})
+    config._experts_implementation = "eager"  # the default grouped_mm refuses float64
     hf = build_tiny_hf(config, model_cls, seed=seed, perturb=perturb, dtype=dtype)
     return hf, hf.config

@@ -93,15 +93,16 @@ def test_float64_oracle_is_not_hf_float32():
 
 
 # ---------------------------------------------------------------- tiny HF models
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("model_type", list(TINY))
-def test_tiny_model_runs_on_cpu(model_type):
-    hf, config = tiny_delta_hf(model_type)
+def test_tiny_model_runs_on_cpu(model_type, dtype):
+    hf, config = tiny_delta_hf(model_type, dtype=dtype)
     assert config.model_type == model_type
     assert len(set(config.layer_types)) == 2, "both layer types"
     tokens = torch.randint(1, config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = hf(tokens, output_hidden_states=True, use_cache=False)
-    assert out.logits.shape == (2, 19, config.vocab_size)
+    assert out.logits.shape == (2, 19, config.vocab_size) and out.logits.dtype == dtype
     assert torch.isfinite(out.logits).all()
     assert len(out.hidden_states) == config.num_hidden_layers + 1
 
