@@ -152,7 +152,7 @@ class ChunkFactors:
 
     D [b h Q Q a] segment decays, G [b h Q a] decay from the chunk's start, A_c [b h Q Q] the
     chunk's block of the kernel, Q_in [b h Q d_k], K_out [b h Q d_k], G_e [b h a] the decay over
-    the whole chunk, GK = G * k [b h Q d_k], and IT = I + T (for the states, W = IT^-1 ...).
+    the whole chunk, GK = G * k [b h Q d_k], and inv = (I + T)^-1 [b h Q Q] (for the states).
     """
 
     def __init__(self, q: Tensor, k: Tensor, beta: Tensor, alpha: Tensor) -> None:
@@ -163,16 +163,16 @@ class ChunkFactors:
         D = steps.cumprod(dim=2) * below.logical_or(torch.eye(size, dtype=torch.bool, device=q.device))[..., None]
         G = alpha.cumprod(dim=2)  # prod_{t=s..j}
         G_out = D[:, :, -1]  # [b h i a] prod_{t=i+1..e}
-        IT = _decayed_dot(k, D, k) * beta[..., None] * below  # T
-        IT = IT + torch.eye(size, dtype=q.dtype, device=q.device)
+        eye = torch.eye(size, dtype=q.dtype, device=q.device)
+        IT = _decayed_dot(k, D, k) * beta[..., None] * below + eye  # I + T
+        # one solve for the inverse, then matmuls (cheaper than a solve per right-hand side on CPU)
+        inv = torch.linalg.solve_triangular(IT, eye.expand_as(IT), upper=False, unitriangular=True)
         QK = _decayed_dot(q, D, k)  # lower triangular, diagonal included (D is 0 above it)
-        # A_c = QK (I + T)^-1 Diag(beta): solve X (I + T) = QK
-        A_c = torch.linalg.solve_triangular(IT, QK, upper=False, left=False, unitriangular=True) * beta[:, :, None, :]
+        A_c = (QK @ inv) * beta[:, :, None, :]  # QK (I + T)^-1 Diag(beta)
         self.GK = G * k
         self.Q_in = G * q - A_c @ self.GK
-        # K_out = Diag(beta) (I + T)^-T (G_out * k)
-        self.K_out = beta[..., None] * torch.linalg.solve_triangular(IT.mT, G_out * k, upper=True, unitriangular=True)
-        self.D, self.G, self.A_c, self.G_e, self.IT = D, G, A_c, G[:, :, -1], IT
+        self.K_out = beta[..., None] * (inv.mT @ (G_out * k))  # Diag(beta) (I + T)^-T (G_out * k)
+        self.D, self.G, self.A_c, self.G_e, self.inv = D, G, A_c, G[:, :, -1], inv
 
     def carry(self, S: Float[Tensor, "batch n_heads d_k n"]) -> Float[Tensor, "batch n_heads d_k n"]:
         """P S = G_e * S - K_out^T (GK S): a state (or any columns) carried from the chunk's start to its end."""
@@ -237,7 +237,7 @@ def _chunk_states(
 ) -> Float[Tensor, "batch p n_heads d_k d_v"]:
     """S_j for each position of the chunk: Diag(G_j) S + sum_{i <= j} Diag(D[j, i]) k_i w_i^T with the
     WY values W = (I + T)^-1 Diag(beta) (V - (G k) S) (the corrections the delta rule writes)."""
-    W = torch.linalg.solve_triangular(f.IT, beta[..., None] * (v - f.GK @ S), upper=False, unitriangular=True)
+    W = f.inv @ (beta[..., None] * (v - f.GK @ S))
     if f.D.shape[-1] == 1:
         written = einsum(f.D[..., 0], k, W, "b h j i, b h i c, b h i v -> b h j c v")
     else:
