@@ -156,8 +156,10 @@ class ChunkFactors:
     """
 
     def __init__(self, q: Tensor, k: Tensor, beta: Tensor, alpha: Tensor) -> None:
-        # q, k [b h Q c], beta [b h Q], alpha [b h Q a]
-        size = q.shape[2]
+        # q, k [b g Q c] per q/k head (repeated here, one chunk at a time), beta [b h Q], alpha [b h Q a]
+        n_heads, size = beta.shape[1], q.shape[2]
+        if q.shape[1] != n_heads:
+            q, k = (x.repeat_interleave(n_heads // x.shape[1], dim=1) for x in (q, k))
         below = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)  # [j i] j > i
         steps = torch.where(below[..., None], alpha[:, :, :, None, :], 1.0)  # [b h j i a]: alpha_j for j > i
         D = steps.cumprod(dim=2) * below.logical_or(torch.eye(size, dtype=torch.bool, device=q.device))[..., None]
@@ -172,7 +174,7 @@ class ChunkFactors:
         self.GK = G * k
         self.Q_in = G * q - A_c @ self.GK
         self.K_out = beta[..., None] * (inv.mT @ (G_out * k))  # Diag(beta) (I + T)^-T (G_out * k)
-        self.D, self.G, self.A_c, self.G_e, self.inv = D, G, A_c, G[:, :, -1], inv
+        self.D, self.G, self.A_c, self.G_e, self.inv, self.k = D, G, A_c, G[:, :, -1], inv, k
 
     def carry(self, S: Float[Tensor, "batch n_heads d_k n"]) -> Float[Tensor, "batch n_heads d_k n"]:
         """P S = G_e * S - K_out^T (GK S): a state (or any columns) carried from the chunk's start to its end."""
@@ -186,8 +188,11 @@ class ChunkFactors:
 def chunk_inputs(
     q: Tensor, k: Tensor, beta: Tensor, alpha: Tensor, n_heads: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q, k per value head and every tensor in the [batch n_heads pos ...] layout of ChunkFactors."""
-    q, k = (rearrange(_per_head(x, n_heads), "b l h c -> b h l c") for x in (q, k))
+    """Every tensor in the [batch heads pos ...] layout of ChunkFactors; q and k keep their q/k heads
+    (ChunkFactors repeats them per chunk, so no [pos n_heads d_k] copy is made)."""
+    if n_heads % q.shape[2]:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of the q/k heads ({q.shape[2]})")
+    q, k = (rearrange(x, "b l g c -> b g l c") for x in (q, k))
     return q, k, rearrange(beta, "b l h -> b h l"), rearrange(_channels(alpha), "b l h a -> b h l a")
 
 
@@ -223,7 +228,7 @@ def delta_rule_chunked(
         f = ChunkFactors(q[:, :, pos], k[:, :, pos], beta_h[:, :, pos], alpha_h[:, :, pos])
         outs.append(f.Q_in @ S + f.A_c @ v[:, :, pos])
         if return_states:
-            states.append(_chunk_states(f, k[:, :, pos], beta_h[:, :, pos], v[:, :, pos], S))
+            states.append(_chunk_states(f, beta_h[:, :, pos], v[:, :, pos], S))
         S = f.carry(S) + f.K_out.mT @ v[:, :, pos]
     o = torch.cat(outs, dim=2) if outs else v
     o = rearrange(o, "b h l v -> b l h v")
@@ -233,15 +238,15 @@ def delta_rule_chunked(
 
 
 def _chunk_states(
-    f: ChunkFactors, k: Tensor, beta: Tensor, v: Tensor, S: Tensor
+    f: ChunkFactors, beta: Tensor, v: Tensor, S: Tensor
 ) -> Float[Tensor, "batch p n_heads d_k d_v"]:
     """S_j for each position of the chunk: Diag(G_j) S + sum_{i <= j} Diag(D[j, i]) k_i w_i^T with the
     WY values W = (I + T)^-1 Diag(beta) (V - (G k) S) (the corrections the delta rule writes)."""
     W = f.inv @ (beta[..., None] * (v - f.GK @ S))
     if f.D.shape[-1] == 1:
-        written = einsum(f.D[..., 0], k, W, "b h j i, b h i c, b h i v -> b h j c v")
+        written = einsum(f.D[..., 0], f.k, W, "b h j i, b h i c, b h i v -> b h j c v")
     else:
-        written = einsum(f.D, k, W, "b h j i c, b h i c, b h i v -> b h j c v")
+        written = einsum(f.D, f.k, W, "b h j i c, b h i c, b h i v -> b h j c v")
     return rearrange(f.G[..., None] * S[:, :, None] + written, "b h j c v -> b j h c v")
 
 

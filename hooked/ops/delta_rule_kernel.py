@@ -61,7 +61,7 @@ def delta_rule_kernel(
         kernel: [b, h, j, i], row = target j, column = source i, zero for i > j.
     """
     q, k, beta, alpha = _inputs(q, k, beta, alpha)
-    batch, n_heads, seq_len, d_k = k.shape
+    (batch, n_heads, seq_len), d_k = beta.shape, k.shape[-1]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, beta, alpha))
     shape = (batch, n_heads, seq_len, seq_len)
     if grad:
@@ -101,7 +101,7 @@ def delta_rule_kernel_cols(
         kernel_cols: [b, h, j, n] = kernel[b, h, j, cols[n]], zero for j < cols[n].
     """
     q, k, beta, alpha = _inputs(q, k, beta, alpha)
-    batch, n_heads, seq_len, d_k = k.shape
+    (batch, n_heads, seq_len), d_k = beta.shape, k.shape[-1]
     _check_positions(cols, seq_len, "cols")
     H = k.new_zeros(batch, n_heads, d_k, len(cols))  # chosen sources' keys; zero until their chunk
     blocks = []
@@ -137,7 +137,7 @@ def delta_rule_kernel_rows(
         kernel_rows: [b, h, r, i] = kernel[b, h, rows[r], i], zero for i > rows[r].
     """
     q, k, beta, alpha = _inputs(q, k, beta, alpha)
-    batch, n_heads, seq_len, d_k = k.shape
+    (batch, n_heads, seq_len), d_k = beta.shape, k.shape[-1]
     _check_positions(rows, seq_len, "rows")
     R = k.new_zeros(batch, n_heads, d_k, len(rows))  # chosen targets' queries; zero until their chunk
     blocks = []
