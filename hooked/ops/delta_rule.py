@@ -22,13 +22,16 @@ Paper symbols (Yang, Kautz, Hatamizadeh 2024 "Gated Delta Networks"; Kimi Linear
     M_t = (I - beta_t k_t k_t^T) Diag(alpha_t)            the transition (scalar alpha: alpha_t (I - ...))
     S_t = M_t S_{t-1} + beta_t k_t v_t^T                  the recurrence
     o_t = S_t^T q_t                                      the output (hook_y, before gate and norm)
+    P(j <- i) = M_j M_{j-1} ... M_{i+1}                  the transition after i through j (I for i = j)
 The decay acts on the old state before the delta correction reads it, as HF's torch paths do:
 S <- Diag(alpha) S, then S <- S + k (beta (v - S^T k))^T. For a scalar decay the order does not matter;
 for KDA it does: (I - beta k k^T) Diag(alpha), not Diag(alpha) (I - beta k k^T).
 
-Chunked (WY) form, one chunk of positions s..e entered with state S (delta_rule_kernel.py uses the same
-factors for the kernel): with D[j, i] = prod_{t=i+1..j} alpha_t (per channel, 1 for i = j), G_j = D[j, s-1]
-the decay from the chunk's start through j, G_out_i = D[e, i] the decay from i to the chunk's end,
+Chunked (WY / UT-transform) form (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule
+over Sequence Length"), one chunk of positions s..e entered with state S (delta_rule_kernel.py uses the
+same factors for the kernel): with D[j, i] = prod_{t=i+1..j} alpha_t (per channel, 1 for i = j),
+G_j = prod_{t=s..j} alpha_t the decay from the chunk's start through j, G_out_i = D[e, i] the decay from
+i to the chunk's end, and (I + T)^-1 one triangular inverse per chunk,
     T[j, i]    = beta_j k_j^T Diag(D[j, i]) k_i   for i < j (strictly lower; I + T is unit lower triangular)
     QK[j, i]   = q_j^T Diag(D[j, i]) k_i          for i <= j
     A_c        = QK (I + T)^-1 Diag(beta)         the chunk's own block of the kernel
@@ -207,7 +210,7 @@ def delta_rule_chunked(
     chunk_size: int = CHUNK,
     return_states: bool = False,
 ) -> tuple[Tensor, ...]:
-    """The chunked (WY) form: triangular solves inside chunks, the state carried between them.
+    """The chunked (WY) form: one triangular inverse and a few matmuls per chunk, the state carried between.
 
     Same result as delta_rule_sequential (module docstring), for any length (the last chunk is
     shorter; nothing is padded), in the dtype of the inputs.
