@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from delta_oracles import RULES, TINY, hf_delta_rule, tiny_delta_hf
 
 from hooked.ops import delta_rule_chunked, delta_rule_sequential, l2norm
+from hooked.ops.norms import rms_norm_gated
 
 LENGTHS = [1, 5, 16, 17, 40, 64, 65]
 REL = {torch.float32: 2e-5, torch.float64: 1e-12}
@@ -90,6 +91,36 @@ def test_float64_oracle_is_not_hf_float32():
     hf32 = hf_delta_rule("qwen3_next", torch.float32)[0](**inp, use_qk_l2norm_in_kernel=True)[0]
     hf64 = hf_delta_rule("qwen3_next", torch.float64)[0](**inp, use_qk_l2norm_in_kernel=True)[0]
     assert (o - hf32).abs().max() > 1e-9 > (o - hf64).abs().max()
+
+
+# ---------------------------------------------------------------- the gated output norms
+GATED_NORMS = {  # HF class path: the gate's activation
+    "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNormGated": F.silu,
+    "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNormGated": F.silu,
+    "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridRMSNormGated": F.silu,
+    "kimi_linear.modeling_kimi_linear.KimiLinearRMSNormGated": torch.sigmoid,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("path", list(GATED_NORMS))
+def test_rms_norm_gated_equals_hf(path, dtype):
+    """Normalise, then gate, per head over d_v. HF computes in float32 (so float64 agrees to float32's
+    rounding); in bfloat16 Qwen's order is ours exactly, Kimi's keeps the weight product in float32."""
+    module_path, cls = path.rsplit(".", 1)
+    hf = getattr(__import__(f"transformers.models.{module_path}", fromlist=[cls]), cls)(6, eps=1e-5)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.5 * torch.randn(6, generator=g))
+    hf = hf.to(dtype)
+    x, gate = (3 * torch.randn(2, 7, 4, 6, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    ours = rms_norm_gated(x, gate, hf.weight, 1e-5, GATED_NORMS[path])
+    ref = hf(x, gate)
+    assert ours.dtype == ref.dtype == dtype
+    if dtype == torch.bfloat16 and "Kimi" not in cls:
+        assert torch.equal(ours, ref)
+    rel = {torch.float32: 1e-6, torch.float64: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    rel_close(ours.double(), ref.double(), rel, cls)
 
 
 # ---------------------------------------------------------------- tiny HF models
