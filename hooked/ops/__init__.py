@@ -1,7 +1,21 @@
-"""Pure tensor functions: scans, SSD, kernels, convolutions (no modules, no hooks)."""
+"""Pure tensor functions: scans, SSD, the delta rule, kernels, convolutions (no modules, no hooks)."""
 
 from hooked.ops.big_buffer import big_zeros
 from hooked.ops.conv import causal_conv1d
+from hooked.ops.delta_rule import (
+    delta_rule_chunked,
+    delta_rule_propagate,
+    delta_rule_sequential,
+    delta_rule_step,
+    l2norm,
+)
+from hooked.ops.delta_rule_kernel import (
+    delta_rule_kernel,
+    delta_rule_kernel_cols,
+    delta_rule_kernel_pairs,
+    delta_rule_kernel_rows,
+    delta_rule_knockout,
+)
 from hooked.ops.selective_kernel import (
     mamba1_kernel_chunked,
     mamba1_kernel_cols,

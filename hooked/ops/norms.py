@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -27,3 +29,19 @@ def rms_norm_unit_offset(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], 
 def layer_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], bias: Float[Tensor, "d"] | None,
                eps: float) -> Float[Tensor, "... d"]:
     return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def rms_norm_gated(x: Float[Tensor, "... d"], gate: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float,
+                   gate_fn: Callable[[Tensor], Tensor]) -> Float[Tensor, "... d"]:
+    """weight * x / sqrt(mean(x^2) + eps) * gate_fn(gate): normalise, then gate (the delta-rule families'
+    output norm, per head over d_v: Qwen3-Next, Qwen3.5 and OLMo-hybrid with SiLU, Kimi Linear with sigmoid).
+
+    Not Mamba-2's gated norm (models/gated_norm.py), which gates before normalising. As HF's
+    Qwen3NextRMSNormGated: the statistic in at least float32, cast back to x's dtype before the weight
+    multiplies it, the gate's activation in at least float32, the result cast to x's dtype. (Kimi's copy
+    keeps the weight product in float32 too: the same number in float32 and float64.)
+    """
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x32 = x.to(compute)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * gate_fn(gate.to(compute))).to(x.dtype)
