@@ -49,7 +49,8 @@ def pair(tmp_path_factory):
             d = tmp_path_factory.mktemp(name)
             build_tiny_hf(_config(name), perturb=0.05).save_pretrained(d)
             plain = from_pretrained(d)
-            model = from_pretrained(d, device_map=split_map(plain), offload_folder=tmp_path_factory.mktemp(f"{name}-off"))
+            offload = tmp_path_factory.mktemp(f"{name}-off")
+            model = from_pretrained(d, device_map=split_map(plain), offload_folder=offload)
             plain.tokenizer = model.tokenizer = char_tokenizer()
             made[name] = plain, model
         return made[name]

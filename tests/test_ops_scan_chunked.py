@@ -26,7 +26,8 @@ def inputs(seq_len, batch=2, d_inner=3, d_state=4, dtype=torch.float64, seed=0):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
     out = dict(u=randn(batch, seq_len, d_inner), dt=F.softplus(randn(batch, seq_len, d_inner) - 1),
-               A=-torch.exp(randn(d_inner, d_state)), B=randn(batch, seq_len, d_state), C=randn(batch, seq_len, d_state))
+               A=-torch.exp(randn(d_inner, d_state)), B=randn(batch, seq_len, d_state),
+               C=randn(batch, seq_len, d_state))
     return {k: v.to(dtype) for k, v in out.items()}
 
 

@@ -124,7 +124,8 @@ def causal_conv1d_fused(
 ) -> Float[Tensor, "batch pos channels"]:
     """causal_conv1d's result through causal-conv1d's kernel (or its stand-in); no activation.
 
-    Widths outside 2..4 (the kernel's) are causal_conv1d. x goes in channel-last ([b c l] with the channel stride 1: the kernel's other layout, no copy).
+    Widths outside 2..4 (the kernel's) are causal_conv1d. x goes in channel-last ([b c l] with the
+    channel stride 1: the kernel's other layout, no copy).
     """
     fn = _pick(kernels, "causal_conv1d_fn", x, weight)
     if fn is None or weight.shape[1] not in CONV_WIDTHS:

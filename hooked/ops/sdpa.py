@@ -71,7 +71,8 @@ def sdpa_attention(
         causal = True
     elif window is not None or key_mask is not None or q_len > 1:  # one decoding query sees every key
         visible = visible_keys(q_len, k_len, q.device, window=window, key_mask=key_mask)
-        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, torch.finfo(q.dtype).min)
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~visible, torch.finfo(q.dtype).min)
     extra = {}
     if group > 1 and mask is None and _ENABLE_GQA:
         extra["enable_gqa"] = True
