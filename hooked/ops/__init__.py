@@ -2,6 +2,9 @@
 
 from hooked.ops.big_buffer import big_zeros
 from hooked.ops.conv import causal_conv1d
+from hooked.ops.fused import causal_conv1d_fused, selective_scan_fused, ssd_fused
+from hooked.ops.scan_chunked import linear_scan_chunked, selective_scan_chunked
+from hooked.ops.sdpa import sdpa_attention, visible_keys
 from hooked.ops.selective_kernel import (
     mamba1_kernel_chunked,
     mamba1_kernel_cols,
