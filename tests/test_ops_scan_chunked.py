@@ -136,3 +136,12 @@ def test_tensor_ops_grow_as_pos_over_chunk(seq_len):
     assert loop.n >= seq_len  # the counter sees the loop's per-position ops
     if seq_len == 2048:
         assert chunked.n <= 300  # issue 29's target for a Mamba-1 layer's scan at 2,048 tokens
+
+
+@pytest.mark.parametrize("seq_len, chunk_size", [(16, 16), (40, 8)])
+def test_last_state_owns_its_memory(seq_len, chunk_size):
+    """h_last is not a view into a slab's [b l d n] buffers (which it would keep alive)."""
+    inp = inputs(seq_len, dtype=torch.float32)
+    with torch.no_grad():
+        _, h = selective_scan_chunked(**inp, chunk_size=chunk_size)
+    assert h.untyped_storage().nbytes() == h.numel() * h.element_size()

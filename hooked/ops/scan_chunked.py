@@ -80,7 +80,8 @@ def _two_level(
     for c in range(n_chunks):
         entering.append(carry)
         end = states[:, c, -1]
-        carry = end if carry is None else torch.addcmul(end, decay[:, c, -1], carry)
+        # a copy, not a view: the state handed back must not keep the slab's buffers alive
+        carry = end.clone() if carry is None else torch.addcmul(end, decay[:, c, -1], carry)
     first = 0 if h is not None else 1  # chunk 0 enters with zeros when there is no h
     if first < n_chunks:
         h_in = torch.stack(entering[first:], dim=1)[:, :, None]  # [b c 1 d n]
