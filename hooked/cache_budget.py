@@ -9,8 +9,9 @@ Glossary
                  (`HookPoint.shape`) times its element size (the model's dtype, at least float32
                  for "wide" hooks, 8 for indices); nothing runs to find it.
     budget       `max_cache_bytes`; by default `CACHE_BUDGET_FRACTION` of the memory available on
-                 the model's device when the run starts (CPU: MemAvailable of /proc/meminfo; CUDA:
-                 the device's free memory). Override it per call (`max_cache_bytes=`) or here.
+                 the device the cache goes to when the run starts (run_with_cache's `device=`, else
+                 the model's; CPU: MemAvailable of /proc/meminfo; CUDA: free plus what torch holds
+                 unused, hooked/device_memory.py). Override it per call (`max_cache_bytes=`) or here.
 
 `check_cache_budget` raises `CacheBudgetError` before anything is built, listing the hooks (grouped
 over layers), their sizes, and a filter that would fit.
@@ -19,13 +20,14 @@ over layers), their sizes, and a filter that would fit.
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any
 
 import torch
 
-CACHE_BUDGET_FRACTION = 0.5  # of the memory available on the model's device
+from hooked.device_memory import available_device_bytes, cache_device
+
+CACHE_BUDGET_FRACTION = 0.5  # of the memory available where the cache goes
 
 
 class CacheBudgetError(MemoryError):
@@ -33,21 +35,13 @@ class CacheBudgetError(MemoryError):
 
 
 def available_bytes(device: torch.device) -> int:
-    """Memory free for new tensors on `device` now (CPU: MemAvailable, else free physical pages)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    """Memory free for new tensors on `device` now (hooked/device_memory.py)."""
+    return available_device_bytes(device)
 
 
-def default_budget(model: Any) -> int:
-    return int(CACHE_BUDGET_FRACTION * available_bytes(model._device()))
+def default_budget(model: Any, device: torch.device | str | None = None) -> int:
+    """CACHE_BUDGET_FRACTION of the memory available where the cache goes (`device`, else the model's)."""
+    return int(CACHE_BUDGET_FRACTION * available_bytes(cache_device(model._device(), device)))
 
 
 def element_bytes(model: Any, element: str) -> int:
@@ -76,11 +70,13 @@ def _group(name: str) -> str:
     return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name)
 
 
-def check_cache_budget(model: Any, names: list[str], batch: int, pos: int, max_bytes: int | None = None) -> int:
-    """The estimated cache size in bytes; raises CacheBudgetError (before any forward) past the budget."""
+def check_cache_budget(model: Any, names: list[str], batch: int, pos: int, max_bytes: int | None = None,
+                       device: torch.device | str | None = None) -> int:
+    """The estimated cache size in bytes; raises CacheBudgetError (before any forward) past the budget
+    (`max_bytes`, else the default budget of the device the cache goes to: `device`, else the model's)."""
     sizes = estimate_cache_bytes(model, names, batch, pos)
     total = sum(sizes.values())
-    budget = default_budget(model) if max_bytes is None else int(max_bytes)
+    budget = default_budget(model, device) if max_bytes is None else int(max_bytes)
     if total <= budget:
         return total
     groups: dict[str, list[int]] = {}

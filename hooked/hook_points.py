@@ -437,7 +437,7 @@ class HookedRootModule(nn.Module):
             names = [n for n in names if not self.hook_dict[n].lazy]
         shape = self._batch_pos(args, kwargs)
         if shape is not None:
-            check_cache_budget(self, names, *shape, max_bytes=max_cache_bytes)
+            check_cache_budget(self, names, *shape, max_bytes=max_cache_bytes, device=device)
         bwd = [(n, save_grad) for n in names] if incl_bwd else []
         with self.hooks(fwd_hooks=[(n, save) for n in names], bwd_hooks=bwd):
             out = self(*args, **kwargs)

@@ -8,7 +8,6 @@ import torch
 
 from hooked.models.decode_state import DecodeState
 from tests.test_cache_budget import MODELS
-from tests.tl_oracle import pair
 
 
 def perturbed(arch: str):
@@ -61,6 +60,8 @@ def test_generate_with_state_equals_without(arch) -> None:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama_gqa"])
 def test_greedy_generate_equals_tls(arch) -> None:
+    from tests.tl_oracle import pair  # here: without transformer_lens only this test skips (GPU boxes lack it)
+
     ours, theirs, _, _ = pair(arch)
     prompt = torch.randint(4, 48, (2, 5), generator=torch.Generator().manual_seed(4))
     mine = ours.generate(prompt, max_new_tokens=8, do_sample=False, stop_at_eos=False)
@@ -72,6 +73,8 @@ def test_greedy_generate_equals_tls(arch) -> None:
 
 
 def test_stop_at_eos_pads_finished_rows_with_eos() -> None:
+    from tests.tl_oracle import pair
+
     ours, _, tok, _ = pair("gpt2")
     prompt = torch.randint(4, 48, (2, 5), generator=torch.Generator().manual_seed(4))
     free = ours.generate(prompt, max_new_tokens=6, do_sample=False, stop_at_eos=False)

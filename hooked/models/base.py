@@ -17,7 +17,7 @@ A model subclass builds `self.blocks` (an nn.ModuleList whose blocks take `(resi
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -44,10 +44,14 @@ class Context:
         return self.key_mask if self.state is not None else self.attention_mask
 
     def to(self, device: str | torch.device) -> "Context":
-        """A copy with every tensor on `device` (a block on another device gets its Context so: accelerate
-        moves a module's arguments with `.to`)."""
-        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        return Context(move(self.attention_mask), move(self.position_ids), move(self.tokens), move(self.embedding))
+        """A copy with every tensor field on `device`, the rest (the decoding state) kept as it is: a block
+        on another device gets its Context so (accelerate moves a module's arguments with `.to`), and
+        while decoding it must read and extend the same state, and see the padding of the past keys."""
+        return Context(**{f.name: _moved(getattr(self, f.name), device) for f in fields(self)})
+
+
+def _moved(value: Any, device: str | torch.device) -> Any:
+    return value.to(device) if torch.is_tensor(value) else value
 
 
 def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"],

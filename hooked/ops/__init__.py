@@ -16,6 +16,9 @@ from hooked.ops.delta_rule_kernel import (
     delta_rule_kernel_rows,
     delta_rule_knockout,
 )
+from hooked.ops.fused import causal_conv1d_fused, selective_scan_fused, ssd_fused
+from hooked.ops.scan_chunked import linear_scan_chunked, selective_scan_chunked
+from hooked.ops.sdpa import sdpa_attention, visible_keys
 from hooked.ops.selective_kernel import (
     mamba1_kernel_chunked,
     mamba1_kernel_cols,

@@ -116,11 +116,17 @@ class Rotary:
         rope_inv_freq(d_rot, theta, dict(items))  # fail at build time on an unsupported rope type
         return rope
 
-    def __call__(self, position_ids: Int[Tensor, "batch pos"],
-                 dtype: torch.dtype) -> tuple[Float[Tensor, "batch pos d_rot"], Float[Tensor, "batch pos d_rot"]]:
+    def __call__(self, position_ids: Int[Tensor, "batch pos"], dtype: torch.dtype,
+                 max_position: int | None = None) -> tuple[Float[Tensor, "batch pos d_rot"],
+                                                           Float[Tensor, "batch pos d_rot"]]:
+        """(cos, sin) of position_ids. max_position: a bound on them the caller knows on the host (while
+        decoding, the state's length + pos - 1), so the table is sized without reading the device;
+        None: read their max (one host read, a wait for the GPU, per call)."""
         length = position_ids.shape[1]
-        if position_ids.numel() and int(position_ids.max()) >= length:  # decoding: positions past the input
-            length = 1 << int(position_ids.max()).bit_length()  # a power of two: few tables while generating
+        if max_position is None and position_ids.numel():
+            max_position = int(position_ids.max())
+        if max_position is not None and max_position >= length:  # decoding: positions past the input
+            length = 1 << max_position.bit_length()  # a power of two: few tables while generating
         cos, sin = _table(self, length, position_ids.device, dtype)
         return cos[position_ids], sin[position_ids]
 

@@ -28,6 +28,7 @@ place (_rows_by_chunks for every row), for the same numbers.
 """
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 
 import torch
@@ -37,7 +38,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from hooked.ops.big_buffer import big_zeros
-from hooked.ops.ssd import _check_positions
+from hooked.ops.ssd import _positions_on_host
 
 CHUNK_ROWS = 64  # chunk length for a few rows or columns (fewer Python steps)
 GROUP_BYTES = 2**21  # a band of rows for this many bytes of channels per matmul (fastest measured on CPU)
@@ -59,9 +60,10 @@ def _own_chunk(
     A_bar: Float[Tensor, "batch p d_inner d_state"],
     B_c: Float[Tensor, "batch p _d d_state"],
     C_rows: Float[Tensor, "batch row d_state"],
-    local: Int[Tensor, "row"],
+    wanted: list[int],
 ) -> tuple[Float[Tensor, "batch d_inner row p"], Float[Tensor, "batch row d_inner d_state"]]:
-    """Targets j = local (sorted positions inside one chunk) reading the sources of that chunk.
+    """Targets j = wanted (sorted positions inside one chunk, Python ints: the loop below is steered
+    on the host without reading the device) reading the sources of that chunk.
 
     Returns the entries sum_n C_j[n] prod_{t=i+1..j} A_bar_t B_c[i] (zero for i > j), and
     W_j = prod_{t=0..j} A_bar_t, the decay from the chunk's start. The products run down the
@@ -71,7 +73,6 @@ def _own_chunk(
     """
     batch, p, d_inner, d_state = A_bar.shape
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (A_bar, B_c, C_rows))
-    wanted = local.tolist()
     entries = C_rows.new_zeros(batch, d_inner, len(wanted), p)
     W = A_bar.new_empty(batch, len(wanted), d_inner, d_state)
     W_j = A_bar.new_ones(batch, d_inner, d_state)  # prod_{t=0..j} A_bar_t
@@ -101,9 +102,13 @@ def _rows_by_chunks(
     B_bar: Callable[[slice], Float[Tensor, "batch p _d d_state"]],
     C: Float[Tensor, "batch pos d_state"],
     rows: Int[Tensor, "row"],
+    wanted: list[int],
     chunk: int,
 ) -> Float[Tensor, "batch d_inner row k_pos"]:
     """sum_n C_j[n] exp(sum_{t=i+1..j} steps_t * A) B_bar_i for targets j = rows (sorted ascending).
+
+    `wanted` holds the same positions as Python ints, so that the chunks are chosen without a host
+    read per chunk (one for the whole call, by whoever made `wanted`, or none).
 
     steps is dt with k = 1 (then every segment sum is taken on dt, d_state times cheaper, and
     multiplied by A), or log(A_bar) with k = d_state and A = 1. B_bar(s) gives B_bar_t for the
@@ -117,14 +122,14 @@ def _rows_by_chunks(
     out = C.new_empty(shape) if grad else big_zeros(shape, dtype=C.dtype, device=C.device)
     if len(rows) == 0:
         return out
-    chunk_of = rows // chunk
+    chunk_of = [j // chunk for j in wanted]
     first = len(rows)  # rows[first:] are active: targets in chunks after the current one
     # V[:, :, first:] = C_j * decay(j <- start of chunk c+1), the left factor of every matmul.
     # Without autograd it is updated in place (a fresh tensor of its size per chunk costs page
     # faults comparable to the math)
     V = C.new_empty(batch, d_inner, 0 if grad else len(rows), A.shape[1])  # [b d r n]
     flat = None if grad else C.new_empty(batch * d_inner * len(rows) * chunk)  # one [b d r p] block
-    for c in range(int(chunk_of[-1]), -1, -1):
+    for c in range(chunk_of[-1], -1, -1):
         pos = slice(c * chunk, min((c + 1) * chunk, seq_len))
         steps_c, B_c = steps[:, pos], B_bar(pos)  # [b p d k], [b p d n]
         if first < len(rows):  # 1. sources in chunk c, targets in later chunks: one matmul
@@ -140,11 +145,10 @@ def _rows_by_chunks(
                 block = block.view(batch, d_inner, len(rows) - first, right.shape[-1])
                 out[:, :, first:, pos] = torch.matmul(V[:, :, first:], right, out=block)
                 V[:, :, first:] *= chunk_decay
-        here = (chunk_of == c).nonzero()
-        if len(here):  # 2. targets in chunk c: the sources of their own chunk, then nothing
-            lo, hi = int(here[0]), int(here[-1]) + 1
+        lo, hi = bisect_left(chunk_of, c), bisect_right(chunk_of, c)
+        if lo < hi:  # 2. targets in chunk c: the sources of their own chunk, then nothing
             C_here = C[:, rows[lo:hi]]  # [b r n]
-            entries, W_here = _own_chunk(torch.exp(steps_c * A), B_c, C_here, rows[lo:hi] - c * chunk)
+            entries, W_here = _own_chunk(torch.exp(steps_c * A), B_c, C_here, [j - c * chunk for j in wanted[lo:hi]])
             out[:, :, lo:hi, pos] = entries
             if grad:
                 out[:, :, lo:hi, pos.stop :] = 0  # sources after the chunk
@@ -185,7 +189,7 @@ def _full_by_chunks(
         pos = slice(start, min(start + chunk, seq_len))
         steps_z, B_z, C_z = steps[:, pos], B_bar(pos), C[:, pos]  # [b p d k], [b p d n], [b p n]
         p = pos.stop - start
-        entries, W = _own_chunk(torch.exp(steps_z * A), B_z, C_z, torch.arange(p, device=C.device))
+        entries, W = _own_chunk(torch.exp(steps_z * A), B_z, C_z, list(range(p)))
         out[:, :, pos, pos] = entries  # [b d p p], zero above the diagonal
         if start:  # sources before the chunk: (C_j decay(j <- start)) @ (decay(start <- i) B_bar_i)
             left = rearrange(W * C_z[:, :, None], "b p d n -> b d p n")
@@ -205,16 +209,20 @@ def _needs_grad(*tensors: Tensor) -> bool:
 
 def _sorted_rows(
     rows: Int[Tensor, "row"], seq_len: int, what: str
-) -> tuple[Int[Tensor, "row"], Int[Tensor, "row"]]:
-    """(rows sorted ascending, the permutation that sorts them); positions must lie in [0, seq_len)."""
-    _check_positions(rows, seq_len, what)
+) -> tuple[Int[Tensor, "row"], Int[Tensor, "row"] | None, list[int]]:
+    """(rows sorted ascending, the permutation that sorts them or None when they are sorted already,
+    the sorted positions as Python ints); positions must lie in [0, seq_len). One host read."""
+    values = _positions_on_host(rows, seq_len, what)
+    wanted = sorted(values)
+    if values == wanted:
+        return rows, None, wanted
     order = torch.argsort(rows, stable=True)
-    return rows[order], order
+    return rows[order], order, wanted
 
 
-def _unsort(out: Tensor, order: Tensor, dim: int) -> Tensor:
+def _unsort(out: Tensor, order: Tensor | None, dim: int) -> Tensor:
     """Undo _sorted_rows along dim: result.select(dim, order[k]) = out.select(dim, k)."""
-    if torch.equal(order, torch.arange(len(order), device=order.device)):
+    if order is None:
         return out
     result = torch.empty_like(out)
     result.index_copy_(dim, order.to(out.device), out)
@@ -247,7 +255,7 @@ def mamba1_kernel_chunked(
     chunk_size = chunk_size or _full_chunk(seq_len)
     B_bar = lambda s: dt[:, s, :, None] * B[:, s, None, :]  # noqa: E731
     if _needs_grad(dt, A, B, C):
-        return _rows_by_chunks(dt[..., None], A, B_bar, C, rows, chunk_size)
+        return _rows_by_chunks(dt[..., None], A, B_bar, C, rows, list(range(seq_len)), chunk_size)
     return _full_by_chunks(dt[..., None], A, B_bar, C, chunk_size)
 
 
@@ -266,11 +274,19 @@ def mamba1_kernel_discrete_chunked(
     if not bool(((A_bar > 0) & (A_bar <= 1)).all()):
         raise ValueError("mamba1_kernel_discrete_chunked needs 0 < A_bar <= 1 everywhere; "
                          "use mamba1_kernel_discrete for zeros, negatives or growth")
-    rows = torch.arange(A_bar.shape[1], device=A_bar.device)
+    return _discrete_chunked(A_bar, B_bar, C, chunk_size)
+
+
+def _discrete_chunked(A_bar: Float[Tensor, "batch pos d_inner d_state"],
+                      B_bar: Float[Tensor, "batch pos d_inner d_state"], C: Float[Tensor, "batch pos d_state"],
+                      chunk_size: int | None = None) -> Float[Tensor, "batch d_inner q_pos k_pos"]:
+    """mamba1_kernel_discrete_chunked after its check (a caller that checked already reads the device once)."""
+    seq_len = A_bar.shape[1]
+    rows = torch.arange(seq_len, device=A_bar.device)
     ones = A_bar.new_ones(A_bar.shape[2:])
-    chunk_size = chunk_size or _full_chunk(A_bar.shape[1])
+    chunk_size = chunk_size or _full_chunk(seq_len)
     if _needs_grad(A_bar, B_bar, C):
-        return _rows_by_chunks(torch.log(A_bar), ones, lambda s: B_bar[:, s], C, rows, chunk_size)
+        return _rows_by_chunks(torch.log(A_bar), ones, lambda s: B_bar[:, s], C, rows, list(range(seq_len)), chunk_size)
     return _full_by_chunks(torch.log(A_bar), ones, lambda s: B_bar[:, s], C, chunk_size)
 
 
@@ -296,9 +312,9 @@ def mamba1_kernel_rows(
     Returns:
         kernel_rows: [b, d, r, i] = kernel[b, d, rows[r], i], zero for i > rows[r].
     """
-    sorted_rows, order = _sorted_rows(rows, dt.shape[1], "rows")
+    sorted_rows, order, wanted = _sorted_rows(rows, dt.shape[1], "rows")
     out = _rows_by_chunks(dt[..., None], A, lambda s: dt[:, s, :, None] * B[:, s, None, :], C, sorted_rows,
-                          chunk_size)
+                          wanted, chunk_size)
     return _unsort(out, order, dim=2)
 
 
@@ -326,11 +342,11 @@ def mamba1_kernel_cols(
         kernel_cols: [b, d, j, c] = kernel[b, d, j, cols[c]], zero for j < cols[c].
     """
     seq_len = dt.shape[1]
-    sorted_cols, order = _sorted_rows(cols, seq_len, "cols")
+    sorted_cols, order, wanted = _sorted_rows(cols, seq_len, "cols")
     dt_rev = F.pad(dt.flip(1)[:, :-1], (0, 0, 1, 0))  # dt''_s = dt_{L-s}; s = 0 is never summed
     B_rev, C_rev = B.flip(1), C.flip(1)
     out = _rows_by_chunks(dt_rev[..., None], A, lambda s: C_rev[:, s, None, :], B_rev,
-                          (seq_len - 1 - sorted_cols).flip(0), chunk_size)
+                          (seq_len - 1 - sorted_cols).flip(0), [seq_len - 1 - i for i in reversed(wanted)], chunk_size)
     out = rearrange(out.flip(2, 3), "b d c j -> b d j c")  # back to forward time, sorted cols ascending
     out = out * rearrange(dt[:, sorted_cols], "b c d -> b d 1 c")  # B_bar_i = dt_i * B_i
     return _unsort(out, order, dim=3)

@@ -269,6 +269,17 @@ def mamba2_kernel_pairs(
 
 
 def _check_positions(positions: Int[Tensor, "k"], seq_len: int, what: str) -> None:
-    """Refuse positions outside [0, seq_len), naming them."""
-    if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= seq_len):
-        raise IndexError(f"{what} must lie in [0, {seq_len}) (the sequence length); got {positions.tolist()}")
+    """Refuse positions outside [0, seq_len), naming them (one host read of their extremes)."""
+    if len(positions):
+        lo, hi = torch.aminmax(positions)
+        lo, hi = torch.stack([lo, hi]).tolist()
+        if lo < 0 or hi >= seq_len:
+            raise IndexError(f"{what} must lie in [0, {seq_len}) (the sequence length); got {positions.tolist()}")
+
+
+def _positions_on_host(positions: Int[Tensor, "k"], seq_len: int, what: str) -> list[int]:
+    """The positions as Python ints (the one host read), refused outside [0, seq_len) as _check_positions does."""
+    values = positions.tolist()
+    if any(v < 0 or v >= seq_len for v in values):
+        raise IndexError(f"{what} must lie in [0, {seq_len}) (the sequence length); got {values}")
+    return values

@@ -114,6 +114,13 @@ def mamba2_kernel_discrete_chunked(
     if not bool(((A_bar > 0) & (A_bar <= 1)).all()):
         raise ValueError("mamba2_kernel_discrete_chunked needs 0 < A_bar <= 1 everywhere; "
                          "use mamba2_kernel_discrete for zeros, negatives or growth")
+    return _discrete_chunked(A_bar, B_bar, C, chunk_size)
+
+
+def _discrete_chunked(A_bar: Float[Tensor, "batch pos n_heads"], B_bar: Float[Tensor, "batch pos n_heads d_state"],
+                      C: Float[Tensor, "batch pos n_heads d_state"],
+                      chunk_size: int = CHUNK) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+    """mamba2_kernel_discrete_chunked after its check (a caller that checked already reads the device once)."""
 
     def CB_rows(rows: slice) -> Tensor:
         return einsum(C[:, rows], B_bar[:, : rows.stop], "b j h n, b i h n -> b h j i")
@@ -141,7 +148,7 @@ def mamba2_kernel_discrete(
         kernel: [b, h, j, i], row = target j, column = source i.
     """
     if bool(((A_bar > 0) & (A_bar <= 1)).all()):
-        return mamba2_kernel_discrete_chunked(A_bar, B_bar, C)
+        return _discrete_chunked(A_bar, B_bar, C)  # checked here: one host read, not two
     return _discrete_by_cumprod(A_bar, B_bar, C)
 
 

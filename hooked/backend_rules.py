@@ -1,0 +1,60 @@
+"""Which backend a mixer or attention layer takes for one forward: pure rules, no state.
+
+Glossary
+    scan backend       "loop" (selective_scan / ssd_chunked: exact, every state hook available),
+                       "chunked" (ops/scan_chunked.py: few launches, for GPUs without mamba-ssm),
+                       "fused" (ops/fused.py: mamba-ssm's kernels, or their stand-ins when forced)
+    attention backend  "eager" (scores and pattern built, hookable) or "sdpa" (ops/sdpa.py)
+    exact hooks        hooks whose quantity only the exact path builds: an SSM's per-position states
+                       and kernel, attention's scores and pattern, the soft-cap's input and output.
+                       Knockout and every analysis that edits those attach such hooks, so they get
+                       the exact path too
+    forced             what `backends.use(scan=..., attention=...)` demands (None: the default rule)
+
+An active exact hook always wins over a forced fast backend: its hook must fire with the quantity
+it names. The fast paths feed the same hooked tensors into the kernels (hook_in, hook_conv, hook_dt,
+hook_B, hook_C, hook_ssm_in, hook_y, ... still fire and edits to them propagate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SCANS = ("loop", "chunked", "fused")
+ATTENTIONS = ("eager", "sdpa")
+EXACT_SCAN_HOOKS = ("hook_A_bar", "hook_B_bar", "hook_h", "hook_kernel")
+EXACT_ATTENTION_HOOKS = ("hook_attn_scores", "hook_pattern", "softcap.hook_in", "softcap.hook_out")
+
+
+def needs_exact(active_hooks: Iterable[str]) -> bool:
+    """Whether any of these active hook names (full or relative) is one only the exact path builds."""
+    suffixes = EXACT_SCAN_HOOKS + EXACT_ATTENTION_HOOKS
+    return any(name == s or name.endswith("." + s) for name in active_hooks for s in suffixes)
+
+
+def choose_scan(*, exact: bool, forced: str | None = None, on_cuda: bool = False, fused_importable: bool = False,
+                has_initial_state: bool = False) -> str:
+    """The scan backend: "loop" when an exact hook is active; else the forced one; else "fused" on
+    CUDA with mamba-ssm importable (and no initial state: its Mamba-1 kernel takes none), "chunked"
+    on other CUDA runs, "loop" on CPU (where it is the fastest: one chunk stays in cache)."""
+    if forced is not None and forced not in SCANS:
+        raise ValueError(f"scan backend must be one of {SCANS}, got {forced!r}")
+    if exact:
+        return "loop"
+    if forced is not None:
+        return forced
+    if not on_cuda:
+        return "loop"
+    return "fused" if fused_importable and not has_initial_state else "chunked"
+
+
+def choose_attention(*, exact: bool, forced: str | None = None, softcap: bool = False,
+                     shared_past: bool = False) -> str:
+    """The attention backend: "eager" when an exact hook is active, for a soft-capped layer (SDPA
+    cannot cap its scores) and for a selected state's shared past (its keys are read in place through
+    a row map, shared_kv.py); else the forced one, else "sdpa"."""
+    if forced is not None and forced not in ATTENTIONS:
+        raise ValueError(f"attention backend must be one of {ATTENTIONS}, got {forced!r}")
+    if exact or softcap or shared_past:
+        return "eager"
+    return forced or "sdpa"
