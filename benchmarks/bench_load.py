@@ -46,9 +46,6 @@ def child(kind: str, path: str, dtype: str | None) -> None:
     import torch
 
     import loaders
-    from loaders.registry import _import_all
-
-    _import_all()
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM  # noqa: F401  imports are not the load's cost
 
     CONFIG_MAPPING["llama"]  # (its lazy import too)
