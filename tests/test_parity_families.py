@@ -298,7 +298,8 @@ def test_released_config_builds_hf_shapes(family: str) -> None:
     """A config.json like a released checkpoint's, read as loaders.read_config reads it (through
     HF's config class): every tensor of our key map has HF's shape (both models on the meta device),
     and the layer windows and rope bases are HF's."""
-    from loaders.load import normalise_config, params_on_meta
+    from loaders.load import normalise_config
+    from loaders.meta import on_meta as params_on_meta
 
     raw = normalise_config(dict(REAL[family]))
     arch = find_architecture(raw)
