@@ -45,8 +45,10 @@ def state():
     hooks = {k: [repr(v) for v in getattr(torch_module, k).values()] for k in sorted(vars(torch_module))
              if k.startswith("_global_") and isinstance(getattr(torch_module, k), dict)}
     return {"hooks": hooks, "modes": torch._C._len_torch_function_stack(),
-            "default_device": repr(torch.utils._device.CURRENT_DEVICE), "get_default_device": str(torch.get_default_device()),
-            "register_parameter": repr(torch.nn.Module.register_parameter), "init": sorted(map(repr, vars(torch.nn.init).values()))}
+            "default_device": repr(torch.utils._device.CURRENT_DEVICE),
+            "get_default_device": str(torch.get_default_device()),
+            "register_parameter": repr(torch.nn.Module.register_parameter),
+            "init": sorted(map(repr, vars(torch.nn.init).values()))}
 
 before = state()
 import loaders
@@ -157,7 +159,8 @@ def test_placement_keywords_are_checked():
         Placement(device="meta", mmap=True)
     assert Placement().maps and not Placement(mmap=False).maps
     assert not Placement(device="meta").maps and not Placement(device_map="auto").maps
-    assert Placement(device="cpu") == Placement() and Placement(offload_folder="x", device_map="auto").offload_folder == Path("x")
+    assert Placement(device="cpu") == Placement()
+    assert Placement(offload_folder="x", device_map="auto").offload_folder == Path("x")
 
 
 def test_from_pretrained_names_an_unknown_keyword(tmp_path):

@@ -22,7 +22,6 @@ from conftest import build_tiny_hf
 from hooked.models.gemma2 import Gemma2Config
 from hooked.models.qwen2 import Qwen2Config
 from hooked.ops.rotary import rope_inv_freq
-from loaders import gemma2, gemma3, mistral, qwen2, qwen3  # noqa: F401  (each registers its architecture)
 from loaders.load import from_hf
 from loaders.registry import REGISTRY, find_architecture
 
