@@ -118,9 +118,6 @@ def child(kind: str, path: str, out_dir: str, offload_gb: float) -> dict:
     import torch
 
     from loaders import from_pretrained
-    from loaders.registry import _import_all
-
-    _import_all()
     from transformers import AutoModelForCausalLM
 
     import accelerate  # noqa: F401  imports are not the load's cost

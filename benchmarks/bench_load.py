@@ -45,10 +45,7 @@ def child(kind: str, path: str, dtype: str | None) -> None:
 
     import torch
 
-    import loaders
-    from loaders.registry import _import_all
-
-    _import_all()
+    import loaders  # and every family loader (loaders.registry): imports are not the load's cost
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM  # noqa: F401  imports are not the load's cost
 
     CONFIG_MAPPING["llama"]  # (its lazy import too)

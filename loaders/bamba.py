@@ -18,29 +18,12 @@ Key layout: `model.layers.{l}.{input_layernorm,pre_ff_layernorm}.weight`, Mamba 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from einops import rearrange
-
 from hooked.models.bamba import BambaConfig, build
-from loaders.llama import rope_from_hf
-from loaders.registry import Architecture, Key, register
-
-
-def rope_fields(hf: dict[str, Any], default_partial: float = 1.0) -> dict[str, Any]:
-    """rope_theta, rope_scaling and partial_rotary_factor from either config spelling."""
-    theta, scaling = rope_from_hf(hf)
-    params = dict(hf.get("rope_parameters") or {})
-    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial)))
-    if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
-    return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial)
-
-
-def dt_limit_from_hf(hf: dict[str, Any], key: str = "time_step_limit") -> tuple[float, float]:
-    limit = hf.get(key) or (0.0, math.inf)
-    return float(limit[0]), float(limit[1])
+from loaders.architecture import Architecture, Key
+from loaders.keymaps import (attention_fields, attention_keys, gated_mlp_keys, lm_head_keys, mamba2_fields, mamba2_keys,
+                             rope_fields)
 
 
 def config_from_hf(hf: dict[str, Any]) -> BambaConfig:
@@ -49,57 +32,16 @@ def config_from_hf(hf: dict[str, Any]) -> BambaConfig:
     attn = set(hf.get("attn_layer_indices") or [])
     if attn - set(range(n_layers)):
         raise ValueError(f"attn_layer_indices {sorted(attn)} name layers outside the model's {n_layers}")
-    n_attn_heads = int(hf["num_attention_heads"])
-    d_inner = int(hf.get("mamba_expand", 2) * d_model)
-    n_heads = int(hf["mamba_n_heads"])
-    d_head = hf.get("mamba_d_head", "auto")
     return BambaConfig(
         n_layers=n_layers, d_model=d_model, d_vocab=int(hf["vocab_size"]), d_mlp=int(hf["intermediate_size"]),
         layer_types=tuple("attention" if i in attn else "mamba" for i in range(n_layers)),
-        n_heads=n_heads, d_head=d_inner // n_heads if d_head in (None, "auto") else int(d_head), d_inner=d_inner,
-        d_state=int(hf.get("mamba_d_state", 256)), n_groups=int(hf.get("mamba_n_groups", 1)),
-        d_conv=int(hf.get("mamba_d_conv", 4)), chunk_size=int(hf.get("mamba_chunk_size", 256)),
-        dt_limit=dt_limit_from_hf(hf), conv_bias=bool(hf.get("mamba_conv_bias", True)),
-        proj_bias=bool(hf.get("mamba_proj_bias", False)),
-        n_attn_heads=n_attn_heads, n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
-        d_attn_head=int(hf.get("head_dim") or d_model // n_attn_heads),
-        **rope_fields(hf, default_partial=0.5),
+        **mamba2_fields(hf, d_inner=int(hf.get("mamba_expand", 2) * d_model)),
+        **attention_fields(hf), **rope_fields(hf, default_partial=0.5),
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
         act_fn=hf.get("hidden_act", "silu"), eps=float(hf.get("rms_norm_eps", 1e-5)),
         tied=bool(hf.get("tie_word_embeddings", False)),
         n_ctx=int(hf.get("max_position_embeddings") or 262144),
     )
-
-
-def squeeze_conv(w):
-    return rearrange(w, "c 1 w -> c w")
-
-
-def mamba2_keys(ours: str, theirs: str, conv_bias: bool, proj_bias: bool, out_bias: bool | None = None) -> dict[str, Key]:
-    """Our Mamba2Mixer's parameters `ours`* from an HF Mamba-2 mixer at `theirs`* (every hybrid family's layout)."""
-    out_bias = proj_bias if out_bias is None else out_bias
-    names = ["in_proj.weight", "dt_bias", "A_log", "D", "out_proj.weight"]
-    names += ["in_proj.bias"] if proj_bias else []
-    names += ["out_proj.bias"] if out_bias else []
-    keys = {ours + n: Key.of(theirs + n) for n in names}
-    keys[ours + "conv_weight"] = Key.of(theirs + "conv1d.weight", transform=squeeze_conv)
-    if conv_bias:
-        keys[ours + "conv_bias"] = Key.of(theirs + "conv1d.bias")
-    return keys
-
-
-def attention_keys(ours: str, theirs: str, qkv_bias: bool, o_bias: bool) -> dict[str, Key]:
-    keys = {f"{ours}{p}_proj.weight": Key.of(f"{theirs}{p}_proj.weight") for p in "qkvo"}
-    for p in "qkv" if qkv_bias else "":
-        keys[f"{ours}{p}_proj.bias"] = Key.of(f"{theirs}{p}_proj.bias")
-    if o_bias:
-        keys[f"{ours}o_proj.bias"] = Key.of(f"{theirs}o_proj.bias")
-    return keys
-
-
-def gated_mlp_keys(ours: str, theirs: str, bias: bool) -> dict[str, Key]:
-    return {f"{ours}{p}_proj.{w}": Key.of(f"{theirs}{p}_proj.{w}")
-            for p in ("gate", "up", "down") for w in ("weight", "bias")[: 1 + bias]}
 
 
 def key_map(cfg: BambaConfig) -> dict[str, Key]:
@@ -110,23 +52,18 @@ def key_map(cfg: BambaConfig) -> dict[str, Key]:
         keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
         keys[ours + "ln2.weight"] = Key.of(theirs + "pre_ff_layernorm.weight")
         if kind == "attention":
-            keys.update(attention_keys(ours + "attn.", theirs + "self_attn.", cfg.attention_bias, cfg.attention_bias))
+            keys |= attention_keys(ours + "attn.", theirs + "self_attn.", cfg.attention_bias, cfg.attention_bias)
         else:
-            keys.update(mamba2_keys(ours + "mixer.", theirs + "mamba.", cfg.conv_bias, cfg.proj_bias))
-            keys[ours + "mixer.norm.weight"] = Key.of(theirs + "mamba.norm.weight")
-        keys.update(gated_mlp_keys(ours + "mlp.", theirs + "feed_forward.", cfg.mlp_bias))
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+            keys |= mamba2_keys(ours + "mixer.", theirs + "mamba.", cfg.conv_bias, cfg.proj_bias)
+        keys |= gated_mlp_keys(ours + "mlp.", theirs + "feed_forward.", cfg.mlp_bias)
+    return keys | lm_head_keys(cfg.tied)
 
 
-BAMBA = register(
-    Architecture(
-        name="bamba",
-        hf_classes=("BambaForCausalLM",),
-        model_types=("bamba",),
-        config_from_hf=config_from_hf,
-        build=build,
-        key_map=key_map,
-    )
+ARCHITECTURE = Architecture(
+    name="bamba",
+    hf_classes=("BambaForCausalLM",),
+    model_types=("bamba",),
+    config_from_hf=config_from_hf,
+    build=build,
+    key_map=key_map,
 )

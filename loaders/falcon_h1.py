@@ -16,31 +16,24 @@ from __future__ import annotations
 from typing import Any
 
 from hooked.models.falcon_h1 import FalconH1Config, build
-from loaders.bamba import attention_keys, dt_limit_from_hf, gated_mlp_keys, mamba2_keys, rope_fields
-from loaders.registry import Architecture, Key, register
+from loaders.architecture import Architecture, Key
+from loaders.keymaps import (attention_fields, attention_keys, gated_mlp_keys, lm_head_keys, mamba2_fields, mamba2_keys,
+                             rope_fields)
 
 
 def config_from_hf(hf: dict[str, Any]) -> FalconH1Config:
     d_model = int(hf["hidden_size"])
-    d_inner = int(hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * d_model)
-    n_heads = int(hf["mamba_n_heads"])
-    d_head = hf.get("mamba_d_head", "auto")
-    n_attn_heads = int(hf["num_attention_heads"])
     rope = rope_fields(hf)
     if rope.pop("partial_rotary_factor") != 1.0:
         raise ValueError("Falcon-H1 with partial rotary is not supported")
     gate_m, down_m = hf.get("mlp_multipliers") or (1.0, 1.0)
     return FalconH1Config(
         n_layers=int(hf["num_hidden_layers"]), d_model=d_model, d_vocab=int(hf["vocab_size"]),
-        d_mlp=int(hf["intermediate_size"]), n_heads=n_heads,
-        d_head=d_inner // n_heads if d_head in (None, "auto") else int(d_head), d_inner=d_inner,
-        d_state=int(hf.get("mamba_d_state", 256)), n_groups=int(hf.get("mamba_n_groups", 1)),
-        d_conv=int(hf.get("mamba_d_conv", 4)), chunk_size=int(hf.get("mamba_chunk_size", 256)),
-        dt_limit=dt_limit_from_hf(hf), conv_bias=bool(hf.get("mamba_conv_bias", True)),
-        proj_bias=bool(hf.get("mamba_proj_bias", False)), out_bias=bool(hf.get("projectors_bias", False)),
+        d_mlp=int(hf["intermediate_size"]),
+        **mamba2_fields(hf, d_inner=int(hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * d_model)),
+        out_bias=bool(hf.get("projectors_bias", False)),
         ssm_norm=bool(hf.get("mamba_rms_norm", False)), norm_before_gate=bool(hf.get("mamba_norm_before_gate", True)),
-        n_attn_heads=n_attn_heads, n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
-        d_attn_head=int(hf.get("head_dim") or d_model // n_attn_heads), **rope,
+        **attention_fields(hf), **rope,
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
         act_fn=hf.get("hidden_act", "silu"),
         embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
@@ -64,23 +57,18 @@ def key_map(cfg: FalconH1Config) -> dict[str, Key]:
         ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
         keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
         keys[ours + "ln2.weight"] = Key.of(theirs + "pre_ff_layernorm.weight")
-        keys.update(attention_keys(ours + "attn.", theirs + "self_attn.", cfg.attention_bias, cfg.attention_bias))
-        keys.update(mamba2_keys(ours + "mixer.", theirs + "mamba.", cfg.conv_bias, cfg.proj_bias, cfg.out_bias))
-        if cfg.ssm_norm:
-            keys[ours + "mixer.norm.weight"] = Key.of(theirs + "mamba.norm.weight")
-        keys.update(gated_mlp_keys(ours + "mlp.", theirs + "feed_forward.", cfg.mlp_bias))
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+        keys |= attention_keys(ours + "attn.", theirs + "self_attn.", cfg.attention_bias, cfg.attention_bias)
+        keys |= mamba2_keys(ours + "mixer.", theirs + "mamba.", cfg.conv_bias, cfg.proj_bias, cfg.out_bias,
+                            norm=cfg.ssm_norm)
+        keys |= gated_mlp_keys(ours + "mlp.", theirs + "feed_forward.", cfg.mlp_bias)
+    return keys | lm_head_keys(cfg.tied)
 
 
-FALCON_H1 = register(
-    Architecture(
-        name="falcon_h1",
-        hf_classes=("FalconH1ForCausalLM",),
-        model_types=("falcon_h1",),
-        config_from_hf=config_from_hf,
-        build=build,
-        key_map=key_map,
-    )
+ARCHITECTURE = Architecture(
+    name="falcon_h1",
+    hf_classes=("FalconH1ForCausalLM",),
+    model_types=("falcon_h1",),
+    config_from_hf=config_from_hf,
+    build=build,
+    key_map=key_map,
 )

@@ -10,7 +10,7 @@ Glossary
 Soft-caps: `final_logit_softcapping` is applied as in Gemma 2; `attn_logit_softcapping` is not,
 because HF's Gemma 3 attention ignores it (transformers 5.24; every released Gemma 3 sets it to None).
 
-Tensor names are Gemma 2's (loaders/gemma2.py) plus `self_attn.q_norm.weight`, `self_attn.k_norm.weight`
+Tensor names are Gemma 2's plus `self_attn.q_norm.weight`, `self_attn.k_norm.weight`
 [head_dim].
 
 Multimodal checkpoints (HF `Gemma3ForConditionalGeneration`, model_type "gemma3": Gemma 3 4B, 12B,
@@ -27,10 +27,8 @@ from typing import Any
 
 from hooked.models.gemma2 import build
 from hooked.models.gemma3 import Gemma3Config
-from loaders import gemma2
-from loaders.llama import rope_from_hf
-from loaders.qwen3 import qk_norm_keys
-from loaders.registry import Architecture, Key, register
+from loaders.architecture import Architecture, Key
+from loaders.keymaps import GEMMA_NORMS, decoder_keys, gemma_fields, gemma_layer_types, rope_from_hf
 
 
 def ropes_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -46,24 +44,25 @@ def ropes_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
-    return Gemma3Config(**gemma2.shared_fields(hf), **ropes_from_hf(hf),
+    return Gemma3Config(**gemma_fields(hf), **ropes_from_hf(hf),
                         attn_softcap=None,  # HF's Gemma3Attention never reads attn_logit_softcapping
                         final_softcap=hf.get("final_logit_softcapping"),
-                        layer_types=gemma2.layer_types_from_hf(hf, period=hf.get("sliding_window_pattern", 6)))
+                        layer_types=gemma_layer_types(hf, period=hf.get("sliding_window_pattern", 6)))
 
 
 def key_map(cfg: Gemma3Config) -> dict[str, Key]:
-    return gemma2.key_map(cfg) | qk_norm_keys(cfg.n_layers)
+    return decoder_keys(cfg.n_layers, GEMMA_NORMS, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                        mlp_bias=False, qk_norm=True, tied=cfg.tied)
 
 
-ARCHITECTURE = register(Architecture(
+ARCHITECTURE = Architecture(
     name="gemma3",
     hf_classes=("Gemma3ForCausalLM", "Gemma3TextModel"),
     model_types=("gemma3_text",),
     config_from_hf=config_from_hf,
     build=build,
     key_map=key_map,
-))
+)
 
 
 MULTIMODAL_PREFIXES = ("model.language_model.", "language_model.model.")
@@ -92,7 +91,7 @@ def multimodal_key_map(cfg: Gemma3Config) -> dict[str, Key]:
     return keys
 
 
-MULTIMODAL = register(Architecture(
+MULTIMODAL = Architecture(
     name="gemma3_multimodal",
     hf_classes=("Gemma3ForConditionalGeneration",),
     model_types=("gemma3",),
@@ -100,4 +99,4 @@ MULTIMODAL = register(Architecture(
     build=build,
     key_map=multimodal_key_map,
     ignore=(r"^(model\.)?vision_tower\.", r"^(model\.)?multi_modal_projector\."),
-))
+)

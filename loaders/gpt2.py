@@ -20,7 +20,8 @@ from typing import Any
 from torch import Tensor
 
 from hooked.models.gpt2 import GPT2Config, build
-from loaders.registry import Architecture, Key, register
+from loaders.architecture import Architecture, Key
+from loaders.keymaps import lm_head_keys
 
 def config_from_hf(hf: dict[str, Any]) -> GPT2Config:
     d_model = hf.get("n_embd", hf.get("hidden_size"))
@@ -80,16 +81,14 @@ def key_map(cfg: GPT2Config) -> dict[str, Key]:
         keys[f"{ours}.mlp.up_proj.bias"] = _key(f"{theirs}.mlp.c_fc.bias")
         keys[f"{ours}.mlp.down_proj.weight"] = _key(f"{theirs}.mlp.c_proj.weight", _conv1d())
         keys[f"{ours}.mlp.down_proj.bias"] = _key(f"{theirs}.mlp.c_proj.bias")
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+    return keys | lm_head_keys(cfg.tied)
 
 
-ARCHITECTURE = register(Architecture(
+ARCHITECTURE = Architecture(
     name="gpt2",
     hf_classes=("GPT2LMHeadModel", "GPT2Model"),
     model_types=("gpt2",),
     config_from_hf=config_from_hf,
     build=build,
     key_map=key_map,
-))
+)

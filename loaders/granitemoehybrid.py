@@ -20,19 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from hooked.models.granitemoehybrid import GraniteMoeHybridConfig, build
-from loaders.bamba import attention_keys, dt_limit_from_hf, mamba2_keys, rope_fields
+from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import expert_view
-from loaders.registry import Architecture, Key, register
+from loaders.keymaps import (attention_fields, attention_keys, first_half, lm_head_keys, mamba2_fields, mamba2_keys,
+                             rope_fields, second_half, stacked_experts_keys)
 
 LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
-
-
-def first_half(w):
-    return w.chunk(2, dim=-2)[0]
-
-
-def second_half(w):
-    return w.chunk(2, dim=-2)[1]
 
 
 def config_from_hf(hf: dict[str, Any]) -> GraniteMoeHybridConfig:
@@ -44,23 +37,14 @@ def config_from_hf(hf: dict[str, Any]) -> GraniteMoeHybridConfig:
     pos = hf.get("position_embedding_type")
     if pos not in (None, "rope"):
         raise ValueError(f"position_embedding_type {pos!r} is not supported (None or 'rope')")
-    n_attn_heads = int(hf["num_attention_heads"])
-    d_inner = int(hf.get("mamba_expand", 2) * d_model)
-    n_heads = int(hf["mamba_n_heads"])
-    d_head = hf.get("mamba_d_head", "auto")
     rope = rope_fields(hf)
     if rope.pop("partial_rotary_factor") != 1.0:
         raise ValueError("Granite 4 with partial rotary is not supported")
     return GraniteMoeHybridConfig(
         n_layers=n_layers, d_model=d_model, d_vocab=int(hf["vocab_size"]),
         layer_types=tuple(LAYER_TYPES[k] for k in kinds),
-        n_heads=n_heads, d_head=d_inner // n_heads if d_head in (None, "auto") else int(d_head), d_inner=d_inner,
-        d_state=int(hf.get("mamba_d_state", 256)), n_groups=int(hf.get("mamba_n_groups", 1)),
-        d_conv=int(hf.get("mamba_d_conv", 4)), chunk_size=int(hf.get("mamba_chunk_size", 256)),
-        dt_limit=dt_limit_from_hf(hf), conv_bias=bool(hf.get("mamba_conv_bias", True)),
-        proj_bias=bool(hf.get("mamba_proj_bias", False)),
-        n_attn_heads=n_attn_heads, n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
-        d_attn_head=d_model // n_attn_heads, use_rope=pos == "rope", **rope,
+        **mamba2_fields(hf, d_inner=int(hf.get("mamba_expand", 2) * d_model)),
+        **attention_fields(hf, d_attn_head=d_model // int(hf["num_attention_heads"])), use_rope=pos == "rope", **rope,
         attention_bias=bool(hf.get("attention_bias", False)),
         n_experts=int(hf.get("num_local_experts") or 0) or None, top_k=int(hf.get("num_experts_per_tok", 2)),
         d_mlp=int(hf["intermediate_size"]), d_shared=int(hf.get("shared_intermediate_size", 1024)),
@@ -74,17 +58,6 @@ def config_from_hf(hf: dict[str, Any]) -> GraniteMoeHybridConfig:
     )
 
 
-def stacked_experts_keys(ours: str, theirs: str, gated: bool = True) -> dict[str, Key]:
-    """moe.py's stacked experts from HF 5.x's `experts.gate_up_proj` [E 2F m] (or `up_proj`) and `down_proj`."""
-    if gated:
-        keys = {ours + "gate_proj": Key.of(theirs + "gate_up_proj", transform=first_half),
-                ours + "up_proj": Key.of(theirs + "gate_up_proj", transform=second_half)}
-    else:
-        keys = {ours + "up_proj": Key.of(theirs + "up_proj")}
-    keys[ours + "down_proj"] = Key.of(theirs + "down_proj")
-    return keys
-
-
 def key_map(cfg: GraniteMoeHybridConfig) -> dict[str, Key]:
     keys = {"embed.weight": Key.of("model.embed_tokens.weight"), "ln_final.weight": Key.of("model.norm.weight")}
     for layer, kind in enumerate(cfg.layer_types):
@@ -92,33 +65,28 @@ def key_map(cfg: GraniteMoeHybridConfig) -> dict[str, Key]:
         keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
         keys[ours + "ln2.weight"] = Key.of(theirs + "post_attention_layernorm.weight")
         if kind == "attention":
-            keys.update(attention_keys(ours + "attn.", theirs + "self_attn.", cfg.attention_bias, cfg.attention_bias))
+            keys |= attention_keys(ours + "attn.", theirs + "self_attn.", cfg.attention_bias, cfg.attention_bias)
         else:
-            keys.update(mamba2_keys(ours + "mixer.", theirs + "mamba.", cfg.conv_bias, cfg.proj_bias))
-            keys[ours + "mixer.norm.weight"] = Key.of(theirs + "mamba.norm.weight")
+            keys |= mamba2_keys(ours + "mixer.", theirs + "mamba.", cfg.conv_bias, cfg.proj_bias)
         shared = ours + ("mlp.shared." if cfg.n_experts else "mlp.")
         keys[shared + "gate_proj.weight"] = Key.of(theirs + "shared_mlp.input_linear.weight", transform=first_half)
         keys[shared + "up_proj.weight"] = Key.of(theirs + "shared_mlp.input_linear.weight", transform=second_half)
         keys[shared + "down_proj.weight"] = Key.of(theirs + "shared_mlp.output_linear.weight")
         if cfg.n_experts:
             keys[ours + "mlp.router.weight"] = Key.of(theirs + "block_sparse_moe.router.weight")
-            keys.update(stacked_experts_keys(ours + "mlp.", theirs + "block_sparse_moe.experts."))
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+            keys |= stacked_experts_keys(ours + "mlp.", theirs + "block_sparse_moe.experts.")
+    return keys | lm_head_keys(cfg.tied)
 
 
-GRANITE_MOE_HYBRID = register(
-    Architecture(
-        name="granitemoehybrid",
-        hf_classes=("GraniteMoeHybridForCausalLM",),
-        model_types=("granitemoehybrid",),
-        config_from_hf=config_from_hf,
-        build=build,
-        key_map=key_map,
-        adapt=expert_view(renames=[  # the original GraniteMoe names (what save_pretrained writes)
-            (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),
-            (r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
-            (r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight")]),
-    )
+ARCHITECTURE = Architecture(
+    name="granitemoehybrid",
+    hf_classes=("GraniteMoeHybridForCausalLM",),
+    model_types=("granitemoehybrid",),
+    config_from_hf=config_from_hf,
+    build=build,
+    key_map=key_map,
+    adapt=expert_view(renames=[  # the original GraniteMoe names (what save_pretrained writes)
+        (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),
+        (r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
+        (r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight")]),
 )

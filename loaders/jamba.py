@@ -20,10 +20,10 @@ import math
 from typing import Any
 
 from hooked.models.jamba import JambaConfig, build
-from loaders.bamba import attention_keys, gated_mlp_keys, squeeze_conv
+from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import expert_view
-from loaders.granitemoehybrid import stacked_experts_keys
-from loaders.registry import Architecture, Key, register
+from loaders.keymaps import (attention_fields, attention_keys, gated_mlp_keys, lm_head_keys, mamba1_keys,
+                             stacked_experts_keys)
 
 
 def config_from_hf(hf: dict[str, Any]) -> JambaConfig:
@@ -32,7 +32,6 @@ def config_from_hf(hf: dict[str, Any]) -> JambaConfig:
     e_period, e_offset = int(hf.get("expert_layer_period", 2)), int(hf.get("expert_layer_offset", 1))
     n_experts = int(hf.get("num_experts", 16))
     dt_rank = hf.get("mamba_dt_rank", "auto")
-    n_attn_heads = int(hf["num_attention_heads"])
     return JambaConfig(
         n_layers=n_layers, d_model=d_model, d_vocab=int(hf["vocab_size"]), d_mlp=int(hf["intermediate_size"]),
         layer_types=tuple("attention" if l % a_period == a_offset else "mamba" for l in range(n_layers)),
@@ -41,23 +40,11 @@ def config_from_hf(hf: dict[str, Any]) -> JambaConfig:
         d_conv=int(hf.get("mamba_d_conv", 4)),
         dt_rank=math.ceil(d_model / 16) if dt_rank in (None, "auto") else int(dt_rank),
         conv_bias=bool(hf.get("mamba_conv_bias", True)), proj_bias=bool(hf.get("mamba_proj_bias", False)),
-        n_attn_heads=n_attn_heads, n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
-        d_attn_head=d_model // n_attn_heads, n_experts=n_experts, top_k=int(hf.get("num_experts_per_tok", 2)),
+        **attention_fields(hf, d_attn_head=d_model // int(hf["num_attention_heads"])),
+        n_experts=n_experts, top_k=int(hf.get("num_experts_per_tok", 2)),
         act_fn=hf.get("hidden_act", "silu"), eps=float(hf.get("rms_norm_eps", 1e-6)),
         tied=bool(hf.get("tie_word_embeddings", False)), n_ctx=int(hf.get("max_position_embeddings") or 262144),
     )
-
-
-def mamba1_keys(ours: str, theirs: str, cfg: JambaConfig) -> dict[str, Key]:
-    names = ["in_proj.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight"]
-    names += ["in_proj.bias", "out_proj.bias"] if cfg.proj_bias else []
-    keys = {ours + n: Key.of(theirs + n) for n in names}
-    keys[ours + "conv_weight"] = Key.of(theirs + "conv1d.weight", transform=squeeze_conv)
-    if cfg.conv_bias:
-        keys[ours + "conv_bias"] = Key.of(theirs + "conv1d.bias")
-    for x, hf_x in (("dt", "dt"), ("B", "b"), ("C", "c")):
-        keys[f"{ours}{x}_norm_weight"] = Key.of(f"{theirs}{hf_x}_layernorm.weight")
-    return keys
 
 
 def key_map(cfg: JambaConfig) -> dict[str, Key]:
@@ -68,27 +55,25 @@ def key_map(cfg: JambaConfig) -> dict[str, Key]:
         keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
         keys[ours + "ln2.weight"] = Key.of(theirs + "pre_ff_layernorm.weight")
         if kind == "attention":
-            keys.update(attention_keys(ours + "attn.", theirs + "self_attn.", False, False))
+            keys |= attention_keys(ours + "attn.", theirs + "self_attn.", False, False)
         else:
-            keys.update(mamba1_keys(ours + "mixer.", theirs + "mamba.", cfg))
+            keys |= mamba1_keys(ours + "mixer.", theirs + "mamba.", cfg.conv_bias, cfg.proj_bias)
+            keys |= {f"{ours}mixer.{x}_norm_weight": Key.of(f"{theirs}mamba.{hf_x}_layernorm.weight")
+                     for x, hf_x in (("dt", "dt"), ("B", "b"), ("C", "c"))}
         if mlp_kind == "moe":
             keys[ours + "mlp.router.weight"] = Key.of(theirs + "feed_forward.router.weight")
-            keys.update(stacked_experts_keys(ours + "mlp.", theirs + "feed_forward.experts."))
+            keys |= stacked_experts_keys(ours + "mlp.", theirs + "feed_forward.experts.")
         else:
-            keys.update(gated_mlp_keys(ours + "mlp.", theirs + "feed_forward.", False))
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+            keys |= gated_mlp_keys(ours + "mlp.", theirs + "feed_forward.", False)
+    return keys | lm_head_keys(cfg.tied)
 
 
-JAMBA = register(
-    Architecture(
-        name="jamba",
-        hf_classes=("JambaForCausalLM",),
-        model_types=("jamba",),
-        config_from_hf=config_from_hf,
-        build=build,
-        key_map=key_map,
-        adapt=expert_view(stacks={"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
-    )
+ARCHITECTURE = Architecture(
+    name="jamba",
+    hf_classes=("JambaForCausalLM",),
+    model_types=("jamba",),
+    config_from_hf=config_from_hf,
+    build=build,
+    key_map=key_map,
+    adapt=expert_view(stacks={"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
 )

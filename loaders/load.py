@@ -14,37 +14,41 @@ Glossary
     mis-shaped   a tensor whose shape after the Key's transform differs from the parameter's; the
                  transform is first run on a meta tensor of the checkpoint's shape, so this too is
                  known before reading data
+    placement    dtype, device, device_map, max_memory, offload_folder, mmap: one checked
+                 `Placement` (loaders/placement.py), made from from_pretrained's keywords
     meta build   the model is built with its parameters on the meta device (no memory, no init),
-                 its buffers real; `materialise` then allocates each parameter once in the final
-                 dtype and device (like `to_empty`, keeping ties), and tensors are read into them one
-                 at a time, straight from the file when no conversion is needed: peak memory ~1x
+                 its buffers real (loaders/meta.py); `materialise` then allocates each parameter
+                 once in the final dtype and device (like `to_empty`, keeping ties), and tensors are
+                 read into them one at a time, straight from the file when no conversion is needed:
+                 peak memory ~1x
     file-backed  with `mmap=True` (the default on CPU without a device_map), a parameter that needs no conversion (stored in the load's dtype,
                  no transform in its Key or one that only views the tensor contiguously, device cpu,
                  aligned in the file) is not allocated or read:
                  it is the checkpoint's bytes under a private memory map (loaders/safetensors_io.py,
                  "mapped"), paged in when first used. In-place edits stay in this process
 
-A failed load raises before the model is returned; no half-loaded model ever escapes.
+A failed load raises before the model is returned; no half-loaded model ever escapes. Loading
+changes no process-wide state (loaders/meta.py: no hook registered with torch, nothing patched).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
 import os
 import re
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
-from loaders.checks import (ConfigError, check_float_dtype, check_hf_config, check_model_config, config_dtype,
-                            read_json, shard_path, weight_map)
+from loaders.checks import (ConfigError, check_hf_config, check_model_config, config_dtype, read_json, shard_path,
+                            weight_map)
 from loaders.hub import looks_like_repo_id, resolve_repo
+from loaders.meta import build_on_meta, materialise
+from loaders.placement import Placement
 from loaders.registry import Architecture, find_architecture
 from loaders.safetensors_io import INDEX_FILE, SINGLE_FILE, MappingSource, SafetensorsCheckpoint
 from loaders.tokenizer import load_gguf_tokenizer, load_tokenizer, prepare_tokenizer
@@ -120,23 +124,17 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
         CheckpointError (a ValueError): missing, unexpected or mis-shaped tensors, all listed.
         CheckpointFileError (a ValueError): a truncated or corrupt file, named.
         ValueError: unknown architecture; pickled weights without allow_pickle; mmap=True with
-            device_map= or a device other than cpu.
+            device_map= or a device other than cpu; max_memory= or offload_folder= without device_map=.
         FileNotFoundError: nothing at that path, or a repo id neither cached nor downloadable.
+        TypeError: an unknown keyword (named).
     """
     _check_processing(processing)
+    placement = Placement(dtype=dtype, device=device, device_map=device_map, max_memory=max_memory,
+                          offload_folder=offload_folder, mmap=mmap)
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
-    placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder} \
-        if device_map is not None else {}
-    if mmap is None:
-        mmap = device_map is None and torch.device(device).type == "cpu"
-    elif mmap and (device_map is not None or torch.device(device).type != "cpu"):
-        where = f"device_map={device_map!r}" if device_map is not None else f"device={str(device)!r}"
-        raise ValueError(f"mmap=True maps checkpoint files into CPU memory; it cannot be combined with {where} "
-                         f"(load with mmap=False, or on device='cpu' without a device_map)")
-    if path.is_file():
-        return _processed(load_gguf(path, dtype=dtype, device=device, mmap=mmap, **placement), processing)
-    return _processed(load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle, mmap=mmap, **placement),
-                      processing)
+    if path.is_file():  # GGUF: every tensor is converted, so nothing can be file-backed; mmap= decides nothing
+        return _processed(load_gguf(path, dataclasses.replace(placement, mmap=None)), processing)
+    return _processed(load_dir(path, placement, allow_pickle=allow_pickle), processing)
 
 
 PROCESSING = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
@@ -207,7 +205,7 @@ def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False, *
     hf_config = hf_model.config.to_dict()
     p = next(hf_model.parameters())
     source = MappingSource(hf_model.state_dict(), origin=type(hf_model).__name__)
-    model = build_from_source(hf_config, source, dtype=p.dtype, device=p.device)
+    model = build_from_source(hf_config, source, Placement(dtype=p.dtype, device=p.device, mmap=False))
     model.tokenizer = prepare_tokenizer(tokenizer)
     if share_weights:
         if any(processing.values()):
@@ -231,8 +229,7 @@ def _share(model: nn.Module, hf_config: dict[str, Any], source: Any, origin: str
         params[name].data = t
 
 
-def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-             allow_pickle: bool = False, mmap: bool = False, **placement: Any) -> Any:
+def load_dir(directory: str | Path, placement: Placement = Placement(), *, allow_pickle: bool = False) -> Any:
     """Load a checkpoint directory: config.json plus safetensors (or, opted in, pickles), and its tokenizer."""
     d = Path(directory)
     if not (d / "config.json").is_file():
@@ -242,24 +239,26 @@ def load_dir(directory: str | Path, *, dtype: torch.dtype | None = None, device:
         source = SafetensorsCheckpoint.from_dir(d)
     else:
         source = _pickle_source(d, allow_pickle)
-    model = build_from_source(hf_config, source, dtype=dtype, device=device, mmap=mmap, **placement)
+    model = build_from_source(hf_config, source, placement)
     model.tokenizer = load_tokenizer(d)
     return model
 
 
-def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-              mmap: bool = False, **placement: Any) -> Any:
-    """Load a GGUF file (dequantized to float32 unless `dtype` says otherwise) with its tokenizer.
-    `mmap` is accepted and has no effect: every GGUF tensor is converted, so read into memory."""
+def load_gguf(path: str | Path, placement: Placement = Placement()) -> Any:
+    """Load a GGUF file (dequantized to float32 unless `placement.dtype` says otherwise) with its tokenizer.
+    Every GGUF tensor is converted, so read into memory: `placement.mmap=True` is refused."""
     from loaders.gguf import read_gguf
 
     path = Path(path)
+    if placement.mmap:
+        raise ValueError(f"{path}: mmap=True cannot apply to a GGUF file: its tensors are dequantized, so they are "
+                         f"always read into memory (load with mmap=None or False)")
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     ckpt = read_gguf(path)
     source = MappingSource(ckpt.tensors, origin=str(path), shapes=ckpt.tensors.shapes)
-    model = build_from_source(normalise_config(ckpt.config), source, dtype=dtype or torch.float32, device=device,
-                              **placement)
+    placement = dataclasses.replace(placement, dtype=placement.dtype or torch.float32, mmap=False)
+    model = build_from_source(normalise_config(ckpt.config), source, placement)
     model.tokenizer = load_gguf_tokenizer(path)
     return model
 
@@ -334,15 +333,21 @@ def _pickle_source(d: Path, allow_pickle: bool) -> MappingSource:
 
 
 # ------------------------------------------------------------------------------------------- core
-def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dtype | None,
-                      device: str | torch.device, mmap: bool = False, **placement: Any) -> Any:
+def build_from_source(hf_config: dict[str, Any], source: Any, placement: Placement | None = None,
+                      **fields: Any) -> Any:
     """Build the architecture's model on meta, check the whole plan, then materialise and fill it
-    (or, given `device_map=`, place it over devices: loaders/dispatch.py). `mmap=True`: parameters
-    that need no conversion are file-backed (`map_weights`), the others read."""
+    (or, given a device_map, place it over devices: loaders/dispatch.py). `placement.maps`: parameters
+    that need no conversion are file-backed (`map_weights`), the others read.
+
+    placement: a Placement, or its fields as keywords (`dtype=torch.float32, device="cpu"`; an unknown
+    keyword is a TypeError naming it). Without `mmap`, keywords mean mmap=False here.
+    """
+    if placement is None:
+        placement = Placement(**{"mmap": False, **fields})
+    elif fields:
+        raise TypeError(f"pass a Placement or its fields as keywords, not both (got {sorted(fields)} too)")
     origin = getattr(source, "origin", "checkpoint")
     check_hf_config(hf_config, origin)
-    if dtype is not None:
-        check_float_dtype(dtype, "dtype")
     arch = find_architecture(hf_config)
     try:
         cfg = arch.config_from_hf(hf_config)
@@ -355,19 +360,20 @@ def build_from_source(hf_config: dict[str, Any], source: Any, *, dtype: torch.dt
     check_model_config(cfg, origin, arch.name)
     if getattr(arch, "adapt", None) is not None:  # e.g. per-expert tensors stacked (loaders/checkpoint_view.py)
         source = arch.adapt(source)
-    dtype = dtype or checkpoint_dtype(hf_config, source)
-    with params_on_meta():
-        try:
-            model = arch.build(cfg)
-        except ValueError as e:  # the model's own consistency checks (e.g. heads dividing d_model)
-            raise ConfigError(f"{origin}: {e}") from None
+    dtype = placement.dtype or checkpoint_dtype(hf_config, source)
+    try:
+        model = build_on_meta(arch.build, cfg)
+    except ValueError as e:  # the model's own consistency checks (e.g. heads dividing d_model)
+        raise ConfigError(f"{origin}: {e}") from None
     plan = plan_load(arch, cfg, model, source)
-    if placement:
+    if placement.device_map is not None:
         from loaders.dispatch import dispatch_from_source
 
-        return dispatch_from_source(model, plan, source, arch, fill=copy_weights, dtype=dtype, **placement)
-    device = torch.device(device)
-    mapped = map_weights(model, plan, source, dtype) if mmap and device.type == "cpu" else {}
+        return dispatch_from_source(model, plan, source, arch, fill=copy_weights, dtype=dtype,
+                                    device_map=placement.device_map, max_memory=placement.max_memory,
+                                    offload_folder=placement.offload_folder)
+    device = placement.device
+    mapped = map_weights(model, plan, source, dtype) if placement.maps and device.type == "cpu" else {}
     materialise(model, dtype=dtype, device=device, given=mapped)
     copy_weights(model, {n: v for n, v in plan.items() if n not in mapped}, source, arch)
     return model.eval()
@@ -429,61 +435,6 @@ def _shape_after(key: Any, shape: tuple[int, ...]) -> torch.Size | None:
         return None
 
 
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Inside, parameters registered by this thread move to the meta device (no memory) and weight
-    initialisation is skipped (the values are overwritten anyway; on meta, some init functions would
-    import torch._dynamo: seconds and ~100 MB). Buffers and plain tensors stay real: models compute
-    them in __init__.
-
-    Only the calling thread is affected, and nothing process-wide changes while it loads: the
-    parameter-registration hook that moves parameters (`_to_meta`) is installed once, when this
-    module is imported, and acts only for a thread whose `_META.depth` is set; init is skipped by a
-    TorchFunctionMode, whose stack is thread-local. No torch function is patched, so a module built
-    meanwhile in another thread keeps real, initialised parameters."""
-    _META.depth = getattr(_META, "depth", 0) + 1
-    try:
-        with _SkipInitOnMeta():
-            yield
-    finally:
-        _META.depth -= 1
-
-
-_META = threading.local()  # depth > 0 while this thread builds a model under params_on_meta()
-
-
-def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-    """torch's parameter-registration hook: the meta copy of `param` inside params_on_meta(), else None."""
-    if param is None or not getattr(_META, "depth", 0) or param.device.type == "meta":
-        return None
-    return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-
-# Installed once, at import, never removed: adding or removing a global hook while another thread
-# registers parameters would change the dict that thread iterates over.
-nn.modules.module.register_module_parameter_registration_hook(_to_meta)
-
-
-_INIT_FUNCTIONS = frozenset(f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_")
-                            and callable(f))
-# Tensor methods that only change values (never shape, dtype or flags): skipped on meta tensors
-_VALUE_ONLY = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "erfinv_", "mul_", "add_", "sub_",
-                         "div_", "clamp_", "clamp_min_", "clamp_max_", "exp_", "log_", "sqrt_", "random_",
-                         "exponential_", "bernoulli_", "log_normal_", "cauchy_", "geometric_", "fmod_",
-                         "abs_", "neg_", "reciprocal_", "addcmul_", "addcdiv_", "lerp_", "masked_fill_"})
-
-
-class _SkipInitOnMeta(TorchFunctionMode):
-    """nn.init functions and value-only in-place tensor ops on a meta tensor return it untouched."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        first = args[0] if args else (kwargs or {}).get("tensor")
-        if isinstance(first, Tensor) and first.device.type == "meta" and (
-                func in _INIT_FUNCTIONS or getattr(func, "__name__", None) in _VALUE_ONLY):
-            return first
-        return func(*args, **(kwargs or {}))
-
-
 def map_weights(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any,
                 dtype: torch.dtype) -> dict[str, Tensor]:
     """{our parameter: its file-backed tensor} for every planned parameter that needs no conversion:
@@ -513,30 +464,6 @@ def _views(transform: Callable[[Tensor], Tensor], shape: tuple[int, ...]) -> boo
     except Exception:  # data-dependent: not a view we can tell apart
         return False
     return (out is probe or out._base is probe) and out.is_contiguous()
-
-
-def materialise(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                given: dict[str, Tensor] | None = None) -> None:
-    """Allocate the meta parameters, uninitialised, in `dtype` on `device` (what `to_empty` does, but
-    keeping tied parameters tied and buffers' values); floating buffers are cast like `.to(dtype)`.
-    `given` {parameter name: tensor}: those parameters take that tensor instead (file-backed ones)."""
-    new: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta, allocated); meta kept alive
-    params = dict(model.named_parameters())
-    for name, t in (given or {}).items():
-        p = params[name]
-        new[id(p)] = (p, nn.Parameter(t, p.requires_grad))
-    for m in model.modules():
-        for n, p in m._parameters.items():
-            if p is None:
-                continue
-            if id(p) not in new:
-                p_dtype = dtype if p.is_floating_point() else p.dtype
-                # torch.empty, not empty_like: on meta tensors the latter imports sympy (seconds, ~100 MB)
-                new[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=p_dtype, device=device), p.requires_grad))
-            m._parameters[n] = new[id(p)][1]
-        for n, b in m._buffers.items():
-            if b is not None:
-                m._buffers[n] = b.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
 
 
 def copy_weights(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any, arch: Architecture) -> None:

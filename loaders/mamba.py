@@ -23,10 +23,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch import Tensor
-
 from hooked.models.mamba import MambaConfig, build
-from loaders.registry import Architecture, Key, register
+from loaders.architecture import Architecture, Key
+from loaders.keymaps import lm_head_keys, mamba1_keys
 
 
 def _mamba_config(c: dict[str, Any], mixer_rms_eps: float | None) -> MambaConfig:
@@ -63,44 +62,30 @@ def falcon_config_from_hf(c: dict[str, Any]) -> MambaConfig:
     return _mamba_config(c, float(1e-6 if eps is None else eps))
 
 
-def _squeeze_conv(w: Tensor) -> Tensor:
-    return w.squeeze(1)  # [d_inner 1 d_conv] -> [d_inner d_conv]
-
-
 def key_map(cfg: MambaConfig) -> dict[str, Key]:
     keys = {"embed.weight": Key.of("backbone.embeddings.weight", "backbone.embedding.weight")}
     for layer in range(cfg.n_layers):
-        hf, ours = f"backbone.layers.{layer}", f"blocks.{layer}"
-        keys[f"{ours}.ln1.weight"] = Key.of(f"{hf}.norm.weight")
-        mixer = ["in_proj.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
-                 "out_proj.weight"]
-        if cfg.proj_bias:
-            mixer += ["in_proj.bias", "out_proj.bias"]
-        for name in mixer:
-            keys[f"{ours}.mixer.{name}"] = Key.of(f"{hf}.mixer.{name}")
-        keys[f"{ours}.mixer.conv_weight"] = Key.of(f"{hf}.mixer.conv1d.weight", transform=_squeeze_conv)
-        if cfg.conv_bias:
-            keys[f"{ours}.mixer.conv_bias"] = Key.of(f"{hf}.mixer.conv1d.bias")
+        ours, theirs = f"blocks.{layer}.", f"backbone.layers.{layer}."
+        keys[ours + "ln1.weight"] = Key.of(theirs + "norm.weight")
+        keys |= mamba1_keys(ours + "mixer.", theirs + "mixer.", cfg.conv_bias, cfg.proj_bias)
     keys["ln_final.weight"] = Key.of("backbone.norm_f.weight")
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+    return keys | lm_head_keys(cfg.tied)
 
 
-MAMBA = register(Architecture(
+ARCHITECTURE = Architecture(
     name="mamba",
     hf_classes=("MambaForCausalLM",),
     model_types=("mamba",),
     config_from_hf=config_from_hf,
     build=build,
     key_map=key_map,
-))
+)
 
-FALCON_MAMBA = register(Architecture(
+FALCON_MAMBA = Architecture(
     name="falcon_mamba",
     hf_classes=("FalconMambaForCausalLM",),
     model_types=("falcon_mamba",),
     config_from_hf=falcon_config_from_hf,
     build=build,
     key_map=key_map,
-))
+)

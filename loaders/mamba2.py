@@ -14,13 +14,11 @@ weight [conv_dim 1 d_conv] becomes our conv_weight [conv_dim d_conv].
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from einops import rearrange
-
 from hooked.models.mamba2 import Mamba2Config, build
-from loaders.registry import Architecture, Key, register
+from loaders.architecture import Architecture, Key
+from loaders.keymaps import dt_limit_from_hf, lm_head_keys, mamba2_keys
 
 
 def config_from_hf(hf: dict[str, Any]) -> Mamba2Config:
@@ -31,7 +29,6 @@ def config_from_hf(hf: dict[str, Any]) -> Mamba2Config:
     if hf.get("norm_before_gate", False):
         raise ValueError("Mamba-2 with norm_before_gate=True is not supported (HF normalises after the gate)")
     d_model = int(hf["hidden_size"])
-    limit = hf.get("time_step_limit", (0.0, math.inf))
     return Mamba2Config(
         n_layers=int(hf["num_hidden_layers"]),
         d_model=d_model,
@@ -42,7 +39,7 @@ def config_from_hf(hf: dict[str, Any]) -> Mamba2Config:
         n_groups=int(hf.get("n_groups", 1)),
         d_conv=int(hf.get("conv_kernel", 4)),
         chunk_size=int(hf.get("chunk_size", 256)),
-        dt_limit=(float(limit[0]), float(limit[1])),
+        dt_limit=dt_limit_from_hf(hf),
         conv_bias=bool(hf.get("use_conv_bias", True)),
         proj_bias=bool(hf.get("use_bias", False)),
         eps=float(hf.get("layer_norm_epsilon", 1e-5)),
@@ -52,35 +49,21 @@ def config_from_hf(hf: dict[str, Any]) -> Mamba2Config:
     )
 
 
-def _squeeze_conv(w):
-    return rearrange(w, "c 1 w -> c w")
-
-
 def key_map(cfg: Mamba2Config) -> dict[str, Key]:
     keys = {"embed.weight": Key.of("backbone.embeddings.weight", "backbone.embedding.weight"),
             "ln_final.weight": Key.of("backbone.norm_f.weight")}
     for layer in range(cfg.n_layers):
         ours, theirs = f"blocks.{layer}.", f"backbone.layers.{layer}."
         keys[ours + "ln1.weight"] = Key.of(theirs + "norm.weight")
-        names = ["in_proj.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"]
-        names += ["in_proj.bias", "out_proj.bias"] if cfg.proj_bias else []
-        for name in names:
-            keys[ours + "mixer." + name] = Key.of(theirs + "mixer." + name)
-        keys[ours + "mixer.conv_weight"] = Key.of(theirs + "mixer.conv1d.weight", transform=_squeeze_conv)
-        if cfg.conv_bias:
-            keys[ours + "mixer.conv_bias"] = Key.of(theirs + "mixer.conv1d.bias")
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+        keys |= mamba2_keys(ours + "mixer.", theirs + "mixer.", cfg.conv_bias, cfg.proj_bias)
+    return keys | lm_head_keys(cfg.tied)
 
 
-MAMBA2 = register(
-    Architecture(
-        name="mamba2",
-        hf_classes=("Mamba2ForCausalLM",),
-        model_types=("mamba2",),
-        config_from_hf=config_from_hf,
-        build=build,
-        key_map=key_map,
-    )
+ARCHITECTURE = Architecture(
+    name="mamba2",
+    hf_classes=("Mamba2ForCausalLM",),
+    model_types=("mamba2",),
+    config_from_hf=config_from_hf,
+    build=build,
+    key_map=key_map,
 )

@@ -23,10 +23,9 @@ import math
 from typing import Any
 
 from hooked.models.nemotron_h import NemotronHConfig, build
-from loaders.bamba import attention_keys, mamba2_keys
+from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import expert_view
-from loaders.granitemoehybrid import stacked_experts_keys
-from loaders.registry import Architecture, Key, register
+from loaders.keymaps import attention_fields, attention_keys, lm_head_keys, mamba2_keys, mlp_keys, stacked_experts_keys
 
 LAYER_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
                "mlp": "mlp", "moe": "moe"}
@@ -45,15 +44,12 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
         raise ValueError("NemotronH with moe_latent_size (latent expert projections) is not supported")
     if hf.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"NemotronH mamba_hidden_act {hf['mamba_hidden_act']!r} is not supported (silu only)")
-    n_attn_heads = int(hf["num_attention_heads"])
     return NemotronHConfig(
         d_model=int(hf["hidden_size"]), d_vocab=int(hf["vocab_size"]), layer_types=tuple(LAYER_TYPES[k] for k in kinds),
         n_heads=int(hf["mamba_num_heads"]), d_head=int(hf["mamba_head_dim"]), d_state=int(hf.get("ssm_state_size", 128)),
         n_groups=int(hf.get("n_groups", 8)), d_conv=int(hf.get("conv_kernel", 4)), chunk_size=int(hf.get("chunk_size", 128)),
         dt_limit=(float(hf.get("time_step_min", 0.001)), math.inf), conv_bias=bool(hf.get("use_conv_bias", True)),
-        proj_bias=bool(hf.get("use_bias", False)), n_attn_heads=n_attn_heads,
-        n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
-        d_attn_head=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_attn_heads),
+        proj_bias=bool(hf.get("use_bias", False)), **attention_fields(hf),
         d_mlp=int(hf["intermediate_size"]), mlp_bias=bool(hf.get("mlp_bias", False)),
         act_fn=hf.get("mlp_hidden_act", "relu2"), n_experts=int(hf.get("n_routed_experts", 8)),
         top_k=int(hf.get("num_experts_per_tok", 2)), d_expert=int(hf.get("moe_intermediate_size", 7688)),
@@ -65,42 +61,32 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
     )
 
 
-def mlp_keys(ours: str, theirs: str, bias: bool) -> dict[str, Key]:
-    return {f"{ours}{p}_proj.{w}": Key.of(f"{theirs}{p}_proj.{w}") for p in ("up", "down")
-            for w in ("weight", "bias")[: 1 + bias]}
-
-
 def key_map(cfg: NemotronHConfig) -> dict[str, Key]:
     keys = {"embed.weight": Key.of("model.embeddings.weight"), "ln_final.weight": Key.of("model.norm_f.weight")}
     for layer, kind in enumerate(cfg.layer_types):
         ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
         keys[ours + "ln1.weight"] = Key.of(theirs + "norm.weight")
         if kind == "mamba":
-            keys.update(mamba2_keys(ours + "mixer.", theirs + "mixer.", cfg.conv_bias, cfg.proj_bias))
-            keys[ours + "mixer.norm.weight"] = Key.of(theirs + "mixer.norm.weight")
+            keys |= mamba2_keys(ours + "mixer.", theirs + "mixer.", cfg.conv_bias, cfg.proj_bias)
         elif kind == "attention":
-            keys.update(attention_keys(ours + "attn.", theirs + "mixer.", False, False))
+            keys |= attention_keys(ours + "attn.", theirs + "mixer.", False, False)
         elif kind == "mlp":
-            keys.update(mlp_keys(ours + "mlp.", theirs + "mixer.", cfg.mlp_bias))
+            keys |= mlp_keys(ours + "mlp.", theirs + "mixer.", cfg.mlp_bias)
         else:
             keys[ours + "mlp.router.weight"] = Key.of(theirs + "mixer.gate.weight")
             keys[ours + "mlp.select.correction_bias"] = Key.of(theirs + "mixer.gate.e_score_correction_bias")
-            keys.update(stacked_experts_keys(ours + "mlp.", theirs + "mixer.experts.", gated=False))
-            keys.update(mlp_keys(ours + "mlp.shared.", theirs + "mixer.shared_experts.", cfg.mlp_bias))
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+            keys |= stacked_experts_keys(ours + "mlp.", theirs + "mixer.experts.", gated=False)
+            keys |= mlp_keys(ours + "mlp.shared.", theirs + "mixer.shared_experts.", cfg.mlp_bias)
+    return keys | lm_head_keys(cfg.tied)
 
 
-NEMOTRON_H = register(
-    Architecture(
-        name="nemotron_h",
-        hf_classes=("NemotronHForCausalLM",),
-        model_types=("nemotron_h",),
-        config_from_hf=config_from_hf,
-        build=build,
-        key_map=key_map,
-        adapt=expert_view(renames=[(r"^backbone\.", "model.")],  # checkpoints: backbone.*, experts.{i}.*
-                          stacks={"up_proj": ("up_proj",), "down_proj": ("down_proj",)}),
-    )
+ARCHITECTURE = Architecture(
+    name="nemotron_h",
+    hf_classes=("NemotronHForCausalLM",),
+    model_types=("nemotron_h",),
+    config_from_hf=config_from_hf,
+    build=build,
+    key_map=key_map,
+    adapt=expert_view(renames=[(r"^backbone\.", "model.")],  # checkpoints: backbone.*, experts.{i}.*
+                      stacks={"up_proj": ("up_proj",), "down_proj": ("down_proj",)}),
 )

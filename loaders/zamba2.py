@@ -28,11 +28,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from einops import rearrange
-
 from hooked.models.zamba2 import Zamba2Config, build
-from loaders.llama import rope_from_hf
-from loaders.registry import Architecture, Key, register
+from loaders.architecture import Architecture, Key
+from loaders.keymaps import attention_fields, lm_head_keys, mamba2_keys, rope_from_hf
 
 LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "m": "mamba", "hybrid": "hybrid", "g": "hybrid"}
 
@@ -46,7 +44,6 @@ def config_from_hf(hf: dict[str, Any]) -> Zamba2Config:
     unknown = sorted({k for k in kinds if k not in LAYER_TYPES})
     if unknown:
         raise ValueError(f"Zamba2 layer types {unknown} are not supported (known: {', '.join(LAYER_TYPES)})")
-    n_attn_heads = int(hf["num_attention_heads"])
     d_inner = int(hf.get("mamba_expand", 2) * d_model)
     n_heads = int(hf["n_mamba_heads"])
     theta, scaling = rope_from_hf(hf)
@@ -64,9 +61,8 @@ def config_from_hf(hf: dict[str, Any]) -> Zamba2Config:
         chunk_size=int(hf.get("chunk_size", 256)),
         dt_limit=(float(hf.get("time_step_min", 0.001)), math.inf),
         proj_bias=bool(hf.get("add_bias_linear", False)),
-        n_attn_heads=n_attn_heads,
-        n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
-        d_attn_head=int(hf.get("attention_head_dim") or 2 * d_model // n_attn_heads),
+        **attention_fields(hf, d_attn_head=int(hf.get("attention_head_dim")
+                                               or 2 * d_model // int(hf["num_attention_heads"]))),
         d_mlp=int(hf.get("intermediate_size") or 4 * d_model),
         act_fn=hf.get("hidden_act", "gelu"),
         num_mem_blocks=int(hf.get("num_mem_blocks", 1)),
@@ -81,20 +77,11 @@ def config_from_hf(hf: dict[str, Any]) -> Zamba2Config:
     )
 
 
-def _squeeze_conv(w):
-    return rearrange(w, "c 1 w -> c w")
-
-
 def _mamba_keys(cfg: Zamba2Config, layer: int, theirs: str) -> dict[str, Key]:
     """ln1 and the Mamba-2 mixer of one layer; `theirs` is the HF prefix of its Mamba decoder."""
     ours = f"blocks.{layer}."
     keys = {ours + "ln1.weight": Key.of(theirs + "input_layernorm.weight")}
-    names = ["in_proj.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight", "conv1d.bias"]
-    names += ["in_proj.bias", "out_proj.bias"] if cfg.proj_bias else []
-    for name in names:
-        keys[ours + "mixer." + name.replace("conv1d.", "conv_")] = Key.of(theirs + "mamba." + name)
-    keys[ours + "mixer.conv_weight"] = Key.of(theirs + "mamba.conv1d.weight", transform=_squeeze_conv)
-    return keys
+    return keys | mamba2_keys(ours + "mixer.", theirs + "mamba.", conv_bias=True, proj_bias=cfg.proj_bias)
 
 
 def _shared_keys(cfg: Zamba2Config, layer: int, invocation: int, first: int) -> dict[str, Key]:
@@ -139,18 +126,14 @@ def key_map(cfg: Zamba2Config) -> dict[str, Key]:
         invocation = cfg.hybrid_layer_ids.index(layer)
         first = firsts.setdefault(cfg.shared_block_of(layer), layer)
         keys.update(_shared_keys(cfg, layer, invocation, first))
-    if not cfg.tied:
-        keys["unembed.weight"] = Key.of("lm_head.weight")
-    return keys
+    return keys | lm_head_keys(cfg.tied)
 
 
-ZAMBA2 = register(
-    Architecture(
-        name="zamba2",
-        hf_classes=("Zamba2ForCausalLM",),
-        model_types=("zamba2",),
-        config_from_hf=config_from_hf,
-        build=build,
-        key_map=key_map,
-    )
+ARCHITECTURE = Architecture(
+    name="zamba2",
+    hf_classes=("Zamba2ForCausalLM",),
+    model_types=("zamba2",),
+    config_from_hf=config_from_hf,
+    build=build,
+    key_map=key_map,
 )

@@ -22,7 +22,6 @@ from conftest import build_tiny_hf
 from hooked.models.gemma2 import Gemma2Config
 from hooked.models.qwen2 import Qwen2Config
 from hooked.ops.rotary import rope_inv_freq
-from loaders import gemma2, gemma3, mistral, qwen2, qwen3  # noqa: F401  (each registers its architecture)
 from loaders.load import from_hf
 from loaders.registry import REGISTRY, find_architecture
 
@@ -298,7 +297,8 @@ def test_released_config_builds_hf_shapes(family: str) -> None:
     """A config.json like a released checkpoint's, read as loaders.read_config reads it (through
     HF's config class): every tensor of our key map has HF's shape (both models on the meta device),
     and the layer windows and rope bases are HF's."""
-    from loaders.load import normalise_config, params_on_meta
+    from loaders.load import normalise_config
+    from loaders.meta import on_meta as params_on_meta
 
     raw = normalise_config(dict(REAL[family]))
     arch = find_architecture(raw)

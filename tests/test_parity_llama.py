@@ -15,7 +15,8 @@ from torch import Tensor
 
 from hooked.models.llama import LlamaConfig
 from hooked.ops.rotary import Rotary, rope_inv_freq
-from loaders.llama import config_from_hf, key_map, rope_from_hf
+from loaders.keymaps import rope_from_hf
+from loaders.llama import config_from_hf, key_map
 from loaders.load import from_hf
 
 import attention_parity

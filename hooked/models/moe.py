@@ -114,9 +114,11 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.select = select
         scale = d_model**-0.5
-        self.gate_proj = nn.Parameter(torch.randn(n_experts, d_expert, d_model) * scale) if gated else None
-        self.up_proj = nn.Parameter(torch.randn(n_experts, d_expert, d_model) * scale)
-        self.down_proj = nn.Parameter(torch.randn(n_experts, d_model, d_expert) * d_expert**-0.5)
+        # allocated empty, then initialised: a loader's meta build skips both (loaders/meta.py)
+        self.gate_proj = nn.Parameter(nn.init.normal_(torch.empty(n_experts, d_expert, d_model), std=scale)) \
+            if gated else None
+        self.up_proj = nn.Parameter(nn.init.normal_(torch.empty(n_experts, d_expert, d_model), std=scale))
+        self.down_proj = nn.Parameter(nn.init.normal_(torch.empty(n_experts, d_model, d_expert), std=d_expert**-0.5))
         self.shared = shared
         self.dims = {"d_model": d_model, "n_experts": n_experts, "top_k": select.top_k, "d_expert": d_expert}
         self.hook_router_logits = HookPoint("batch pos n_experts", element="wide")
