@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, llama, mamba, mamba2, nemotron_h,
-                           qwen3_next, zamba2)
+                           olmo_hybrid, qwen3_next, zamba2)
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
 from hooked.models.mistral import MistralConfig
@@ -31,6 +31,7 @@ BUILDERS = {
     jamba.JambaConfig: jamba.build,
     qwen3_next.Qwen3NextConfig: qwen3_next.build,
     Qwen3_5Config: qwen3_next.build,
+    olmo_hybrid.OlmoHybridConfig: olmo_hybrid.build,
 }
 
 
