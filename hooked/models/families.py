@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, llama, mamba, mamba2, nemotron_h,
-                           olmo_hybrid, qwen3_next, zamba2)
+from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, llama, mamba,
+                           mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
 from hooked.models.mistral import MistralConfig
@@ -32,6 +32,7 @@ BUILDERS = {
     qwen3_next.Qwen3NextConfig: qwen3_next.build,
     Qwen3_5Config: qwen3_next.build,
     olmo_hybrid.OlmoHybridConfig: olmo_hybrid.build,
+    kimi_linear.KimiLinearConfig: kimi_linear.build,
 }
 
 
