@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, llama, mamba, mamba2, mistral,
+from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba, mamba2, mistral,
                      nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
 from loaders.architecture import Architecture, Key
 
@@ -38,6 +38,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     qwen3_next.QWEN3_5_MOE,
     olmo_hybrid.ARCHITECTURE,
     kimi_linear.ARCHITECTURE,
+    lfm2.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}

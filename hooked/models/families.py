@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, llama, mamba,
+from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
                            mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
@@ -33,6 +33,7 @@ BUILDERS = {
     Qwen3_5Config: qwen3_next.build,
     olmo_hybrid.OlmoHybridConfig: olmo_hybrid.build,
     kimi_linear.KimiLinearConfig: kimi_linear.build,
+    lfm2.Lfm2Config: lfm2.build,
 }
 
 

@@ -1,0 +1,77 @@
+"""A gated short convolution (LFM2's "conv" operator, Hyena-style): input and output gates around a causal
+depthwise conv, the only place positions mix.
+
+Glossary
+    channels   d_model: B, C, x and the conv all have one channel per residual feature
+    width      the conv's taps [conv_L_cache]; tap width - 1 multiplies the current position
+
+    B, C, x = chunk(in_proj(x_in), 3)      hook_B, hook_C, hook_x   [batch pos channels]
+    Bx      = B * x                        hook_in                  the conv's input
+    conv    = causal_conv(Bx)              hook_conv                (+ bias; no activation)
+    y       = C * conv                     hook_gated               out_proj's input
+    out     = out_proj(y)                  hook_head_out (lazy)     [batch pos channels d_model]: each channel's write
+Both gates are linear (no sigmoid). Padding enters as zeros (x_in and Bx are masked): with a conv bias
+HF lets the padded positions' in_proj bias products into the first real tokens' conv window; here a
+left-padded row equals the prompt alone. While decoding, the state keeps the last width - 1 conv inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import einsum, rearrange
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from hooked.hook_points import HookPoint, through_hook
+from hooked.models.base import Context
+from hooked.ops.conv import causal_conv1d
+
+
+class GatedShortConv(nn.Module):
+    def __init__(self, d_model: int, width: int, bias: bool = False) -> None:
+        super().__init__()
+        self.width = width
+        self.in_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.conv_weight = nn.Parameter(torch.empty(d_model, width).uniform_(-width**-0.5, width**-0.5))
+        self.conv_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.n_heads, self.d_head = d_model, 1  # a channel is a unit
+        self.dims = {"channels": d_model}
+        self.hook_B = HookPoint("batch pos channels")
+        self.hook_C = HookPoint("batch pos channels")
+        self.hook_x = HookPoint("batch pos channels")
+        self.hook_in = HookPoint("batch pos channels")  # B * x, the conv's input
+        self.hook_conv = HookPoint("batch pos channels")
+        self.hook_gated = HookPoint("batch pos channels")  # C * conv
+        self.hook_head_out = HookPoint("batch pos channels d_model", lazy=True)
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
+        if mask is not None:
+            x = x * mask
+        B, C, xs = self.in_proj(x).chunk(3, dim=-1)
+        B, C, xs = self.hook_B(B), self.hook_C(C), self.hook_x(xs)
+        Bx = B * xs if mask is None else B * xs * mask
+        Bx = self.hook_in(Bx)
+        if ctx.state is None:
+            conv = causal_conv1d(Bx, self.conv_weight, self.conv_bias).contiguous()
+        else:  # decoding: the conv also reads the previous width - 1 inputs
+            window = ctx.state.conv_window(self, Bx, self.width)
+            conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - Bx.shape[1]:].contiguous()
+        conv = self.hook_conv(conv)
+        gated = self.hook_gated(C * conv)
+        if not self.hook_head_out.is_active:
+            return self.out_proj(gated)
+        head_out_fn = lambda: self.head_writes(gated)  # noqa: E731
+        head_out, head_out_was = through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
+        if head_out_was is None:
+            return self.out_proj(gated)
+        out = head_out.sum(dim=2)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
+
+    def head_writes(self, gated: Float[Tensor, "*batch pos channels"]) -> Float[Tensor, "*batch pos channels d_model"]:
+        """Each channel's write to the residual (out_proj without its bias)."""
+        return einsum(gated, self.out_proj.weight, "... l c, m c -> ... l c m")
+
+    def extra_repr(self) -> str:
+        return f"channels={self.in_proj.in_features}, width={self.width}, bias={self.conv_bias is not None}"
