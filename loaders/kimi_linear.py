@@ -58,7 +58,8 @@ def config_from_hf(hf: dict[str, Any]) -> KimiLinearConfig:
         n_group=int(_first(hf, "num_expert_group", "n_group", default=1)), topk_group=int(hf.get("topk_group") or 1),
         renormalise=bool(_first(hf, "moe_renormalize", "norm_topk_prob", default=True)),
         routed_scaling=float(hf.get("routed_scaling_factor", 2.446)), act_fn=hf.get("hidden_act", "silu"),
-        eps=float(hf.get("rms_norm_eps", 1e-5)), tied=bool(hf.get("tie_word_embeddings", False)),
+        eps=float(hf.get("rms_norm_eps", 1e-5)),
+        tied=False,  # HF's KimiLinearForCausalLM never ties lm_head (_tied_weights_keys = {}), whatever the config says
         n_ctx=int(_first(hf, "model_max_length", "max_position_embeddings", default=1048576)),
     )
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba, mamba2, mistral,
-                     nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
+from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
+                     mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
 from loaders.architecture import Architecture, Key
 
 __all__ = ["ARCHITECTURES", "REGISTRY", "Architecture", "Key", "find_architecture", "register"]
