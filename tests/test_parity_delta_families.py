@@ -249,3 +249,19 @@ def test_config_fields_and_refusals():
     lfm2 = REGISTRY["lfm2"].config_from_hf(make_hf("lfm2_all_conv_ff_adjusted").config.to_dict())
     assert lfm2.d_mlp == 48  # int(2 * 48 / 3) = 32, times 1.5, rounded up to 16
     assert set(TINY) == {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "lfm2"}
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe_top2", "olmo_hybrid", "kimi_linear", "lfm2"])
+def test_cli_hooks_and_parity(name, tmp_path, capsys):
+    """`hooked hooks` lists every hook with its shape; `hooked parity` passes at 1e-4 against HF's checkpoint."""
+    from analysis.cli import main
+
+    hf = make_hf(name)
+    hf.save_pretrained(tmp_path / "ckpt")
+    assert main(["hooks", str(tmp_path / "ckpt")]) == 0
+    listed = capsys.readouterr().out
+    model = from_pretrained(tmp_path / "ckpt")
+    for hook in model.hook_dict:
+        assert f"| {hook} " in listed, hook
+    assert main(["parity", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--tol", "1e-4"]) == 0
+    assert "PASS" in capsys.readouterr().out and (tmp_path / "out" / "parity.csv").is_file()
