@@ -65,12 +65,13 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
 from hooked.models.base import Context
+from hooked.models.protocol import AttentionCut, Heads, TokenMixer
 from hooked.models.softcap import SoftCap
 from hooked.ops.rotary import Rotary, apply_rotary
 from hooked.weights import AttentionWeights
 
 
-class Attention(AttentionWeights, nn.Module):
+class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
     """Causal multi-head attention with GQA; q/k/v/o projections are plain attributes a caller may wrap.
 
     q_proj, k_proj, v_proj may be replaced by any module mapping [.. d_in] to the same width (Zamba2
@@ -171,6 +172,16 @@ class Attention(AttentionWeights, nn.Module):
                    x: Float[Tensor, "batch pos d_in"]) -> Float[Tensor, "batch pos n_heads d_head"]:
         """What each head writes through o_proj: z itself (gated_attention.py multiplies it by an output gate)."""
         return z
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.o_proj.bias
+
+    def heads(self) -> Heads:
+        """Query heads, cut at hook_z (before o_proj)."""
+        return Heads(self.n_heads, self.d_head, self.hook_z, "attn", self.hook_result)
 
     def repeat_kv(self, t: Float[Tensor, "batch pos n_kv_heads d_head"]) -> Float[Tensor, "batch pos n_heads d_head"]:
         """Each kv head serves `group` consecutive query heads."""

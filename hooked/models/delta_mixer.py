@@ -24,6 +24,13 @@ Hooks under blocks.{l}.mixer., in forward order:
     hook_q, hook_k [b l g d_k], hook_v [b l h d_v], hook_beta [b l h], hook_alpha [b l h] (KDA [b l h d_k]),
     hook_h [b l h d_k d_v] (lazy), hook_kernel [b h q_pos k_pos] (lazy), hook_y [b l h d_v],
     hook_gated [b l (h d_v)] (out_proj's input), hook_head_out [b l h d_model] (lazy).
+Mixer protocol (protocol.py): the units are the value heads, cut at hook_gated (d_v each; hook_head_out
+their writes); an edge (target j <- source i) is the kernel term A[j, i] v_i, removed from hook_y with
+q, k, v, beta, alpha read from the same forward (ops.delta_rule_knockout: no pos x pos tensor), and with
+cut_conv the sources' conv taps into the targets (a head's v channels; a q/k head's channels when every
+value head reading it is cut). decay_norms: d_k * exp(-exp(A_log)), the decay summed over the state's
+rows at softplus(a + dt_bias) = 1 (Mamba-2's ||exp(A)||_1 at dt = 1).
+
 Edits propagate: q, k, v, beta, alpha are what the rule reads; an edit e = h' - h of the states scans
 forward exactly (`delta_rule_propagate`: the rule continues from the edited state); an edited kernel
 adds (A' - A) v to y; an edited head_out is summed into the output. With no lazy hook active the
@@ -32,7 +39,9 @@ forward is the chunked rule alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +51,11 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
+from hooked.models.protocol import CutHooks, Heads, Masks, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import delta_rule_chunked, delta_rule_propagate, l2norm
-from hooked.ops.delta_rule_kernel import delta_rule_kernel
+from hooked.ops.delta_rule_kernel import delta_rule_kernel, delta_rule_knockout
+from hooked.ops.edge_cut import conv_cut, edge_pairs
 from hooked.ops.norms import rms_norm_gated
 from hooked.weights import MixerWeights
 
@@ -106,8 +117,11 @@ class HeadGatedNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, gate={self.gate_fn}"
 
 
-class DeltaMixer(MixerWeights, nn.Module):
-    """The gated delta rule mixer of a `DeltaSpec`; a family subclass defines its projections and `project`."""
+class DeltaMixer(TokenMixer, MixerWeights, nn.Module):
+    """The gated delta rule mixer of a `DeltaSpec`; a family subclass defines its projections, `project` and
+    `input_linears`."""
+
+    unit_tag = "M"
 
     def __init__(self, spec: DeltaSpec) -> None:
         super().__init__()
@@ -145,6 +159,67 @@ class DeltaMixer(MixerWeights, nn.Module):
         """(qkv [b l conv_dim] in the order q, k, v, gate [b l value_dim], b [b l n_heads], a [b l n_heads
         (or n_heads d_k for KDA)]): the family's projections of the mixer input."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------ protocol
+    def input_linears(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def output_bias(self) -> Tensor | None:
+        return self.out_proj.bias
+
+    def heads(self) -> Heads:
+        """The value heads (d_v channels each), cut at hook_gated (before out_proj)."""
+        return Heads(self.spec.n_heads, self.spec.d_v, self.hook_gated, "ssm", self.hook_head_out)
+
+    def A(self) -> Float[Tensor, "n_heads"]:
+        """A = -exp(A_log): the decay is exp(A * softplus(a + dt_bias)), at least float32."""
+        return -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
+
+    def decay_norms(self) -> Float[Tensor, "n_heads"]:
+        return torch.exp(self.A().double()) * self.spec.d_k
+
+    def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
+                  cut_conv: bool = False) -> CutHooks:
+        seen: dict[str, Tensor] = {}
+
+        def keep(key: str) -> Callable[[Tensor, Any], None]:
+            def fn(x: Tensor, hook: Any) -> None:
+                seen[key] = x
+            return fn
+
+        def on_y(y: Tensor, hook: Any) -> Tensor | None:
+            q, k, v, beta, alpha = (seen.pop(n) for n in ("q", "k", "v", "beta", "alpha"))
+            t, s = masks(y.shape[0], y.shape[1], y.device)
+            row, j, i = edge_pairs(t, s)
+            if not len(row) or (channels is not None and not channels.any()):
+                return None  # nothing to cut: the tensor itself goes on
+            heads = None if channels is None else channels.to(y.device).nonzero()[:, 0]
+            return delta_rule_knockout(y, q * self.spec.d_k**-0.5, k, v, beta, alpha, row, j, i, heads,
+                                       chunk_size=self.spec.chunk_size)
+
+        hooks: CutHooks = [(self.hook_q, keep("q")), (self.hook_k, keep("k")), (self.hook_v, keep("v")),
+                           (self.hook_beta, keep("beta")), (self.hook_alpha, keep("alpha")), (self.hook_y, on_y)]
+        if not cut_conv:
+            return hooks
+        conv_chan = self.conv_channels(channels)
+
+        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
+            t, s = masks(conv.shape[0], conv.shape[1], conv.device)
+            conv_in = seen.pop("in")
+            if not (t.any() and s.any()) or (conv_chan is not None and not conv_chan.any()):
+                return None
+            return conv - conv_cut(conv_in, self.conv_weight, t, s, conv_chan)
+
+        return [(self.hook_in, keep("in")), (self.hook_conv, on_conv)] + hooks
+
+    def conv_channels(self, heads: Tensor | None) -> Tensor | None:
+        """The conv channels [q | k | v] of the value heads `heads` (bool [n_heads]; None: all): each head's
+        v channels, and a q/k head's channels when every value head reading it is in `heads`."""
+        if heads is None:
+            return None
+        s = self.spec
+        qk = heads.view(s.n_k_heads, -1).all(-1).repeat_interleave(s.d_k)
+        return torch.cat([qk, qk, heads.repeat_interleave(s.d_v)])
 
     # ------------------------------------------------------------------------------------- forward
     def decay(self, a: Tensor, dtype: torch.dtype) -> Tensor:

@@ -33,3 +33,6 @@ class GatedAttention(Attention):
         gate = rearrange(self.gate_proj(x), "batch pos (n_heads d_head) -> batch pos n_heads d_head", d_head=self.d_head)
         gate = self.hook_gate(gate)
         return z * torch.sigmoid(gate)
+
+    def input_linears(self) -> list[nn.Module]:
+        return [*super().input_linears(), self.gate_proj]

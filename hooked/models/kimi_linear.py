@@ -107,6 +107,9 @@ class KimiDeltaMixer(DeltaMixer):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.g_b_proj(self.g_a_proj(x)), self.b_proj(x), self.f_b_proj(self.f_a_proj(x))
 
+    def input_linears(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_a_proj]
+
 
 def mlp(cfg: KimiLinearConfig, kind: str) -> nn.Module:
     if kind == "dense":

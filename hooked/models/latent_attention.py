@@ -38,13 +38,15 @@ from hooked.hook_points import HookPoint
 from hooked.models.attention import Attention
 from hooked.models.base import Context
 from hooked.models.norms import RMSNorm
+from hooked.models.protocol import AttentionCut, Heads, TokenMixer
 from hooked.ops.rotary import Rotary, apply_rotary
 
 LATENT_NORM_EPS = 1e-6  # HF's kv_a_layernorm / q_a_layernorm keep the RMSNorm default
 
 
-class LatentAttention(nn.Module):
-    """MLA (module docstring); `q_rank` None: a full-rank q_proj."""
+class LatentAttention(AttentionCut, TokenMixer, nn.Module):
+    """MLA (module docstring); `q_rank` None: a full-rank q_proj. Mixer protocol (protocol.py): the query
+    heads, cut at hook_z; knockout edits hook_attn_scores / hook_pattern as for every attention."""
 
     def __init__(self, d_model: int, n_heads: int, d_nope: int, d_rope: int, d_head: int, kv_rank: int,
                  q_rank: int | None = None, *, rotary: Rotary | None = None, bias: bool = False) -> None:
@@ -76,6 +78,16 @@ class LatentAttention(nn.Module):
         self.hook_pattern = HookPoint("batch n_heads q_pos k_pos")
         self.hook_z = HookPoint("batch pos n_heads d_head")
         self.hook_result = HookPoint("batch pos n_heads d_out", lazy=True)
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.q_proj if hasattr(self, "q_proj") else self.q_a_proj, self.kv_a_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.o_proj.bias
+
+    def heads(self) -> Heads:
+        """Query heads (d_head value channels each), cut at hook_z (before o_proj)."""
+        return Heads(self.n_heads, self.d_head, self.hook_z, "attn", self.hook_result)
 
     def project(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
         """Hooked (q, k, v) of the new positions: [.. n_heads d_qk], [.. n_heads d_qk], [.. n_heads d_head]."""

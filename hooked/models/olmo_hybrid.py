@@ -99,6 +99,9 @@ class OlmoDeltaMixer(DeltaMixer):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.g_proj(x), self.b_proj(x), self.a_proj(x)
 
+    def input_linears(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.a_proj]
+
 
 def build(cfg: OlmoHybridConfig) -> LanguageModel:
     """OLMo-hybrid; delta layers `blocks.{l}.mixer` (pre-norm), attention layers `blocks.{l}.attn` (post-norm)."""

@@ -110,6 +110,9 @@ class QwenDeltaMixer(DeltaMixer):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
+    def input_linears(self) -> list[nn.Module]:
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
 
 def mlp(cfg: Qwen3NextConfig, kind: str) -> nn.Module:
     if kind == "dense":

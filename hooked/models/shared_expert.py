@@ -29,3 +29,9 @@ class SigmoidGatedMLP(GatedMLP):
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         out_gate = self.hook_out_gate(self.out_gate(x))
         return torch.sigmoid(out_gate) * super().forward(x, ctx)
+
+    def input_linears(self) -> list[nn.Module]:
+        return [*super().input_linears(), self.out_gate]
+
+    def output_bias(self) -> Tensor | None:
+        return None  # no biases; the gate scales whatever the MLP writes

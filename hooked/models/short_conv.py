@@ -17,6 +17,8 @@ left-padded row equals the prompt alone. While decoding, the state keeps the las
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from einops import einsum, rearrange
 from jaxtyping import Float
@@ -24,10 +26,18 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
+from hooked.models.protocol import CutHooks, Heads, Masks, TokenMixer
 from hooked.ops.conv import causal_conv1d
+from hooked.ops.edge_cut import conv_cut
 
 
-class GatedShortConv(nn.Module):
+class GatedShortConv(TokenMixer, nn.Module):
+    """Mixer protocol (protocol.py): the units are the channels (width 1), cut at hook_gated; an edge
+    (target j <- source i, j - i < width) is a conv tap, removed from hook_conv whatever `cut_conv` says
+    (the conv is the only path between positions); the conv bias is never cut. No state, so no decay_norms."""
+
+    unit_tag = "M"
+
     def __init__(self, d_model: int, width: int, bias: bool = False) -> None:
         super().__init__()
         self.width = width
@@ -44,6 +54,31 @@ class GatedShortConv(nn.Module):
         self.hook_conv = HookPoint("batch pos channels")
         self.hook_gated = HookPoint("batch pos channels")  # C * conv
         self.hook_head_out = HookPoint("batch pos channels d_model", lazy=True)
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.in_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.out_proj.bias
+
+    def heads(self) -> Heads:
+        return Heads(self.n_heads, 1, self.hook_gated, "ssm", self.hook_head_out)
+
+    def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
+                  cut_conv: bool = False) -> CutHooks:
+        seen: dict[str, Tensor] = {}
+
+        def keep(x: Tensor, hook: Any) -> None:
+            seen["in"] = x
+
+        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
+            t, s = masks(conv.shape[0], conv.shape[1], conv.device)
+            conv_in = seen.pop("in")
+            if not (t.any() and s.any()) or (channels is not None and not channels.any()):
+                return None
+            return conv - conv_cut(conv_in, self.conv_weight, t, s, channels)
+
+        return [(self.hook_in, keep), (self.hook_conv, on_conv)]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
