@@ -35,11 +35,13 @@ _COLS = {2: mamba1_kernel_cols, 1: mamba2_kernel_cols}
 
 
 def ssm_sites(model: Any) -> list[str]:
-    """Every SSM mixer of the model, in forward order (modules with hook_dt, hook_B, hook_C and A())."""
+    """Every SSM mixer of the model, in forward order (modules with hook_dt, hook_B, hook_C and A(), or that
+    give their own slices: `kernel_slices`, the delta rule's and the gated short conv's)."""
     names = set(model.hook_dict)
     sites = [n[: -len(".hook_kernel")] for n in model.hook_dict if n.endswith(".hook_kernel")]
-    return [s for s in sites if {f"{s}.hook_dt", f"{s}.hook_B", f"{s}.hook_C"} <= names
-            and callable(getattr(model.get_submodule(s), "A", None))]
+    return [s for s in sites if ({f"{s}.hook_dt", f"{s}.hook_B", f"{s}.hook_C"} <= names
+                                 and callable(getattr(model.get_submodule(s), "A", None)))
+            or callable(getattr(model.get_submodule(s), "kernel_slices", None))]
 
 
 def _positions(positions: int | Sequence[int] | Tensor, pos: int, what: str, device: torch.device) -> Tensor:
@@ -70,6 +72,10 @@ def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, 
             on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
 
         return [(f"{site}.hook_kernel", on_kernel)]
+
+    if callable(getattr(mixer, "kernel_slices", None)):  # the mixer computes its own (delta rule, short conv)
+        where = lambda pos, device: _positions(positions, pos, axis, device)  # noqa: E731
+        return [(point.name, fn) for point, fn in mixer.kernel_slices(where, on_slice, axis)]
 
     def keep(key: str) -> Callable:
         def hook(x: Tensor, hook: Any) -> None:

@@ -54,7 +54,8 @@ from hooked.models.base import Context
 from hooked.models.protocol import CutHooks, Heads, Masks, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import delta_rule_chunked, delta_rule_propagate, l2norm
-from hooked.ops.delta_rule_kernel import delta_rule_kernel, delta_rule_knockout
+from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
+                                          delta_rule_knockout)
 from hooked.ops.edge_cut import conv_cut, edge_pairs
 from hooked.ops.norms import rms_norm_gated
 from hooked.weights import MixerWeights
@@ -211,6 +212,26 @@ class DeltaMixer(TokenMixer, MixerWeights, nn.Module):
             return conv - conv_cut(conv_in, self.conv_weight, t, s, conv_chan)
 
         return [(self.hook_in, keep("in")), (self.hook_conv, on_conv)] + hooks
+
+    def kernel_slices(self, positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
+                      axis: str = "rows") -> CutHooks:
+        """Hooks calling on_slice(A[:, :, rows, :]) or on_slice(A[:, :, :, cols]) of this forward (q, k, beta,
+        alpha as read; `positions(pos, device)` gives the rows or columns), without the pos x pos kernel."""
+        seen: dict[str, Tensor] = {}
+        fn = delta_rule_kernel_rows if axis == "rows" else delta_rule_kernel_cols
+
+        def keep(key: str) -> Callable[[Tensor, Any], None]:
+            def hook(x: Tensor, _: Any) -> None:
+                seen[key] = x
+            return hook
+
+        def on_alpha(alpha: Tensor, hook: Any) -> None:
+            q, k, beta = seen.pop("q"), seen.pop("k"), seen.pop("beta")
+            idx = positions(alpha.shape[1], alpha.device)
+            on_slice(fn(q * self.spec.d_k**-0.5, k, beta, alpha, idx, chunk_size=self.spec.chunk_size))
+
+        return [(self.hook_q, keep("q")), (self.hook_k, keep("k")), (self.hook_beta, keep("beta")),
+                (self.hook_alpha, on_alpha)]
 
     def conv_channels(self, heads: Tensor | None) -> Tensor | None:
         """The conv channels [q | k | v] of the value heads `heads` (bool [n_heads]; None: all): each head's

@@ -8,15 +8,18 @@ Glossary
     B, C, x = chunk(in_proj(x_in), 3)      hook_B, hook_C, hook_x   [batch pos channels]
     Bx      = B * x                        hook_in                  the conv's input
     conv    = causal_conv(Bx)              hook_conv                (+ bias; no activation)
+    K       = C * taps                     hook_kernel (lazy)       [batch channels q_pos k_pos], ops/conv_kernel.py:
+                                                                    C * conv = K @ Bx + C * bias
     y       = C * conv                     hook_gated               out_proj's input
     out     = out_proj(y)                  hook_head_out (lazy)     [batch pos channels d_model]: each channel's write
-Both gates are linear (no sigmoid). Padding enters as zeros (x_in and Bx are masked): with a conv bias
+Both gates are linear (no sigmoid). An edited kernel adds (K' - K) @ Bx to y; an edited head_out is summed. Padding enters as zeros (x_in and Bx are masked): with a conv bias
 HF lets the padded positions' in_proj bias products into the first real tokens' conv window; here a
 left-padded row equals the prompt alone. While decoding, the state keeps the last width - 1 conv inputs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.protocol import CutHooks, Heads, Masks, TokenMixer
 from hooked.ops.conv import causal_conv1d
+from hooked.ops.conv_kernel import conv_kernel, conv_kernel_cols, conv_kernel_rows
 from hooked.ops.edge_cut import conv_cut
 
 
@@ -52,6 +56,7 @@ class GatedShortConv(TokenMixer, nn.Module):
         self.hook_x = HookPoint("batch pos channels")
         self.hook_in = HookPoint("batch pos channels")  # B * x, the conv's input
         self.hook_conv = HookPoint("batch pos channels")
+        self.hook_kernel = HookPoint("batch channels q_pos k_pos", lazy=True)  # C * conv taps, lazy
         self.hook_gated = HookPoint("batch pos channels")  # C * conv
         self.hook_head_out = HookPoint("batch pos channels d_model", lazy=True)
 
@@ -80,6 +85,17 @@ class GatedShortConv(TokenMixer, nn.Module):
 
         return [(self.hook_in, keep), (self.hook_conv, on_conv)]
 
+    def kernel_slices(self, positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
+                      axis: str = "rows") -> CutHooks:
+        """Hooks calling on_slice(K[:, :, rows, :]) or on_slice(K[:, :, :, cols]) of this forward (C read at
+        hook_C; `positions(pos, device)` gives the rows or columns), without the pos x pos kernel."""
+        fn = conv_kernel_rows if axis == "rows" else conv_kernel_cols
+
+        def on_C(C: Tensor, hook: Any) -> None:
+            on_slice(fn(C, self.conv_weight, positions(C.shape[1], C.device)))
+
+        return [(self.hook_C, on_C)]
+
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
         if mask is not None:
@@ -94,7 +110,15 @@ class GatedShortConv(TokenMixer, nn.Module):
             window = ctx.state.conv_window(self, Bx, self.width)
             conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - Bx.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
-        gated = self.hook_gated(C * conv)
+        gated = C * conv
+        if self.hook_kernel.is_active:
+            if ctx.state is not None:
+                ctx.state.refuse_lazy(self, [self.hook_kernel])
+            kernel_fn = lambda: conv_kernel(C, self.conv_weight)  # noqa: E731
+            kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)
+            if kernel_was is not None:  # y_j += sum_i (K' - K)[j, i] (B x)_i
+                gated = gated + einsum(kernel - kernel_was, Bx, "b c j i, b i c -> b j c")
+        gated = self.hook_gated(gated)
         if not self.hook_head_out.is_active:
             return self.out_proj(gated)
         head_out_fn = lambda: self.head_writes(gated)  # noqa: E731
