@@ -237,3 +237,30 @@ def test_dispatched_decoding_and_shared_prefix_scores_equal_the_plain_model(mode
     assert finite.sum() >= 10 and torch.equal(torch.isfinite(shared), finite)
     torch.testing.assert_close(shared[finite], rows[finite], rtol=0, atol=1e-4)
     torch.testing.assert_close(dispatched[finite], rows[finite], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("qwen3_5_text", {}), ("qwen3_next", dict(mlp_only_layers=[0, 1, 2, 3])), ("olmo_hybrid", {}),
+    ("kimi_linear", dict(mlp_layer_types=["dense"] * 4)), ("lfm2", {})])
+def test_fold_ln_keeps_the_logits(model_type, overrides):
+    """Weight processing folds each norm into the maps reading it (the delta projections, the gate and q/k of
+    attention, MLA's q and latent projections); OLMo's post-norm attention layers read the stream unnormed."""
+    hf, _ = tiny_delta_hf(model_type, dtype=torch.float64, **overrides)
+    x = tokens(pos=20)
+    with torch.no_grad():
+        close(from_hf(hf, fold_ln=True)(x % 64), from_hf(hf)(x % 64), "fold_ln")
+
+
+def test_tl_weight_names_where_tl_has_the_concept():
+    qwen = model_of("qwen3_5_text")
+    attn, mixer = qwen.blocks[1].attn, qwen.blocks[0].mixer
+    assert attn.W_Q.shape == (4, 32, 16) and attn.W_O.shape == (4, 16, 32) and attn.W_K.shape == (4, 32, 16)
+    assert mixer.W_out_heads.shape == (4, 6, 32)  # value heads, d_v, d_model
+    x = tokens(pos=5)
+    with torch.no_grad():
+        _, cache = qwen.run_with_cache(x, names_filter=["blocks.0.mixer.hook_gated", "blocks.0.mixer.hook_head_out"])
+        gated = cache["blocks.0.mixer.hook_gated"].unflatten(-1, (4, 6))
+        close(einsum(gated, mixer.W_out_heads, "b l h v, h v m -> b l h m"), cache["blocks.0.mixer.hook_head_out"])
+    with pytest.raises(ValueError, match="in_proj"):
+        mixer.W_in_proj  # noqa: B018 (the delta projections are several maps, not one in_proj)
+    assert not hasattr(model_of("kimi_linear").blocks[1].attn, "W_Q")  # TL has no latent attention
