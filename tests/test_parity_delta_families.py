@@ -265,3 +265,10 @@ def test_cli_hooks_and_parity(name, tmp_path, capsys):
         assert f"| {hook} " in listed, hook
     assert main(["parity", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--tol", "1e-4"]) == 0
     assert "PASS" in capsys.readouterr().out and (tmp_path / "out" / "parity.csv").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe_top2", "olmo_hybrid", "kimi_linear", "lfm2"])
+def test_parity_gpu_float32(name):
+    hf = make_hf(name).cuda()
+    check_against_hf(hf, from_hf(hf), tokens_of(name).cuda())
