@@ -124,6 +124,36 @@ def gather_cuts(model: Any, p: token_kv.KVPrompts) -> dict[str, float]:
     return out
 
 
+def write_read_cuts(model: Any, p: token_kv.KVPrompts, layer: int = 0) -> dict[str, float]:
+    """Accuracy with knockout edges of one mixer layer cut: where a pair's key reaches the position that
+    writes it (keys -> values / newlines, through the kernel only or the conv taps too) and where the
+    query reads (the queried key -> `?`; the values / newlines -> `?`, kernel)."""
+    from analysis.interventions import knockout
+
+    nl = torch.tensor(p.pair_newlines())
+    keys, values = nl - 3, nl - 1
+    batch, pos = p.tokens.shape
+
+    def mask(cols: Any) -> torch.Tensor:
+        m = torch.zeros(batch, pos, dtype=torch.bool)
+        m[:, cols] = True
+        return m
+
+    def cut(src: Any, tgt: Any, conv: bool) -> float:
+        with knockout(model, mask(src), mask(tgt), [layer], cut_conv=conv):
+            return accuracy_with(model, p, [])
+
+    out = {}
+    for what, tgt in (("values", values), ("newlines", nl), ("values and newlines", torch.cat([values, nl]))):
+        out[f"keys -> {what}: kernel"] = cut(keys, tgt, False)
+        out[f"keys -> {what}: kernel + conv taps"] = cut(keys, tgt, True)
+    out["query key -> ?: kernel"] = cut([pos - 2], [pos - 1], False)
+    out["query key -> ?: kernel + conv taps"] = cut([pos - 2], [pos - 1], True)
+    for what, src in (("values", values), ("newlines", nl), ("values and newlines", torch.cat([values, nl]))):
+        out[f"{what} -> ?: kernel"] = cut(src, [pos - 1], False)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", default="organism/falcon-h1-kv", nargs="?")
@@ -162,6 +192,8 @@ def main() -> None:
         context[f"all {kinds[b]} at ?"] = cut_segment(model, p, [f"blocks.{l}.{WEIGHTS[b]}" for l in ls])
     summary["context_reads_cut"] = context
     summary["gather_cut"] = gather_cuts(model, p)
+    if has(model, 0, "mixer"):
+        summary["write_read_cuts"] = write_read_cuts(model, p)
     mass_prompts = token_kv.prompts(a.n, 200, seed=7, fmt="k?")
     summary["read_mass"] = read_mass(model, mass_prompts)
     summary["read_mass_at_key"] = read_mass(model, mass_prompts, row=-2)
@@ -169,8 +201,9 @@ def main() -> None:
     ranking = rank_heads(model, examples, head_units(model), progress=False, pairs_top_k=4)
     summary["ranking"] = ranking.rows
     summary["pairs"] = ranking.pairs
-    for key in ("base", "branch_ablation", "query_reads_cut", "context_reads_cut", "gather_cut"):
-        print(key, json.dumps(summary[key], indent=1))
+    for key in ("base", "branch_ablation", "query_reads_cut", "context_reads_cut", "gather_cut", "write_read_cuts"):
+        if key in summary:
+            print(key, json.dumps(summary[key], indent=1))
     for key in ("read_mass", "read_mass_at_key"):
         print(key)
         for unit, e in summary[key].items():

@@ -150,6 +150,9 @@ A Gated DeltaNet + attention hybrid (OLMo-hybrid's layers: a pre-norm Gated Delt
 [0, 2], then a post-norm RoPE attention layer; SwiGLU MLPs), trained through our model (engine
 "hooked": the delta rule in its chunked form), to ask which branch gathers and which aggregates,
 as Zamba2-kv (SSM then attention) and Falcon-H1-kv (side by side) ask it.
+What it took: this first recipe (n uniform in [2, 12], no curriculum, as Mamba-2-kv) left chance by
+step ~500 and passed 0.9 training accuracy by step ~1,000; 5,200 steps took 11 min (the chunked rule
+through our model, about 8 steps/s at batch 64).
 """),
     "mamba-kv": Recipe("MambaConfig", "MambaForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
