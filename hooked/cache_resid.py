@@ -7,7 +7,8 @@ Glossary
                  of ln_final), `n_layers` too. `mlp_input=True` moves the point to the input of
                  block `layer`'s MLP (its ln2).
     pos_slice    TransformerLens's Slice: None (all), an int (drops the axis), a tuple (slice(*t)),
-                 a slice, or a list / tensor of indices
+                 a slice, or a list / tensor of indices; refused by name when it selects no position
+                 or a position outside the axis (hooked.validate.pos_index)
     scale        the cached `hook_scale` of the norm that reads the residual at `layer` (ln1, ln2
                  or ln_final): apply_ln_to_stack divides by it, so the map stays linear
 
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from hooked.devices import onloaded
+from hooked.validate import pos_index
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
@@ -39,10 +41,9 @@ def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2) -> Tensor:
     """TransformerLens's Slice(pos_slice).apply(t, dim)."""
     if pos_slice is None:
         return t
-    if isinstance(pos_slice, tuple):
-        pos_slice = slice(*pos_slice)
-    if isinstance(pos_slice, (list, Tensor)):
-        pos_slice = torch.as_tensor(pos_slice, device=t.device, dtype=torch.long)
+    pos_slice = pos_index(pos_slice, t.shape[dim])  # refuses what selects nothing or is no position
+    if torch.is_tensor(pos_slice):
+        pos_slice = pos_slice.to(t.device)
     index = [slice(None)] * t.ndim
     index[dim] = pos_slice
     return t[tuple(index)]

@@ -45,6 +45,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from hooked.validate import Integer, check, pos_index
+
 HookFn = Callable[[Tensor, "HookPoint"], Union[Tensor, None]]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
@@ -373,6 +375,10 @@ class HookedRootModule(nn.Module):
         from hooked.cache_resid import slice_pos
 
         store: dict[str, Tensor] = {}
+        max_cache_bytes = check(max_cache_bytes, "run_with_cache: max_cache_bytes", Integer(ge=0, none=True))
+        shape = self._batch_pos(args, kwargs)
+        if pos_slice is not None and shape is not None:
+            pos_slice = pos_index(pos_slice, shape[1], "run_with_cache: pos_slice")
         if isinstance(pos_slice, int):
             pos_slice = slice(pos_slice, pos_slice + 1 if pos_slice != -1 else None)
         quadratic = {n for n, (a, _) in size_laws(self).items() if a > 0} if pos_slice is not None else set()
@@ -389,7 +395,6 @@ class HookedRootModule(nn.Module):
         names = self.names_matching(names_filter)
         if names_filter is None and not incl_lazy:
             names = [n for n in names if not self.hook_dict[n].lazy]
-        shape = self._batch_pos(args, kwargs)
         if shape is not None:
             check_cache_budget(self, names, *shape, max_bytes=max_cache_bytes)
         bwd = [(n, save_grad) for n in names] if incl_bwd else []

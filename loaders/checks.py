@@ -30,9 +30,10 @@ SIZE_FIELDS = (  # HF config fields that are sizes or counts (>= 1) wherever the
     "num_key_value_heads", "intermediate_size", "n_inner", "n_positions", "max_position_embeddings",
     "head_dim", "state_size", "num_heads", "conv_kernel", "chunk_size", "n_groups", "time_step_rank",
     "n_mamba_heads", "mamba_d_state", "mamba_d_conv", "mamba_headdim", "mamba_ngroups", "attention_head_dim",
-    "num_mem_blocks", "adapter_rank",
+    "num_mem_blocks", "adapter_rank", "attn_layer_period", "expert_layer_period", "num_experts_per_tok",
+    "sliding_window_pattern",
 )
-POSITIVE_NUMBER_FIELDS = ("expand", "mamba_expand", "rope_theta")
+POSITIVE_NUMBER_FIELDS = ("expand", "mamba_expand", "rope_theta", "query_pre_attn_scalar")
 EPS_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps")
 DTYPE_FIELDS = ("dtype", "torch_dtype")
 

@@ -44,6 +44,8 @@ from torch.overrides import TorchFunctionMode
 
 from loaders.checks import (ConfigError, check_float_dtype, check_hf_config, check_model_config, config_dtype,
                             read_json, shard_path, weight_map)
+from hooked.validate import DEVICE, Flag, Text, check, checked
+from loaders.dispatch import check_placement
 from loaders.hub import looks_like_repo_id, resolve_repo
 from loaders.registry import Architecture, find_architecture
 from loaders.safetensors_io import INDEX_FILE, SINGLE_FILE, MappingSource, SafetensorsCheckpoint
@@ -82,6 +84,7 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------- entry points
+@checked(allow_pickle=Flag(), revision=Text(none=True), mmap=Flag(none=True))
 def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                     allow_pickle: bool = False, revision: str | None = None, device_map: str | dict | None = None,
                     max_memory: dict | None = None, offload_folder: str | Path | None = None,
@@ -124,6 +127,9 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
         FileNotFoundError: nothing at that path, or a repo id neither cached nor downloadable.
     """
     _check_processing(processing)
+    check_placement(device_map, max_memory, offload_folder)
+    dtype = _load_dtype(dtype)
+    device = check(device, "from_pretrained: device", DEVICE)
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder} \
         if device_map is not None else {}
@@ -148,10 +154,22 @@ def from_pretrained_no_processing(path_or_repo_id: str | Path, **kwargs: Any) ->
 
 
 def _check_processing(processing: dict[str, bool]) -> None:
-    """Refuse unknown processing keywords before anything is read."""
+    """Refuse unknown processing keywords, and values other than True / False, before anything is read."""
     unknown = sorted(set(processing) - set(PROCESSING))
     if unknown:
         raise TypeError(f"unknown keyword(s) {unknown}; weight processing takes {list(PROCESSING)}")
+    for name, value in processing.items():
+        check(value, f"from_pretrained: {name}", Flag())
+
+
+def _load_dtype(dtype: Any) -> torch.dtype | None:
+    """None, a floating torch.dtype, or its name ("float32", "torch.bfloat16"), as TransformerLens accepts."""
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"from_pretrained: dtype={dtype!r} names no torch dtype (e.g. 'float32', 'bfloat16')")
+        dtype = named
+    return None if dtype is None else check_float_dtype(dtype, "from_pretrained: dtype")
 
 
 def _processed(model: Any, processing: dict[str, bool]) -> Any:

@@ -27,6 +27,7 @@ from torch import Tensor
 from hooked.hook_points import HookedRootModule
 from hooked.models.decode_state import DecodeState
 from hooked.tl_config import attach
+from hooked.validate import Integer, OneOf, WrongType, check
 from hooked.weights import ModelWeights
 
 
@@ -52,12 +53,19 @@ class Context:
 
 def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"],
             mask: Bool[Tensor, "batch pos"] | None, per_token: bool = False) -> Tensor:
-    """-log p(next token), mean over positions whose token and next token are real (TL's loss)."""
+    """-log p(next token), mean over positions whose token and next token are real (TL's loss).
+    The mean of no position is refused (a sequence of one token, or rows with no two real tokens in a row)."""
+    if tokens.shape[1] < 2 and not per_token:
+        raise ValueError(f"return_type='loss' needs sequences of at least 2 tokens (a next token to predict), "
+                         f"got {tokens.shape[1]}")
     log_probs = logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
     if mask is not None:
         keep = mask[:, :-1] & mask[:, 1:]
         log_probs = log_probs.masked_fill(~keep, 0.0)
         n = keep.sum()
+        if not per_token and int(n) == 0:
+            raise ValueError("return_type='loss': no position has a real token followed by a real token "
+                             "(attention_mask leaves nothing to predict)")
     else:
         n = log_probs.numel()
     return -log_probs if per_token else -log_probs.sum() / n
@@ -303,14 +311,19 @@ class HookedModel(ModelWeights, HookedRootModule):
     def get_token_position(self, single_token: str | int, input: str | Tensor, mode: str = "first",
                            prepend_bos: bool | None = None, padding_side: str = "right") -> int:
         """Position of `single_token` in `input` (one sequence): its first or last occurrence."""
-        if mode not in ("first", "last"):
-            raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")
-        tokens = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else input
-        if tokens.ndim == 2:
-            if tokens.shape[0] != 1:
-                raise ValueError(f"get_token_position takes one sequence, got batch {tokens.shape[0]}")
-            tokens = tokens[0]
-        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        check(mode, "get_token_position: mode", OneOf("first", "last"))
+        if isinstance(input, str):
+            tokens = self.to_tokens(input, prepend_bos, padding_side)
+        elif torch.is_tensor(input) and input.ndim in (1, 2):
+            tokens = self.check_tokens(input)
+        else:
+            shape = f"shape {tuple(input.shape)}" if torch.is_tensor(input) else type(input).__name__
+            raise WrongType(f"get_token_position: input must be a str or tokens [pos] / [1 pos], got {shape}")
+        if tokens.shape[0] != 1:
+            raise ValueError(f"get_token_position takes one sequence, got batch {tokens.shape[0]}")
+        tokens = tokens[0]
+        token = self.to_single_token(single_token) if isinstance(single_token, str) else \
+            check(single_token, "get_token_position: single_token", Integer(ge=0, lt=self.cfg.d_vocab))
         where = (tokens == token).nonzero().flatten()
         if where.numel() == 0:
             raise ValueError(f"token {token} ({self._need_tokenizer().decode([token])!r}) is not in the input")

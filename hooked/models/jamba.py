@@ -71,6 +71,8 @@ class JambaConfig:
                                    ("mlp_types", self.mlp_types, ("mlp", "moe"))):
             if len(kinds) != self.n_layers or set(kinds) - set(known):
                 raise ValueError(f"{name} must hold {self.n_layers} entries from {known}, got {kinds}")
+        if "moe" in self.mlp_types and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k}: must be in [1, n_experts={self.n_experts}]")
         put("dt_rank", self.mamba.dt_rank)
 
     @property
