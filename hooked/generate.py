@@ -90,6 +90,8 @@ def generate(model: Any, input: str | list[str] | Tensor = "", max_new_tokens: i
     if text_in:
         tokens, mask = model.tokenize(input, prepend_bos=prepend_bos, padding_side="left")
         empty = (~mask.bool()).all(-1).nonzero().flatten().tolist()
+        if prepend_bos is False:  # tokenize keeps a lone BOS rather than return nothing: "" has no token then
+            empty = [i for i, text in enumerate([input] if isinstance(input, str) else input) if not text]
         if empty:
             where = "input" if isinstance(input, str) else f"input{empty}"
             raise ValueError(f"generate: {where} tokenizes to no token; a prompt needs at least one (pass "

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-Bound = float | Callable[[dict[str, Any]], float] | None
+Bound = int | float | Callable[[dict[str, Any]], int | float] | None
 RULES: dict[str, dict[str, "Rule"]] = {}
 
 
@@ -61,7 +61,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _bound(b: Bound, args: dict[str, Any]) -> float | None:
+def _bound(b: Bound, args: dict[str, Any]) -> int | float | None:
     return b(args) if callable(b) else b
 
 
@@ -79,6 +79,10 @@ class Rule:
 
     def _check(self, value: Any, name: str, args: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def is_container(self, value: Any) -> bool:
+        """Does `value` have this rule's container type (then an item's error is the one to report)?"""
+        return False
 
     def words(self, args: dict[str, Any]) -> str:
         return self.allowed(args) + (" or None" if self.none else "")
@@ -120,7 +124,7 @@ class _Range(Rule):
     def out_of_range(self, value: Any, name: str, args: dict[str, Any]) -> ValueError:
         return ValueError(f"{name}={_show(value)}: must be {self.range_words(args)}")
 
-    def in_range(self, v: float, args: dict[str, Any]) -> bool:
+    def in_range(self, v: int | float, args: dict[str, Any]) -> bool:
         ge, gt, le, lt = (_bound(b, args) for b in (self.ge, self.gt, self.le, self.lt))
         return not ((ge is not None and not v >= ge) or (gt is not None and not v > gt)
                     or (le is not None and not v <= le) or (lt is not None and not v < lt))
@@ -229,8 +233,11 @@ class Seq(Rule):
         each = f", each {self.item.allowed(args)}" if self.item is not None else ""
         return f"a {'' if self.empty else 'non-empty '}list{each}"
 
+    def is_container(self, value: Any) -> bool:
+        return isinstance(value, CollectionSequence) and not isinstance(value, (str, bytes))
+
     def _check(self, value: Any, name: str, args: dict[str, Any]) -> list[Any]:
-        if not isinstance(value, CollectionSequence) or isinstance(value, (str, bytes)):
+        if not self.is_container(value):
             raise self.wrong_type(value, name, args)
         if not self.empty and not len(value):
             raise self.out_of_range(value, name, args)
@@ -297,6 +304,9 @@ class AnyOf(Rule):
         return " or ".join(r.allowed(args) for r in self.rules)
 
     def _check(self, value: Any, name: str, args: dict[str, Any]) -> Any:
+        for rule in self.rules:
+            if rule.is_container(value):  # a list of the wrong items: name the item
+                return rule.check(value, name, args)
         range_errors = []
         for rule in self.rules:
             try:

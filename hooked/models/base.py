@@ -214,6 +214,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         if state is None:
             return ctx
         batch, pos = int(shape[0]), int(shape[1])
+        state.begin(self, batch)
         ctx.state = state
         ctx.position_ids = state.positions(ctx.attention_mask, batch, pos, device)
         ctx.key_mask = state.key_mask(ctx.attention_mask, batch, pos, device)
