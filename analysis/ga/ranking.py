@@ -81,7 +81,7 @@ from hooked.models.decode_state import StateRefused
 
 # The clean run a ranking keeps (`ChoiceScorer.clean_bytes`: every layer's residual, keys and values):
 # SmolLM2-135M with the report's 16 prompts of 5 pairs, 167 MiB; a bf16 8B model (32 layers, d_model
-# 4096), ~1,300 prompt tokens. Above this budget every resume is recomputed, as before.
+# 4096), ~1,300 prompt tokens. Above this budget every resume recomputes the clean prefix (memory, not time).
 KEEP_CLEAN_BYTES = 2**30
 
 

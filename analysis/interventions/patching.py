@@ -24,7 +24,8 @@ Glossary
     attribution patching   the first-order estimate metric(base) + (source - base) . d metric /
                   d activation, from one forward and one backward on the base run (Nanda 2023).
     screened patching      `screened_patch`: the estimate everywhere, exact patches for the indices
-                  with the largest estimated effect and a random control set (issue 17).
+                  with the largest estimated effect and a random control set that measures what the
+                  estimate missed.
     replicas      r different patches in one forward: the base run is tiled r times along the
                   batch axis, block j of rows gets patch j, and the metric is taken per block
                   (`analysis.interventions.batching.tiles_for` is the rule; replicas=1 runs one patch
