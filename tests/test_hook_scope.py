@@ -58,7 +58,7 @@ def seen_by(model, point=P):
     return got["x"]
 
 
-# ------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------- nested hook contexts
 def test_nested_context_with_an_equal_fn_restores_the_outer_order(model):
     with model.hooks(fwd_hooks=[(P, lambda x, h: torch.ones_like(x)), (P, add1), (P, mul2)]):
         before = seen_by(model)
@@ -109,7 +109,7 @@ def test_prepended_scoped_hook_runs_first(model):
     assert order == ["front", "model", "back"]
 
 
-# ------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------ threads
 def _alone(model):
     """Reference results of each call made alone: (plain, with hooks, cache of one hook)."""
     plain = model(TOKENS)
