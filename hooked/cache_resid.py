@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from hooked.devices import onloaded
-from hooked.validate import pos_index
+from hooked.validate import Flag, Integer, checked, pos_index, token_ids
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
@@ -63,7 +63,10 @@ class ResidualStreamMethods:
     # ------------------------------------------------------------------------------- helpers
     def _final_layer(self, layer: int | None) -> int:
         n = self.n_layers
-        if layer is None or layer == -1:
+        if layer is None:
+            return n
+        layer = Integer().check(layer, "layer")
+        if layer == -1:
             return n
         if not 0 <= layer <= n:
             raise ValueError(f"layer={layer} is outside [0, {n}] (or -1 / None for the final residual)")
@@ -80,11 +83,16 @@ class ResidualStreamMethods:
         return getattr(block, which), f"blocks.{layer}.{which}"
 
     # ----------------------------------------------------------------------------- layer norm
+    @checked(mlp_input=Flag(), has_batch_dim=Flag(none=True), recompute_ln=Flag())
     def apply_ln_to_stack(self, residual_stack: Tensor, layer: int | None = None, mlp_input: bool = False,
                           pos_slice: SliceInput = None, batch_slice: SliceInput = None,
                           has_batch_dim: bool | None = None, recompute_ln: bool = False) -> Tensor:
         """Normalise a stack of components as the norm at `layer` normalised the full residual."""
         layer = self._final_layer(layer)
+        d_model = self.model.cfg.d_model
+        if not torch.is_tensor(residual_stack) or residual_stack.ndim < 2 or residual_stack.shape[-1] != d_model:
+            shape = tuple(residual_stack.shape) if torch.is_tensor(residual_stack) else type(residual_stack).__name__
+            raise ValueError(f"apply_ln_to_stack: residual_stack must be [..., pos, d_model={d_model}], got {shape}")
         has_batch_dim = self.has_batch_dim if has_batch_dim is None else has_batch_dim
         if has_batch_dim and batch_slice is not None:
             residual_stack = slice_pos(residual_stack, batch_slice, dim=1)
@@ -102,6 +110,7 @@ class ResidualStreamMethods:
             return norm.normalize_with_scale(residual_stack.to(device), scale.to(device))
 
     # --------------------------------------------------------------------------- residuals
+    @checked(incl_mid=Flag(), apply_ln=Flag(), mlp_input=Flag(), return_labels=Flag())
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
                           pos_slice: SliceInput = None, mlp_input: bool = False, return_labels: bool = False):
         """The residual stream at the input of blocks 0..layer (layer None / -1 / n_layers: then the
@@ -124,6 +133,7 @@ class ResidualStreamMethods:
                                            recompute_ln=layer == self.n_layers)
         return (stack, labels) if return_labels else stack
 
+    @checked(mlp_input=Flag(), apply_ln=Flag(), incl_embeds=Flag(), return_labels=Flag())
     def decompose_resid(self, layer: int | None = None, mlp_input: bool = False, mode: str = "all",
                         apply_ln: bool = False, pos_slice: SliceInput = None, incl_embeds: bool = True,
                         return_labels: bool = False):
@@ -181,6 +191,7 @@ class ResidualStreamMethods:
                 device = next(module.parameters()).device
                 self.cache_dict[name] = module.head_writes(x.to(device)).to(x.device)
 
+    @checked(return_labels=Flag(), incl_remainder=Flag(), apply_ln=Flag(), incl_shared=Flag())
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: SliceInput = None, apply_ln: bool = False, incl_shared: bool = False):
         """Each head's write for blocks < layer (-1: all): [head, (batch,) pos, d_model], labels "L{l}H{h}".
@@ -224,6 +235,7 @@ class ResidualStreamMethods:
             W_out = slice_pos(W_out, neuron_slice, dim=0)
         return post[..., None] * W_out
 
+    @checked(return_labels=Flag(), incl_remainder=Flag(), apply_ln=Flag())
     def stack_neuron_results(self, layer: int, pos_slice: SliceInput = None, neuron_slice: SliceInput = None,
                              return_labels: bool = False, incl_remainder: bool = False, apply_ln: bool = False):
         """Each MLP neuron's write for blocks < layer: [neuron, (batch,) pos, d_model], labels "L{l}N{i}"."""
@@ -248,6 +260,7 @@ class ResidualStreamMethods:
         return (stack, labels) if return_labels else stack
 
     # ------------------------------------------------------------------------- attribution
+    @checked(mlp_input=Flag(), expand_neurons=Flag(), apply_ln=Flag(), return_labels=Flag())
     def get_full_resid_decomposition(self, layer: int | None = None, mlp_input: bool = False,
                                      expand_neurons: bool = True, apply_ln: bool = False,
                                      pos_slice: SliceInput = None, return_labels: bool = False):
@@ -283,17 +296,22 @@ class ResidualStreamMethods:
         final norm's scale: [component, ...]. Tokens: an id, a str (one token), or a tensor of ids."""
         directions = self._token_directions(tokens)
         if incorrect_tokens is not None:
-            wrong = self._token_directions(incorrect_tokens)
+            wrong = self._token_directions(incorrect_tokens, "incorrect_tokens")
             if wrong.shape != directions.shape:
                 raise ValueError(f"tokens and incorrect_tokens must have the same shape: "
                                  f"{tuple(directions.shape[:-1])} vs {tuple(wrong.shape[:-1])}")
             directions = directions - wrong
         scaled = self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
                                         has_batch_dim=has_batch_dim)
+        try:
+            torch.broadcast_shapes(directions.shape[:-1], scaled.shape[1:-1])
+        except RuntimeError:
+            raise ValueError(f"logit_attrs: tokens of shape {tuple(directions.shape[:-1])} do not match the stack's "
+                             f"{'[batch pos]' if has_batch_dim else '[pos]'} = {tuple(scaled.shape[1:-1])}") from None
         return (scaled * directions).sum(-1)
 
-    def _token_directions(self, tokens: Any) -> Tensor:
+    def _token_directions(self, tokens: Any, name: str = "tokens") -> Tensor:
         if isinstance(tokens, str):
             tokens = self.model.to_single_token(tokens)
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.unembed.weight.device)
+        ids = token_ids(tokens, self.model.cfg.d_vocab, f"logit_attrs: {name}").to(self.model.unembed.weight.device)
         return self.model.unembed.weight[ids]  # W_U[:, token] as rows: [..., d_model]

@@ -267,9 +267,12 @@ class Instance(Rule):
         return f"Instance({self.what!r})"
 
 
+@dataclass(frozen=True)
 class Device(Rule):
     """A device this machine has, as a torch.device: "cpu", "cuda", "cuda:i", a GPU index, "mps" or a
     torch.device. "meta" (no data) and devices the machine lacks are refused."""
+
+    none: bool = False
 
     def allowed(self, args: dict[str, Any]) -> str:
         return "a device ('cpu', 'cuda', 'cuda:i', a GPU index or a torch.device)"
@@ -391,4 +394,22 @@ def pos_index(pos_slice: Any, n_pos: int, name: str = "pos_slice") -> Any:
         raise WrongType(f"{name}: expected None, an integer in [-{n_pos}, {n_pos}), a slice, a tuple or a list of "
                         f"positions, got {_show(pos_slice)} ({type(pos_slice).__name__})")
     return rule.check(pos_slice, name)
+
+
+def token_ids(value: Any, d_vocab: int, name: str) -> torch.Tensor:
+    """Token ids as a long tensor (shape kept): an int, a list of ints or an integer tensor, each in
+    [0, d_vocab); floats, bools and strings are refused by name, as is an id outside the vocabulary."""
+    if torch.is_tensor(value):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise WrongType(f"{name}: expected token ids (integers), got a {value.dtype} tensor")
+        ids = value.long()
+    elif isinstance(value, (list, tuple)):
+        ids = torch.tensor([Integer().check(v, f"{name}[{i}]") for i, v in enumerate(value)], dtype=torch.long)
+    else:
+        ids = torch.tensor(Integer(ge=0, lt=d_vocab).check(value, name), dtype=torch.long)
+    bad = (ids < 0) | (ids >= d_vocab)
+    if bool(bad.any()):
+        shown = sorted(set(ids[bad].tolist()))[:10]
+        raise ValueError(f"{name}: token ids outside the vocabulary [0, {d_vocab}): {shown}")
+    return ids
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
+from hooked.validate import token_ids
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
@@ -217,8 +218,8 @@ class ModelWeights:
         """W_U's column of each token, [..., d_model] (TL's name); a str must be one token."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.unembed.weight.device)
-        return self.unembed.weight[ids]
+        ids = token_ids(tokens, self.cfg.d_vocab, "tokens_to_residual_directions: tokens")
+        return self.unembed.weight[ids.to(self.unembed.weight.device)]
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj) every block before
@@ -265,7 +266,7 @@ class ModelWeights:
 
     def to_single_str_token(self, int_token: int) -> str:
         """The string of one token id (TL's)."""
-        return self.tokenizer.decode([int(int_token)])
+        return self.tokenizer.decode([int(token_ids(int_token, self.cfg.d_vocab, "to_single_str_token: int_token"))])
 
     def stacked_weight(self, name: str) -> Tensor:
         """`name` of every block's attn / mlp / mixer, stacked: [n_layers, ...]."""

@@ -27,7 +27,7 @@ from torch import Tensor
 from hooked.hook_points import HookedRootModule
 from hooked.models.decode_state import DecodeState
 from hooked.tl_config import attach
-from hooked.validate import Integer, OneOf, WrongType, check
+from hooked.validate import AnyOf, Flag, Integer, OneOf, Seq, Text, WrongType, check, token_ids
 from hooked.weights import ModelWeights
 
 
@@ -123,6 +123,8 @@ class HookedModel(ModelWeights, HookedRootModule):
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        if return_type in ("loss", "both"):
+            check(loss_per_token, "loss_per_token", Flag())
         if isinstance(input, (str, list)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is computed from text; pass tokens to give your own mask")
@@ -211,6 +213,10 @@ class HookedModel(ModelWeights, HookedRootModule):
     def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
                      tokens: Tensor | None, device: torch.device, state: DecodeState | None = None) -> Context:
         ctx = self._plain_context(shape, attention_mask, tokens, device)
+        if ctx.attention_mask is not None and (state is None or state.length == 0):
+            empty = (~ctx.attention_mask.any(-1)).nonzero().flatten().tolist()
+            if empty:  # a row that reads nothing has no defined output
+                raise ValueError(f"attention_mask: rows {empty[:10]} have no real token (all 0)")
         if state is None:
             return ctx
         batch, pos = int(shape[0]), int(shape[1])
@@ -253,6 +259,9 @@ class HookedModel(ModelWeights, HookedRootModule):
         prepend_bos=None keeps the tokenizer's own choice; True adds BOS where the tokenizer does not.
         """
         tok = self._need_tokenizer()
+        check(text, "text", AnyOf(Text(empty=True), Seq(Text(empty=True))))
+        check(prepend_bos, "prepend_bos", Flag(none=True))
+        check(padding_side, "padding_side", OneOf("left", "right"))
         texts = [text] if isinstance(text, str) else list(text)
         rows = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
         bos = tok.bos_token_id
@@ -278,6 +287,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         mask: use `tokenize` (tokens and mask) or pass text to the model. `truncate` cuts to n_ctx
         where the model has a position limit."""
         tokens = self.tokenize(text, prepend_bos, padding_side)[0]
+        check(truncate, "truncate", Flag())
         limit = getattr(self.cfg, "n_ctx", None)
         if truncate and limit is not None and getattr(self, "pos_embed", None) is not None:
             tokens = tokens[:, :limit]
@@ -293,6 +303,8 @@ class HookedModel(ModelWeights, HookedRootModule):
         if isinstance(text, str):
             ids = self.to_tokens(text, prepend_bos)[0]
         elif torch.is_tensor(text):
+            if text.is_floating_point() or text.is_complex() or text.dtype == torch.bool:
+                raise WrongType(f"to_str_tokens: a tensor must hold token ids (integers), got {text.dtype}")
             ids = text.reshape(1) if text.ndim == 0 else text
             if ids.ndim == 2:
                 return [self.to_str_tokens(row) for row in ids] if ids.shape[0] > 1 else self.to_str_tokens(ids[0])
@@ -304,6 +316,7 @@ class HookedModel(ModelWeights, HookedRootModule):
 
     def to_single_token(self, string: str) -> int:
         """The id of `string` when it is exactly one token (no BOS); otherwise a ValueError."""
+        check(string, "to_single_token: string", Text())
         ids = self.to_tokens(string, prepend_bos=False)[0]
         if ids.numel() != 1:
             raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {self.to_str_tokens(ids)}")
@@ -332,4 +345,9 @@ class HookedModel(ModelWeights, HookedRootModule):
 
     def to_string(self, tokens: Tensor) -> str | list[str]:
         tok = self._need_tokenizer()
+        if isinstance(tokens, (list, tuple)):
+            tokens = token_ids(tokens, self.cfg.d_vocab, "to_string: tokens")
+        if not torch.is_tensor(tokens) or tokens.ndim not in (1, 2) or tokens.is_floating_point():
+            shown = f"shape {tuple(tokens.shape)} {tokens.dtype}" if torch.is_tensor(tokens) else type(tokens).__name__
+            raise WrongType(f"to_string: tokens must be token ids [pos] or [batch pos], got {shown}")
         return tok.decode(tokens.tolist()) if tokens.ndim == 1 else [tok.decode(t.tolist()) for t in tokens]
