@@ -270,9 +270,10 @@ class Instance(Rule):
 @dataclass(frozen=True)
 class Device(Rule):
     """A device this machine has, as a torch.device: "cpu", "cuda", "cuda:i", a GPU index, "mps" or a
-    torch.device. "meta" (no data) and devices the machine lacks are refused."""
+    torch.device. "meta" (no data; unless meta=True) and devices the machine lacks are refused."""
 
     none: bool = False
+    meta: bool = False
 
     def allowed(self, args: dict[str, Any]) -> str:
         return "a device ('cpu', 'cuda', 'cuda:i', a GPU index or a torch.device)"
@@ -284,7 +285,7 @@ class Device(Rule):
             d = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
         except (RuntimeError, TypeError, ValueError):
             raise ValueError(f"{name}={_show(value)}: not a device; expected {self.allowed(args)}") from None
-        if d.type == "meta":
+        if d.type == "meta" and not self.meta:
             raise ValueError(f"{name}={_show(value)}: the meta device holds no data; expected {self.allowed(args)}")
         if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"{name}={_show(value)}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
@@ -292,8 +293,6 @@ class Device(Rule):
             raise ValueError(f"{name}={_show(value)}: MPS is not available on this machine")
         return d
 
-
-DEVICE = Device()
 
 
 class AnyOf(Rule):

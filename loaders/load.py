@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from loaders.checks import (ConfigError, check_float_dtype, check_hf_config, check_model_config, config_dtype,
                             read_json, shard_path, weight_map)
-from hooked.validate import DEVICE, Flag, Text, check, checked
+from hooked.validate import Device, Flag, Text, check, checked
 from loaders.dispatch import check_placement
 from loaders.hub import looks_like_repo_id, resolve_repo
 from loaders.registry import Architecture, find_architecture
@@ -129,7 +129,7 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
     _check_processing(processing)
     check_placement(device_map, max_memory, offload_folder)
     dtype = _load_dtype(dtype)
-    device = check(device, "from_pretrained: device", DEVICE)
+    device = check(device, "from_pretrained: device", Device(meta=True))  # meta: refused below, after mmap's check
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder} \
         if device_map is not None else {}
@@ -139,6 +139,8 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
         where = f"device_map={device_map!r}" if device_map is not None else f"device={str(device)!r}"
         raise ValueError(f"mmap=True maps checkpoint files into CPU memory; it cannot be combined with {where} "
                          f"(load with mmap=False, or on device='cpu' without a device_map)")
+    if device.type == "meta":
+        raise ValueError("from_pretrained: device='meta': the meta device holds no data; load onto 'cpu' or a GPU")
     if path.is_file():
         return _processed(load_gguf(path, dtype=dtype, device=device, mmap=mmap, **placement), processing)
     return _processed(load_dir(path, dtype=dtype, device=device, allow_pickle=allow_pickle, mmap=mmap, **placement),
@@ -163,12 +165,7 @@ def _check_processing(processing: dict[str, bool]) -> None:
 
 
 def _load_dtype(dtype: Any) -> torch.dtype | None:
-    """None, a floating torch.dtype, or its name ("float32", "torch.bfloat16"), as TransformerLens accepts."""
-    if isinstance(dtype, str):
-        named = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(named, torch.dtype):
-            raise ValueError(f"from_pretrained: dtype={dtype!r} names no torch dtype (e.g. 'float32', 'bfloat16')")
-        dtype = named
+    """None or a floating torch.dtype (a name such as "float32" is refused: pass torch.float32)."""
     return None if dtype is None else check_float_dtype(dtype, "from_pretrained: dtype")
 
 
