@@ -379,9 +379,10 @@ def pos_index(pos_slice: Any, n_pos: int, name: str = "pos_slice") -> Any:
                 Integer().check(part, f"{name}.{field}")
         if pos_slice.step == 0:
             raise ValueError(f"{name}={pos_slice!r}: the step must not be 0")
-        if len(range(n_pos)[pos_slice]) == 0:
+        chosen = range(n_pos)[pos_slice]
+        if len(chosen) == 0:
             raise ValueError(f"{name}={pos_slice!r} selects none of the {n_pos} positions")
-        return pos_slice
+        return pos_slice if pos_slice.step is None or pos_slice.step > 0 else torch.tensor(chosen, dtype=torch.long)
     if isinstance(pos_slice, (list, np.ndarray)) or (torch.is_tensor(pos_slice) and pos_slice.ndim == 1):
         items = pos_slice.tolist() if hasattr(pos_slice, "tolist") else pos_slice
         if not items:
