@@ -217,7 +217,10 @@ class ModelWeights:
     def tokens_to_residual_directions(self, tokens: Any) -> Tensor:
         """W_U's column of each token, [..., d_model] (TL's name); a str must be one token."""
         if isinstance(tokens, str):
-            tokens = self.to_single_token(tokens)
+            try:
+                tokens = self.to_single_token(tokens)
+            except ValueError as e:
+                raise ValueError(f"tokens_to_residual_directions: tokens={tokens!r}: {e}") from None
         ids = token_ids(tokens, self.cfg.d_vocab, "tokens_to_residual_directions: tokens")
         return self.unembed.weight[ids.to(self.unembed.weight.device)]
 

@@ -31,6 +31,7 @@ class Int:
     lo: int | str | None = None
     hi: int | str | None = None  # exclusive
     none: bool = False
+    text: bool = False  # a str is legal too (a token id given as its one-token string)
 
     def bounds(self, model: Any = None) -> tuple[int | None, int | None]:
         get = lambda b: getattr(model.cfg, b) if isinstance(b, str) else b  # noqa: E731
@@ -46,7 +47,9 @@ class Int:
 
     def illegal(self, model: Any = None) -> st.SearchStrategy:
         lo, hi = self.bounds(model)
-        out = [st.floats(allow_nan=True, allow_infinity=True), st.booleans(), JUNK]
+        out = [st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.just(""), st.just(object())]
+        if not self.text:
+            out.append(JUNK)
         if lo is not None:  # just past the bound, and anywhere past it
             out += [st.sampled_from([lo - 1, lo - 2]), st.integers(max_value=lo - 1)]
         if hi is not None:
@@ -181,7 +184,7 @@ EXPLICIT: dict[str, dict[str, Any]] = {
     "run_with_cache": {"max_cache_bytes": Int(0, none=True), "remove_batch_dim": FLAG, "detach": FLAG,
                        "incl_lazy": FLAG, "incl_bwd": FLAG},
     "get_act_name": {"layer": Int(0, none=True)},
-    "tokens_to_residual_directions": {"tokens": Int(0, "d_vocab")},
+    "tokens_to_residual_directions": {"tokens": Int(0, "d_vocab", text=True)},
     "to_tokens": {"prepend_bos": Flag(none=True), "padding_side": Choice("left", "right"), "truncate": FLAG},
 }
 
