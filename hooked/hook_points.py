@@ -45,7 +45,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from hooked.validate import Device, Flag, Integer, WrongType, check, pos_index
+from hooked.validate import Device, Flag, Integer, WrongType, checked, pos_index
 
 HookFn = Callable[[Tensor, "HookPoint"], Union[Tensor, None]]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -357,6 +357,8 @@ class HookedRootModule(nn.Module):
                 p.ctx = {}
         return out
 
+    @checked(device=Device(none=True), remove_batch_dim=Flag(), detach=Flag(), incl_lazy=Flag(),
+             max_cache_bytes=Integer(ge=0, none=True), incl_bwd=Flag())
     def run_with_cache(self, *args: Any, names_filter: NamesFilter = None, device: str | torch.device | None = None,
                        remove_batch_dim: bool = False, detach: bool = True, incl_lazy: bool = False,
                        max_cache_bytes: int | None = None, incl_bwd: bool = False, pos_slice: Any = None,
@@ -379,11 +381,6 @@ class HookedRootModule(nn.Module):
         from hooked.cache_resid import slice_pos
 
         store: dict[str, Tensor] = {}
-        max_cache_bytes = check(max_cache_bytes, "run_with_cache: max_cache_bytes", Integer(ge=0, none=True))
-        device = check(device, "run_with_cache: device", Device(none=True))
-        for flag, value in (("remove_batch_dim", remove_batch_dim), ("detach", detach), ("incl_lazy", incl_lazy),
-                            ("incl_bwd", incl_bwd)):
-            check(value, f"run_with_cache: {flag}", Flag())
         shape = self._batch_pos(args, kwargs)
         if pos_slice is not None and shape is not None:
             pos_slice = pos_index(pos_slice, shape[1], "run_with_cache: pos_slice")

@@ -136,6 +136,16 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
         "eos_token_id": Int(0, "d_vocab", none=True),  # or a non-empty list of them (TL's stop list)
         "input": None,  # a str, a non-empty list of str, or tokens: cases in test_bad_inputs.py
     },
+    "hooked.models.base.HookedModel.generate": {"max_new_tokens": Int(0)},  # the rest: hooked.generate's
+    "hooked.models.base.HookedModel.tokenize": {
+        "prepend_bos": Flag(none=True), "padding_side": Choice("left", "right"),
+        "text": None},  # a str or a non-empty list of str
+    "hooked.models.base.HookedModel.to_tokens": {
+        "prepend_bos": Flag(none=True), "padding_side": Choice("left", "right"), "truncate": FLAG, "text": None},
+    "hooked.models.base.HookedModel.to_single_token": {"string": Text()},
+    "hooked.hook_points.HookedRootModule.run_with_cache": {
+        "max_cache_bytes": Int(0, none=True), "remove_batch_dim": FLAG, "detach": FLAG, "incl_lazy": FLAG,
+        "incl_bwd": FLAG, "device": None},  # a device this machine has: cases in test_bad_inputs.py
     "hooked.processing.process_weights": {
         "fold_ln": FLAG, "center_writing_weights": FLAG, "center_unembed": FLAG, "fold_value_biases": FLAG},
     "hooked.cache_resid.ResidualStreamMethods.accumulated_resid": {
@@ -181,11 +191,8 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
 
 # Methods and functions checked by explicit calls (no decorator): argument -> spec, for the same tests.
 EXPLICIT: dict[str, dict[str, Any]] = {
-    "run_with_cache": {"max_cache_bytes": Int(0, none=True), "remove_batch_dim": FLAG, "detach": FLAG,
-                       "incl_lazy": FLAG, "incl_bwd": FLAG},
     "get_act_name": {"layer": Int(0, none=True)},
     "tokens_to_residual_directions": {"tokens": Int(0, "d_vocab", text=True)},
-    "to_tokens": {"prepend_bos": Flag(none=True), "padding_side": Choice("left", "right"), "truncate": FLAG},
 }
 
 CLI: dict[str, dict[str, Any]] = {  # options whose value argparse does not already restrict

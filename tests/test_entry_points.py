@@ -72,6 +72,11 @@ def _cache_call(method: str):
 
 CALLS = {  # entry point -> call with one argument given (every other one legal)
     "hooked.generate.generate": lambda c, **kw: c.model.generate(TOKENS, **{"max_new_tokens": 1, **kw}),
+    "hooked.models.base.HookedModel.generate": lambda c, **kw: c.model.generate(TOKENS, **kw),
+    "hooked.models.base.HookedModel.tokenize": lambda c, **kw: c.model.tokenize(**{"text": "K03", **kw}),
+    "hooked.models.base.HookedModel.to_tokens": lambda c, **kw: c.model.to_tokens(**{"text": "K03", **kw}),
+    "hooked.models.base.HookedModel.to_single_token": lambda c, **kw: c.model.to_single_token(**kw),
+    "hooked.hook_points.HookedRootModule.run_with_cache": lambda c, **kw: c.model.run_with_cache(TOKENS, **kw),
     "hooked.processing.process_weights": lambda c, **kw: __import__("hooked.processing").processing.process_weights(
         copy.deepcopy(c.model), **kw),
     "hooked.cache_resid.ResidualStreamMethods.accumulated_resid": _cache_call("accumulated_resid"),
@@ -91,10 +96,8 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
         c.model, c.out, [2], **{"n": 2, "progress": False, **kw}),
 }
 EXPLICIT_CALLS = {
-    "run_with_cache": lambda c, **kw: c.model.run_with_cache(TOKENS, **kw),
     "get_act_name": lambda c, **kw: hooked.utils.get_act_name("resid_pre", **kw),
     "tokens_to_residual_directions": lambda c, **kw: c.model.tokens_to_residual_directions(**kw),
-    "to_tokens": lambda c, **kw: c.model.to_tokens("K03", **kw),
 }
 
 

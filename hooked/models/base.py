@@ -27,8 +27,11 @@ from torch import Tensor
 from hooked.hook_points import HookedRootModule
 from hooked.models.decode_state import DecodeState
 from hooked.tl_config import attach
-from hooked.validate import AnyOf, Flag, Integer, OneOf, Seq, Text, WrongType, check, token_ids
+from hooked.validate import AnyOf, Flag, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
 from hooked.weights import ModelWeights
+
+
+TEXTS = AnyOf(Text(empty=True), Seq(Text(empty=True)))  # one text or a batch of them
 
 
 @dataclass
@@ -170,6 +173,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         loss = lm_loss(logits, tokens, ctx.attention_mask, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
+    @checked(max_new_tokens=Integer(ge=0))
     def generate(self, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
         """TransformerLens's generate (greedy or sampled; incremental state): hooked/generate.py."""
         from hooked.generate import generate
@@ -252,6 +256,7 @@ class HookedModel(ModelWeights, HookedRootModule):
             raise ValueError("this model has no tokenizer; load it from a checkpoint that has one or set model.tokenizer")
         return self.tokenizer
 
+    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right"))
     def tokenize(self, text: str | list[str], prepend_bos: bool | None = None,
                  padding_side: str = "left") -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
         """(tokens, attention_mask) for one text or a batch, padded on `padding_side`.
@@ -259,9 +264,6 @@ class HookedModel(ModelWeights, HookedRootModule):
         prepend_bos=None keeps the tokenizer's own choice; True adds BOS where the tokenizer does not.
         """
         tok = self._need_tokenizer()
-        check(text, "text", AnyOf(Text(empty=True), Seq(Text(empty=True))))
-        check(prepend_bos, "prepend_bos", Flag(none=True))
-        check(padding_side, "padding_side", OneOf("left", "right"))
         texts = [text] if isinstance(text, str) else list(text)
         rows = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
         bos = tok.bos_token_id
@@ -280,6 +282,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         device = self._device()
         return tokens.to(device), mask.to(device)
 
+    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right"), truncate=Flag())
     def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str = "right",
                   truncate: bool = True) -> Int[Tensor, "batch pos"]:
         """Token ids [batch pos]. A batch is padded on the RIGHT by default (as TransformerLens does):
@@ -287,7 +290,6 @@ class HookedModel(ModelWeights, HookedRootModule):
         mask: use `tokenize` (tokens and mask) or pass text to the model. `truncate` cuts to n_ctx
         where the model has a position limit."""
         tokens = self.tokenize(text, prepend_bos, padding_side)[0]
-        check(truncate, "truncate", Flag())
         limit = getattr(self.cfg, "n_ctx", None)
         if truncate and limit is not None and getattr(self, "pos_embed", None) is not None:
             tokens = tokens[:, :limit]
@@ -314,9 +316,9 @@ class HookedModel(ModelWeights, HookedRootModule):
             raise TypeError(f"to_str_tokens takes a str, a list or a tensor, got {type(text).__name__}")
         return [tok.decode([i]) for i in ids.tolist()]
 
+    @checked(string=Text())
     def to_single_token(self, string: str) -> int:
         """The id of `string` when it is exactly one token (no BOS); otherwise a ValueError."""
-        check(string, "to_single_token: string", Text())
         ids = self.to_tokens(string, prepend_bos=False)[0]
         if ids.numel() != 1:
             raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {self.to_str_tokens(ids)}")
