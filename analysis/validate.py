@@ -1,4 +1,6 @@
-"""One validation layer for the indices analysis functions take: positions, layers, heads, channels.
+"""The analysis side of the validation layer: indices (positions, layers, heads, channels), metric
+values, example lists and output directories. Scalar arguments (counts, probabilities, flags,
+choices) use hooked.validate's rules, whose WrongType NotAnIndex is.
 
 Glossary
     index        a Python int (numpy / 0-d integer tensors too) in [-n, n); a negative one counts from
@@ -8,6 +10,9 @@ Glossary
     mask         a bool tensor (or list of bools) of exactly the axis' length, shape-checked
     what         the argument's name, put in every message with its valid range, e.g.
                  "layers=[9]: 9 is outside [-2, 2) (the model's 2 layers)"
+    metric value one number per run: a metric that returns a value per batch row is refused, not
+                 averaged behind the caller's back
+    WritableDir  an output directory created and written to at the check, before any work
 
 Used by knockout, ablation, patching, info_flow, ga and the CLI, so that each refuses the same
 inputs with the same kind of message. Nothing here wraps around silently: an index outside its
