@@ -305,6 +305,9 @@ class AnyOf(Rule):
     def allowed(self, args: dict[str, Any]) -> str:
         return " or ".join(r.allowed(args) for r in self.rules)
 
+    def is_container(self, value: Any) -> bool:
+        return any(r.is_container(value) for r in self.rules)
+
     def _check(self, value: Any, name: str, args: dict[str, Any]) -> Any:
         for rule in self.rules:
             if rule.is_container(value):  # a list of the wrong items: name the item

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
-from hooked.validate import token_ids
+from hooked.validate import Integer, check, token_ids
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
@@ -230,6 +230,7 @@ class ModelWeights:
         On a dispatched model each bias is read through `onloaded` and summed on the CPU."""
         from hooked.devices import onloaded
 
+        check(layer, "accumulated_bias: layer", Integer(ge=0, le=self.cfg.n_layers))
         dispatched = getattr(self, "hf_device_map", None) is not None
         total = None
         for l in range(layer + (1 if mlp_input else 0)):

@@ -136,7 +136,7 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
         "eos_token_id": Int(0, "d_vocab", none=True),  # or a non-empty list of them (TL's stop list)
         "input": None,  # a str, a non-empty list of str, or tokens: cases in test_bad_inputs.py
     },
-    "hooked.models.base.HookedModel.generate": {"max_new_tokens": Int(0)},  # the rest: hooked.generate's
+    "hooked.models.base.HookedModel.generate": {"max_new_tokens": Int(0), "input": None},  # the rest: hooked.generate's
     "hooked.models.base.HookedModel.tokenize": {
         "prepend_bos": Flag(none=True), "padding_side": Choice("left", "right"),
         "text": None},  # a str or a non-empty list of str
@@ -170,6 +170,9 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
         "confidence": PROB, "progress": FLAG, "replicas": Int(1, none=True),
         "sources": None,  # a non-empty list of source-set names
     },
+    "analysis.interventions.knockout.knockout": {"cut_conv": FLAG},
+    "analysis.interventions.ablation.ablate_heads": {"keep": FLAG, "mode": Choice("zero", "mean")},
+    "analysis.tasks.text.kv_retrieval": {"seed": Int()},
     "analysis.ga.ranking.rank_heads": {
         "method": Choice("exhaustive", "screened"), "batch_size": Int(1), "reuse_prefix": FLAG, "pairs_top_k": Int(0),
         "mode": Choice("zero", "mean"), "channel_group": Int(1, none=True), "progress": FLAG, "verify_top": Int(1),
@@ -193,6 +196,7 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
 EXPLICIT: dict[str, dict[str, Any]] = {
     "get_act_name": {"layer": Int(0, none=True)},
     "tokens_to_residual_directions": {"tokens": Int(0, "d_vocab", text=True)},
+    "accumulated_bias": {"layer": Int(0, 3)},  # [0, n_layers] on the 2-layer organism
 }
 
 CLI: dict[str, dict[str, Any]] = {  # options whose value argparse does not already restrict

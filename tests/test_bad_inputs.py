@@ -247,6 +247,39 @@ def test_ga_needs_examples(model):
         rank_heads(model, [object()], n_control=-3)
 
 
+# --------------------------------------------------------------- a second careless pass
+def second_pass(model):
+    from analysis.interventions import ablate_heads, knockout
+    from analysis.tasks.scoring import score_choices
+    from analysis.tasks.text import kv_retrieval
+
+    def within(context):
+        with context:
+            pass
+
+    return {  # new cases, found after the first list: name -> (call, error, message)
+        "knockout cut_conv='yes'": (lambda: within(knockout(model, [0], [-1], [0], cut_conv="yes")), TypeError,
+                                    r"knockout: cut_conv: expected True or False, got 'yes'"),
+        "ablate_heads keep='yes'": (lambda: within(ablate_heads(model, [(0, 1)], keep="yes")), TypeError,
+                                    r"ablate_heads: keep: expected True or False, got 'yes'"),
+        "kv_retrieval seed=1.5": (lambda: kv_retrieval(3, 2, seed=1.5), TypeError, r"kv_retrieval: seed: expected an integer"),
+        "score_choices([])": (lambda: score_choices(model, []), ValueError, r"examples is empty"),
+        "cache.to('gpu')": (lambda: model.run_with_cache(TOKENS)[1].to("gpu"), ValueError,
+                            r"ActivationCache.to: device='gpu': not a device"),
+        "accumulated_bias(99)": (lambda: model.accumulated_bias(99), ValueError, r"accumulated_bias: layer=99: must be in \[0, 2\]"),
+        "accumulated_bias(1.5)": (lambda: model.accumulated_bias(1.5), TypeError, r"accumulated_bias: layer: expected an integer"),
+    }
+
+
+@pytest.mark.parametrize("case", list(second_pass(None)))
+def test_second_pass_refuses(model, case):
+    call, error, message = second_pass(model)[case]
+    reference = model(TOKENS)
+    with pytest.raises(error, match=message):
+        call()
+    unchanged(model, reference)
+
+
 # --------------------------------------------------------------------- loading and placement
 PLACEMENT = {  # from_pretrained kwargs -> message
     "max_memory without device_map": ({"max_memory": {"cpu": 10**9}},

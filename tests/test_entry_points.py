@@ -26,6 +26,8 @@ import hooked.generate  # noqa: F401
 import hooked.processing  # noqa: F401
 import hooked.utils  # noqa: F401
 import loaders.load  # noqa: F401
+from analysis.interventions import ablate_heads, knockout
+from analysis.tasks.text import kv_retrieval
 from hooked.validate import RULES
 from tests.entry_points import CLI, ENTRY_POINTS, EXPLICIT, Choice, Flag, Int, Real
 from tests.test_cache_budget import MODELS
@@ -66,6 +68,11 @@ def families():
     return made
 
 
+def _within(context) -> None:
+    with context:
+        pass
+
+
 def _cache_call(method: str):
     return lambda c, **kw: getattr(c.cache, method)(**kw)
 
@@ -88,6 +95,9 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
     "hooked.utils.test_prompt": lambda c, **kw: hooked.utils.test_prompt(
         **{"prompt": "K03", "answer": "V12", "model": c.model, "print_details": False, **kw}),
     "loaders.load.from_pretrained": lambda c, **kw: loaders.load.from_pretrained("organism/llama-kv", **kw),
+    "analysis.interventions.knockout.knockout": lambda c, **kw: _within(knockout(c.model, [0], [-1], [0], **kw)),
+    "analysis.interventions.ablation.ablate_heads": lambda c, **kw: _within(ablate_heads(c.model, [(0, 1)], **kw)),
+    "analysis.tasks.text.kv_retrieval": lambda c, **kw: kv_retrieval(2, 2, **kw),
     "analysis.info_flow.info_flow": lambda c, **kw: analysis.info_flow.info_flow(c.model, [], **kw),
     "analysis.ga.ranking.rank_heads": lambda c, **kw: analysis.ga.ranking.rank_heads(
         c.model, c.examples, **{"progress": False, **kw}),
@@ -98,6 +108,7 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
 EXPLICIT_CALLS = {
     "get_act_name": lambda c, **kw: hooked.utils.get_act_name("resid_pre", **kw),
     "tokens_to_residual_directions": lambda c, **kw: c.model.tokens_to_residual_directions(**kw),
+    "accumulated_bias": lambda c, **kw: c.model.accumulated_bias(**kw),
 }
 
 

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from hooked.devices import onloaded
 from hooked.ops.selective_scan import mamba1_kernel_pairs
+from hooked.validate import Flag, checked
 from analysis.validate import index_list, index_mask, layer_index, layer_list, position_mask
 from hooked.ops.ssd import mamba2_kernel_pairs
 
@@ -178,6 +179,7 @@ def _conv_channels(channels: Tensor | None, n_conv: int, d_inner: int) -> Tensor
 
 # ------------------------------------------------------------------------------ the context
 @contextlib.contextmanager
+@checked(cut_conv=Flag())
 def knockout(model: Any, sources: Positions, targets: Positions, layers: int | Iterable[int],
              channels: Channels = None, attention: str = "scores", cut_conv: bool = False) -> Iterator[Any]:
     """Cut every (target, source) edge in every listed layer while the context is open.

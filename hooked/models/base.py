@@ -27,7 +27,7 @@ from torch import Tensor
 from hooked.hook_points import HookedRootModule
 from hooked.models.decode_state import DecodeState
 from hooked.tl_config import attach
-from hooked.validate import AnyOf, Flag, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
+from hooked.validate import AnyOf, Flag, Instance, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
 from hooked.weights import ModelWeights
 
 
@@ -173,7 +173,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         loss = lm_loss(logits, tokens, ctx.attention_mask, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
-    @checked(max_new_tokens=Integer(ge=0))
+    @checked(input=AnyOf(TEXTS, Instance(Tensor, "a tensor of token ids")), max_new_tokens=Integer(ge=0))
     def generate(self, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
         """TransformerLens's generate (greedy or sampled; incremental state): hooked/generate.py."""
         from hooked.generate import generate
