@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
-from hooked.validate import Integer, check, token_ids
+from hooked.validate import Flag, Integer, checked, token_ids
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
@@ -224,13 +224,13 @@ class ModelWeights:
         ids = token_ids(tokens, self.cfg.d_vocab, "tokens_to_residual_directions: tokens")
         return self.unembed.weight[ids.to(self.unembed.weight.device)]
 
+    @checked(layer=Integer(ge=0, le=lambda args: args["self"].cfg.n_layers), mlp_input=Flag(), include_mlp_biases=Flag())
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj) every block before
         `layer` writes, plus block `layer`'s attention bias when `mlp_input` (TL's): [d_model].
         On a dispatched model each bias is read through `onloaded` and summed on the CPU."""
         from hooked.devices import onloaded
 
-        check(layer, "accumulated_bias: layer", Integer(ge=0, le=self.cfg.n_layers))
         dispatched = getattr(self, "hf_device_map", None) is not None
         total = None
         for l in range(layer + (1 if mlp_input else 0)):

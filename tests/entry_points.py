@@ -146,6 +146,8 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "hooked.hook_points.HookedRootModule.run_with_cache": {
         "max_cache_bytes": Int(0, none=True), "remove_batch_dim": FLAG, "detach": FLAG, "incl_lazy": FLAG,
         "incl_bwd": FLAG, "device": None},  # a device this machine has: cases in test_bad_inputs.py
+    "hooked.weights.ModelWeights.accumulated_bias": {
+        "layer": Int(0, 3), "mlp_input": FLAG, "include_mlp_biases": FLAG},  # layer in [0, n_layers]: 2 layers here
     "hooked.processing.process_weights": {
         "fold_ln": FLAG, "center_writing_weights": FLAG, "center_unembed": FLAG, "fold_value_biases": FLAG},
     "hooked.cache_resid.ResidualStreamMethods.accumulated_resid": {
@@ -196,7 +198,6 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
 EXPLICIT: dict[str, dict[str, Any]] = {
     "get_act_name": {"layer": Int(0, none=True)},
     "tokens_to_residual_directions": {"tokens": Int(0, "d_vocab", text=True)},
-    "accumulated_bias": {"layer": Int(0, 3)},  # [0, n_layers] on the 2-layer organism
 }
 
 CLI: dict[str, dict[str, Any]] = {  # options whose value argparse does not already restrict

@@ -84,6 +84,7 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
     "hooked.models.base.HookedModel.to_tokens": lambda c, **kw: c.model.to_tokens(**{"text": "K03", **kw}),
     "hooked.models.base.HookedModel.to_single_token": lambda c, **kw: c.model.to_single_token(**kw),
     "hooked.hook_points.HookedRootModule.run_with_cache": lambda c, **kw: c.model.run_with_cache(TOKENS, **kw),
+    "hooked.weights.ModelWeights.accumulated_bias": lambda c, **kw: c.model.accumulated_bias(**{"layer": 1, **kw}),
     "hooked.processing.process_weights": lambda c, **kw: __import__("hooked.processing").processing.process_weights(
         copy.deepcopy(c.model), **kw),
     "hooked.cache_resid.ResidualStreamMethods.accumulated_resid": _cache_call("accumulated_resid"),
@@ -108,7 +109,6 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
 EXPLICIT_CALLS = {
     "get_act_name": lambda c, **kw: hooked.utils.get_act_name("resid_pre", **kw),
     "tokens_to_residual_directions": lambda c, **kw: c.model.tokens_to_residual_directions(**kw),
-    "accumulated_bias": lambda c, **kw: c.model.accumulated_bias(**kw),
 }
 
 
