@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.validate import CommaInts, WritableDir
+from analysis.validate import CommaInts, ExistingFile, WritableDir
 from hooked.validate import Integer, Number, Rule, Seq, Text
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -287,7 +287,8 @@ def plot_mixing(model: Any, tokens: Tensor, out: Path) -> Path:
 # -------------------------------------------------------------------------------------- knockout
 @command("knockout", "information flow to the last token (knockout sweep over windows): analysis.info_flow",
          MODEL_ARG,
-         arg("--facts", default=None, help="known_1000.json-style file (default: the shipped copy)"),
+         arg("--facts", default=None, rule=ExistingFile(none=True),
+             help="known_1000.json-style file (default: the shipped copy)"),
          arg("--n", type=int, default=None, rule=Integer(ge=1, none=True),
              help="keep at most N facts (the first N the model gets right)"),
          arg("--screen", type=int, default=None, rule=Integer(ge=1, none=True),

@@ -202,3 +202,20 @@ class CommaInts(Rule):
             raise ValueError(f"{name} needs at least one integer, got {value!r}")
         return [self.item.check(v, name, args) for v in items]
 
+
+class ExistingFile(Rule):
+    """A path to a file that exists now (an input read after a model is loaded, checked before)."""
+
+    def __init__(self, none: bool = False) -> None:
+        self.none = none
+
+    def allowed(self, args: dict[str, Any]) -> str:
+        return "an existing file"
+
+    def _check(self, value: Any, name: str, args: dict[str, Any]) -> Path:
+        if not isinstance(value, (str, Path)):
+            raise self.wrong_type(value, name, args)
+        if not Path(value).is_file():
+            raise ValueError(f"{name} {str(value)!r}: no such file")
+        return Path(value)
+

@@ -379,6 +379,8 @@ CLI = {  # argv (after the missing model) -> message; every one before the model
     "ga --replicas 0": (["ga"], ["--replicas=0"], r"--replicas=0: must be >= 1"),
     "ga --controls -3": (["ga"], ["--controls=-3"], r"--controls=-3: must be >= 0"),
     "knockout --screen 0": (["knockout"], ["--screen=0"], r"--screen=0: must be >= 1"),
+    "knockout --facts missing": (["knockout"], ["--facts", "/nonexistent/facts.json"],
+                                 r"--facts '/nonexistent/facts.json': no such file"),
 }
 
 

@@ -131,12 +131,12 @@ def test_the_table_lists_every_checked_argument():
 
 def test_the_cli_table_lists_every_checked_option():
     from analysis.cli import COMMANDS
-    from analysis.validate import CommaInts, WritableDir
+    from analysis.validate import CommaInts, ExistingFile, WritableDir
     from hooked.validate import Seq
 
     for command, (_, arguments, _) in COMMANDS.items():
         ruled = {flags[0] for flags, _, rule in arguments
-                 if rule is not None and flags[0].startswith("--") and not isinstance(rule, (WritableDir, CommaInts, Seq))}
+                 if rule is not None and flags[0].startswith("--") and not isinstance(rule, (WritableDir, CommaInts, Seq, ExistingFile))}
         assert ruled == set(CLI.get(command, {})), command
 
 
