@@ -19,7 +19,7 @@ Glossary
                  over all lengths, and for memory also over the last doubling alone (where fixed costs,
                  which pull the fit below 1, weigh least)
 
-Target (issue 16): memory exponent 1.0 +- 0.15: no L x L x channels tensor in any of the four.
+Target: memory exponent 1.0 +- 0.15: no L x L x channels tensor in any of the four.
 
     python benchmarks/bench_long_context.py [--lengths 1024 2048 4096 8192] [--threads 1]
 """

@@ -65,6 +65,8 @@ class JambaConfig:
                                                             ("mamba", "attention")))
         object.__setattr__(self, "mlp_types", check_kinds("mlp_types", self.mlp_types, self.n_layers, ("mlp", "moe")))
         self.mamba  # validates the mixer's fields
+        if "moe" in self.mlp_types and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k}: must be in [1, n_experts={self.n_experts}]")
 
     @property
     def mamba(self) -> MambaSpec:

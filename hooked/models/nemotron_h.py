@@ -80,6 +80,8 @@ class NemotronHConfig:
         bad = sorted(set(self.layer_types) - set(PATTERN))
         if bad or not self.layer_types:
             raise ValueError(f"layer_types must be a non-empty list from {tuple(PATTERN)}; unknown: {bad}")
+        if "moe" in self.layer_types and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k}: must be in [1, n_experts={self.n_experts}]")
 
     @property
     def mixer(self) -> Mamba2Spec:
