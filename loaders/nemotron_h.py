@@ -1,4 +1,4 @@
-"""NemotronHForCausalLM checkpoints (model_type "nemotron_h") -> hooked.models.nemotron_h.HookedNemotronH.
+"""NemotronHForCausalLM checkpoints (model_type "nemotron_h") -> hooked.models.nemotron_h (build).
 
 Glossary of HF config fields (NemotronHConfig) and ours: layers_block_type / layer_types, or the legacy
 hybrid_override_pattern string -> layer_types; mamba_num_heads -> n_heads, mamba_head_dim -> d_head,
