@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hooked.models.attention import Attention
 from hooked.models.config import derived
-from hooked.models.hybrid import check_kinds, pre_norm_block
+from hooked.models.hybrid import check_kinds, hybrid_attention, pre_norm_block
 from hooked.models.language_model import LanguageModel
 from hooked.models.mamba import MambaMixer, MambaSpec
 from hooked.models.mlp import GatedMLP
@@ -89,7 +88,7 @@ def build(cfg: JambaConfig) -> LanguageModel:
     blocks = []
     for kind, mlp_kind in zip(cfg.layer_types, cfg.mlp_types):
         if kind == "attention":
-            first = ("attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head))
+            first = ("attn", hybrid_attention(cfg))
         else:
             first = ("mixer", MambaMixer(cfg.mamba))
         if mlp_kind == "moe":
