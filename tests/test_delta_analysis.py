@@ -143,6 +143,13 @@ def test_kernel_rows_and_cols_are_slices_of_hook_kernel(model_type):
         K = cache[f"{s}.hook_kernel"]
         close(got_rows[s], K[:, :, [3, 64, 69]], f"{s} rows")
         close(got_cols[s], K[..., cols], f"{s} cols")
+    double = [(f"{s}.hook_kernel", lambda K, hook: 2 * K) for s in sites]  # an edit there is what slices see
+    with torch.no_grad(), model.hooks(fwd_hooks=double):
+        edited = kernel_rows(model, x, rows)
+        _, edited_cache = model.run_with_cache(x, names_filter=[f"{s}.hook_kernel" for s in sites])
+    for s in sites:
+        close(edited[s], edited_cache[f"{s}.hook_kernel"][:, :, [3, 64, 69]], f"{s} edited rows")
+    close(edited[sites[0]], 2 * cache[f"{sites[0]}.hook_kernel"][:, :, [3, 64, 69]], "first site, doubled")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "kimi_linear"])

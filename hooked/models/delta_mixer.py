@@ -103,6 +103,15 @@ class DeltaSpec:
         return 2 * self.key_dim + self.value_dim
 
 
+def _slicer(positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
+            axis: str) -> Callable[[Tensor, Any], None]:
+    """A hook on a [b h q_pos k_pos] kernel calling on_slice with its chosen rows or columns."""
+    def on_kernel(kernel: Tensor, hook: Any) -> None:
+        idx = positions(kernel.shape[-1], kernel.device)
+        on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
+    return on_kernel
+
+
 class HeadGatedNorm(nn.Module):
     """weight * rmsnorm(y) * gate_fn(gate) per head over d_v (ops.norms.rms_norm_gated; weight [d_v])."""
 
@@ -216,7 +225,12 @@ class DeltaMixer(TokenMixer, MixerWeights, nn.Module):
     def kernel_slices(self, positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
                       axis: str = "rows") -> CutHooks:
         """Hooks calling on_slice(A[:, :, rows, :]) or on_slice(A[:, :, :, cols]) of this forward (q, k, beta,
-        alpha as read; `positions(pos, device)` gives the rows or columns), without the pos x pos kernel."""
+        alpha as read; `positions(pos, device)` gives the rows or columns), without the pos x pos kernel; from
+        hook_kernel itself when something already listens there (its edits seen)."""
+        if axis not in ("rows", "cols"):
+            raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
+        if self.hook_kernel.has_hooks:
+            return [(self.hook_kernel, _slicer(positions, on_slice, axis))]
         seen: dict[str, Tensor] = {}
         fn = delta_rule_kernel_rows if axis == "rows" else delta_rule_kernel_cols
 

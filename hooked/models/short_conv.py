@@ -88,7 +88,15 @@ class GatedShortConv(TokenMixer, nn.Module):
     def kernel_slices(self, positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
                       axis: str = "rows") -> CutHooks:
         """Hooks calling on_slice(K[:, :, rows, :]) or on_slice(K[:, :, :, cols]) of this forward (C read at
-        hook_C; `positions(pos, device)` gives the rows or columns), without the pos x pos kernel."""
+        hook_C; `positions(pos, device)` gives the rows or columns), without the pos x pos kernel; from
+        hook_kernel itself when something already listens there (its edits seen)."""
+        if axis not in ("rows", "cols"):
+            raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
+        if self.hook_kernel.has_hooks:
+            def on_kernel(kernel: Tensor, hook: Any) -> None:
+                idx = positions(kernel.shape[-1], kernel.device)
+                on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
+            return [(self.hook_kernel, on_kernel)]
         fn = conv_kernel_rows if axis == "rows" else conv_kernel_cols
 
         def on_C(C: Tensor, hook: Any) -> None:
