@@ -12,9 +12,10 @@ Glossary
                                                                     C * conv = K @ Bx + C * bias
     y       = C * conv                     hook_gated               out_proj's input
     out     = out_proj(y)                  hook_head_out (lazy)     [batch pos channels d_model]: each channel's write
-Both gates are linear (no sigmoid). An edited kernel adds (K' - K) @ Bx to y; an edited head_out is summed. Padding enters as zeros (x_in and Bx are masked): with a conv bias
-HF lets the padded positions' in_proj bias products into the first real tokens' conv window; here a
-left-padded row equals the prompt alone. While decoding, the state keeps the last width - 1 conv inputs.
+Both gates are linear (no sigmoid). An edited kernel adds (K' - K) @ Bx to y; an edited head_out is
+summed. Padding enters as zeros (x_in and Bx are masked): with a conv bias HF lets the padded positions'
+in_proj bias products into the first real tokens' conv window; here a left-padded row equals the
+prompt alone. While decoding, the state keeps the last width - 1 conv inputs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from einops import einsum, rearrange
+from einops import einsum
 from jaxtyping import Float
 from torch import Tensor, nn
 
