@@ -108,9 +108,9 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
     if isinstance(channels, dict):
         channels = {layer_index(k, n_layers, "channels key"): v for k, v in channels.items()}
 
-    def masks(batch: int, pos: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        return (position_mask(targets, batch, pos, device, "targets"),
-                position_mask(sources, batch, pos, device, "sources"))
+    def masks(batch: int, pos: int, device: torch.device, open_end: bool = False) -> tuple[Tensor, Tensor]:
+        return (position_mask(targets, batch, pos, device, "targets", open_end),
+                position_mask(sources, batch, pos, device, "sources", open_end))
 
     hooks: list[tuple[Any, Any]] = []
     for layer in layers:

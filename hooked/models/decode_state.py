@@ -23,6 +23,12 @@ Glossary
                   pending, and `advance` (after the last block) commits the entries and the positions
                   together. A forward that raises (a hook, a refused lazy hook) commits nothing, so the
                   state stays as it was before that forward and can be used again
+    stepping      the state of the forward running now (`stepping_state()`, None outside a forward with
+                  a state): hooks that index positions (knockout) read the past length from it
+    cuts          what each knockout active on a module carries from step to step (cut_record.py): the
+                  positions it resolved over the past and, for an SSM, the part of h that came from cut
+                  sources. A module's cuts live as long as they are continued at every step: a step that
+                  does not continue one (the knockout was not active) drops it
 
 A left-padded prompt is read once with its mask; new tokens are real. An SSM's lazy hooks
 (A_bar, B_bar, h, kernel) describe a whole sequence from a zero state, so they are refused while
@@ -32,7 +38,10 @@ decoding with a state (decode without it: `generate(..., use_past_kv_cache=False
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +56,25 @@ class StateRefused(ValueError):
 
 class WrongModel(ValueError):
     """A DecodeState used with a model other than the one it belongs to."""
+
+
+_STEPPING: contextvars.ContextVar[DecodeState | None] = contextvars.ContextVar("hooked_decode_step", default=None)
+
+
+def stepping_state() -> DecodeState | None:
+    """The DecodeState of the forward running now, or None (a whole-sequence forward, or no forward)."""
+    return _STEPPING.get()
+
+
+@contextlib.contextmanager
+def stepping(state: DecodeState | None) -> Iterator[None]:
+    """Mark the blocks run inside as one step of `state` (None: a whole-sequence forward, also when a hook
+    runs one inside a decoding step)."""
+    token = _STEPPING.set(state)
+    try:
+        yield
+    finally:
+        _STEPPING.reset(token)
 
 
 def fingerprint(model: Any) -> str:
@@ -104,6 +132,9 @@ class DecodeState:
     def advance(self, mask: Tensor | None, batch: int, pos: int, device: torch.device) -> None:
         """Record that the forward read `pos` more positions and commit its entries (called once, after the
         last block)."""
+        cut_now = {key for key in (self._pending or {}) if key[1] == "cut"}
+        for key in [k for k in self.entries if k[1] == "cut" and k not in cut_now]:
+            del self.entries[key]  # a cut not continued in this step no longer describes the positions read
         if self._pending:
             self.entries.update(self._pending)
         if self._model is None and self._stepping is not None:
@@ -178,11 +209,27 @@ class DecodeState:
         self._put(module, "conv", full[:, full.shape[1] - (width - 1):])
         return full
 
+    def conv_past(self, module: Any) -> Tensor | None:
+        """The previous `width - 1` conv inputs [batch width-1 channels] before this step's (None: none yet)."""
+        return self.entries.get((id(module), "conv"))
+
     def ssm_state(self, module: Any) -> Tensor | None:
         return self._get(module, "h")
 
     def set_ssm_state(self, module: Any, h: Tensor) -> None:
         self._put(module, "h", h)
+
+    def past_cuts(self, module: Any) -> tuple[Any, ...]:
+        """The cuts (cut_record.CutRecord) active on `module` in every earlier step, as committed."""
+        return self.entries.get((id(module), "cut"), ())
+
+    def step_cuts(self, module: Any) -> tuple[Any, ...]:
+        """The cuts on `module` written in the step now open."""
+        return (self._pending or {}).get((id(module), "cut"), ())
+
+    def add_cut(self, module: Any, record: Any) -> None:
+        """Record a cut continued (or started) on `module` in this step."""
+        self._put(module, "cut", self.step_cuts(module) + (record,))
 
     def refuse_lazy(self, module: Any, hooks: list[Any]) -> None:
         active = [h.name for h in hooks if h.is_active]
@@ -206,7 +253,9 @@ def _kv_rows(value: tuple[Tensor, Tensor] | SharedKV, index: Tensor, maps: dict[
 
 
 def _rows(value: Any, index: Tensor) -> Any:
-    """Rows `index` of an entry: a tensor [batch ...] or a tuple of them."""
+    """Rows `index` of an entry: a tensor [batch ...], a cut record, or a tuple of them."""
     if isinstance(value, tuple):
         return tuple(_rows(v, index) for v in value)
+    if hasattr(value, "select_rows"):
+        return value.select_rows(index)
     return value[index.to(value.device)]
