@@ -11,7 +11,9 @@ Glossary
     stop_at_eos     a row that produced eos (any of a list of ids) keeps emitting eos; generation stops
                     when every row has
 
-Hooks attached around `generate` fire at every forward, on the new positions only.
+Hooks attached around `generate` fire at every forward, on the new positions only. A knockout around
+it cuts what it cuts in the whole-sequence forward of each step (or refuses the step: positions that
+move with the end, such as targets=[-1], need use_past_kv_cache=False).
 Returns what came in: text -> text (prompt included, special tokens dropped, as TL), tokens ->
 tokens [batch pos+new]
 (return_type="str" / "tokens" forces one).

@@ -31,6 +31,16 @@ What a cut does, per site kind
                           channels shared by every head (Mamba-2's B and C) only when channels is None.
 Every mode is causal: only entries with source <= target exist to be cut; nothing is unmasked.
 
+While decoding with a DecodeState (`model(new_tokens, state=state)`, `generate`), positions index the
+whole sequence read so far, past and new (negative ones count from its end; positions not read yet
+are cut when they are read, and a bool mask may be wider than the sequence), and every step cuts
+exactly the edges of the whole-sequence forward at its positions: an SSM carries the part of its state
+that came from cut sources across steps (hooked/models/cut_record.py). A step that cannot be exact is
+refused with a `PastCutMismatch` (a StateRefused) naming the positions: targets or sources that move
+with the sequence's end (targets=[-1] refuses the step after the prefill: decode such knockouts with
+generate(..., use_past_kv_cache=False)), or a knockout entered after positions holding its sources or
+targets were read without it.
+
 Knockout reads dt, B, C (not hook_A_bar, hook_B_bar or hook_kernel), so edits another hook makes to
 those three lazy quantities are not seen by the kernel terms it removes.
 """
