@@ -1,6 +1,6 @@
 """Knockout while decoding with a DecodeState cuts exactly what the whole-sequence forward cuts (issue 28).
 
-A prefill and several decode steps under `knockout(...)` (sources in the prefill and in the new tokens,
+On every family of tests/tiny_families.py, a prefill and several decode steps under `knockout(...)` (sources in the prefill and in the new tokens,
 targets in the new tokens and in the prompt) give, step by step, the logits of one whole-sequence forward
 under the same knockout (float64, 1e-10): attention rows are the last q_len of the k_pos keys, an SSM cut
 carries the state's part from cut sources across steps, a conv cut reads the past inputs in the state's
@@ -20,10 +20,8 @@ from analysis.interventions.knockout import knockout
 from analysis.kernel_rows import slice_hooks, ssm_sites
 from hooked.models.cut_record import PastCutMismatch
 from hooked.models.decode_state import DecodeState, StateRefused
-from tests.tiny_families import V, tiny
+from tests.tiny_families import FAMILIES, V, tiny
 
-FAMILIES = ["llama", "gpt2", "mamba", "mamba2", "zamba2", "bamba", "falcon_h1"]
-SSM = ["mamba", "mamba2", "zamba2", "bamba", "falcon_h1"]
 TOKENS = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(1))
 STEPS = (5, 2, 1, 1, 1, 1, 1)  # prefill, then new tokens per step
 SOURCES, TARGETS = [1, 3, 6, 8, 10], [2, 6, 7, 9, 11]  # both in the prefill and in the new tokens
