@@ -58,23 +58,39 @@ class WrongModel(ValueError):
     """A DecodeState used with a model other than the one it belongs to."""
 
 
-_STEPPING: contextvars.ContextVar[DecodeState | None] = contextvars.ContextVar("hooked_decode_step", default=None)
+class _Forward:
+    """The forward running now: its DecodeState (None: a whole-sequence forward) and notes that hooks
+    of that forward leave for each other (knockouts on one SSM mixer check that their edges differ)."""
+
+    def __init__(self, state: DecodeState | None) -> None:
+        self.state = state
+        self.notes: dict[Any, Any] = {}
+
+
+_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("hooked_forward", default=None)
 
 
 def stepping_state() -> DecodeState | None:
     """The DecodeState of the forward running now, or None (a whole-sequence forward, or no forward)."""
-    return _STEPPING.get()
+    forward = _FORWARD.get()
+    return None if forward is None else forward.state
+
+
+def forward_notes() -> dict[Any, Any] | None:
+    """A dict living as long as the forward running now (None outside a forward)."""
+    forward = _FORWARD.get()
+    return None if forward is None else forward.notes
 
 
 @contextlib.contextmanager
 def stepping(state: DecodeState | None) -> Iterator[None]:
-    """Mark the blocks run inside as one step of `state` (None: a whole-sequence forward, also when a hook
-    runs one inside a decoding step)."""
-    token = _STEPPING.set(state)
+    """Mark the blocks run inside as one forward, a step of `state` (None: a whole-sequence forward, also
+    when a hook runs one inside a decoding step)."""
+    token = _FORWARD.set(_Forward(state))
     try:
         yield
     finally:
-        _STEPPING.reset(token)
+        _FORWARD.reset(token)
 
 
 def fingerprint(model: Any) -> str:

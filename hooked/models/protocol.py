@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from hooked.models.cut_record import CutRecord, resume_cut
-from hooked.models.decode_state import DecodeState, StateRefused, stepping_state
+from hooked.models.decode_state import DecodeState, StateRefused, forward_notes, stepping_state
 from hooked.ops.edge_cut import attention_cut, conv_channels, conv_cut, kernel_cut
 
 Masks = Callable[..., tuple[Tensor, Tensor]]  # (batch, pos, device, open_end=False) -> (target, source)
@@ -184,8 +184,11 @@ class StateSpaceMixer:
             u, dt, B, C = (seen.pop(k) for k in ("u", "dt", "B", "C"))
             step = stepping_state()
             if step is not None:
-                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, masks, channels, y, u, dt, B, C)
+                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
+                self._check_overlap(hook.name, t, s, channels)
+                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y, u, dt, B, C)
             t, s = masks(y.shape[0], y.shape[1], y.device)
+            self._check_overlap(hook.name, t, s, channels)
             if not (t.any() and s.any()) or (channels is not None and not channels.any()):
                 return None  # nothing to cut: the tensor itself goes on
             return y - kernel_cut(pairs, u, dt, B, C, self.A(), t, s, channels)  # A read now: real when offloaded
@@ -210,12 +213,31 @@ class StateSpaceMixer:
 
         return [(self.hook_in, keep("in")), (self.hook_conv, on_conv)] + hooks
 
-    def _cut_step(self, step: DecodeState, where: str, spec: tuple, masks: Masks, channels: Tensor | None,
+    def _check_overlap(self, name: str, t: Tensor, s: Tensor, channels: Tensor | None) -> None:
+        """Refuse a second knockout of this forward cutting an edge (on a channel) another one already cut:
+        each SSM cut subtracts its edges' terms, so an edge cut twice would be removed twice."""
+        notes = forward_notes()
+        if notes is None:
+            return
+        earlier = notes.setdefault(("ssm cuts", id(self)), [])
+        for t0, s0, c0 in earlier:
+            shared_channels = c0 is None or channels is None or bool((c0 & channels.to(c0.device)).any())
+            reached = (s0 & s).long().cumsum(-1) > 0  # a source of both at or before each position
+            if shared_channels and t0.shape == t.shape and bool((t0 & t & reached).any()):
+                j = int((t0 & t & reached).nonzero()[0, 1])
+                raise ValueError(
+                    f"knockout: {name.rsplit('.', 1)[0]} is cut by two active knockouts that share edges (target {j} "
+                    f"among them) on shared channels; an SSM cut subtracts each edge's term, so a shared edge would be "
+                    "removed twice. Merge them into one knockout (bool masks [batch pos] give per-row sets), or give "
+                    "them disjoint positions or channels")
+        earlier.append((t, s, channels))
+
+    def _cut_step(self, step: DecodeState, where: str, spec: tuple, t: Tensor, s: Tensor, channels: Tensor | None,
                   y: Tensor, u: Tensor, dt: Tensor, B: Tensor, C: Tensor) -> Tensor | None:
-        """The cut while decoding: y_j -= C_j . h_cut_j at new targets j, h_cut (cut_record.py) carried in
-        the state from the step before and advanced over the new positions' sources."""
-        offset, pos = step.length, y.shape[1]
-        t, s = masks(y.shape[0], offset + pos, y.device, open_end=True)
+        """The cut while decoding (t, s: the masks over past and new positions): y_j -= C_j . h_cut_j at new
+        targets j, h_cut (cut_record.py) carried in the state from the step before and advanced over the
+        new positions' sources."""
+        offset = step.length
         parent = resume_cut(step, self, where, spec, t, s, needs_h=True)
         h0 = None if parent is None else parent.h_cut
         t_new, s_new = t[:, offset:], s[:, offset:]
