@@ -58,6 +58,10 @@ class WrongModel(ValueError):
     """A DecodeState used with a model other than the one it belongs to."""
 
 
+class StateMismatch(ValueError):
+    """A module's entry does not hold the positions the state says it has read."""
+
+
 class _Forward:
     """The forward running now: its DecodeState (None: a whole-sequence forward) and notes that hooks
     of that forward leave for each other (knockouts on one SSM mixer check that their edges differ)."""
@@ -206,7 +210,11 @@ class DecodeState:
         and (k, v) every position so far [batch past+pos n_kv_heads d_head]; or, in a selected state,
         the `SharedKV` (its shared past read through the row map) and (k, v) the rows' own positions
         after that past [batch own+pos n_kv_heads d_head]."""
-        past = self._get(module, "kv")
+        past = self._read(module, "kv")
+        if past is not None:
+            held = past.shared_positions + past.k1.shape[1] if isinstance(past, SharedKV) else past[0].shape[1]
+            if held != self.length:
+                self._mismatch(module, held)
         if isinstance(past, SharedKV):
             past = past.extend(k, v)
             self._put(module, "kv", past)
@@ -218,7 +226,7 @@ class DecodeState:
 
     def conv_window(self, module: Any, x: Tensor, width: int) -> Tensor:
         """The conv input with the previous `width - 1` inputs in front (zeros at the start)."""
-        past = self._get(module, "conv")
+        past = self._read(module, "conv")
         if past is None:
             past = x.new_zeros(x.shape[0], width - 1, x.shape[2])
         full = torch.cat([past, x], dim=1)
@@ -230,7 +238,23 @@ class DecodeState:
         return self.entries.get((id(module), "conv"))
 
     def ssm_state(self, module: Any) -> Tensor | None:
-        return self._get(module, "h")
+        return self._read(module, "h")
+
+    def _read(self, module: Any, kind: str) -> Any:
+        """A module's entry, which must exist once positions have been read (every module reads each one)."""
+        past = self._get(module, kind)
+        if past is None and self.length > 0:
+            self._mismatch(module, 0)
+        return past
+
+    def _mismatch(self, module: Any, held: int) -> None:
+        where = next((m.name.rsplit(".", 1)[0] for m in module.children() if isinstance(getattr(m, "name", None), str)),
+                     type(module).__name__)
+        raise StateMismatch(
+            f"this DecodeState has read {self.length} positions, but {where} holds {held} of them: the state was "
+            "filled by forwards that skipped that module (start_at_layer with a fresh DecodeState: its lower blocks "
+            "never read the prefix; resume with entries_of of a state that did), or an entries_of copy is run "
+            "from a layer it does not start at")
 
     def set_ssm_state(self, module: Any, h: Tensor) -> None:
         self._put(module, "h", h)
