@@ -89,6 +89,10 @@ def generate(model: Any, input: str | list[str] | Tensor = "", max_new_tokens: i
     Every prompt row must hold at least one token.
     """
     text_in = isinstance(input, (str, list))
+    if (return_type == "str" or verbose) and getattr(model, "tokenizer", None) is None:
+        what = "return_type='str'" if return_type == "str" else "verbose=True"
+        raise ValueError(f"generate: {what} needs text, and this model has no tokenizer; set model.tokenizer "
+                         "or return tokens")
     if text_in:
         tokens, mask = model.tokenize(input, prepend_bos=prepend_bos, padding_side="left")
         empty = (~mask.bool()).all(-1).nonzero().flatten().tolist()

@@ -213,6 +213,8 @@ class HookedModel(ModelWeights, HookedRootModule):
             raise TypeError(f"tokens must be a tensor of ids, a string or a list of strings, got {type(tokens).__name__}")
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        if tokens.dtype not in (torch.int64, torch.int32):  # int8 / int16 / uint8 ids: the embedding takes int64
+            tokens = tokens.long()
         if tokens.ndim == 1:
             tokens = tokens[None]
         if tokens.ndim != 2 or tokens.shape[1] == 0:

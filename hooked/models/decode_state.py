@@ -168,7 +168,9 @@ class DecodeState:
 
     # ------------------------------------------------------------------------------- copies
     def select(self, index: Tensor) -> DecodeState:
-        """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is."""
+        """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is.
+        index: a non-empty 1-D integer tensor (or list) of rows in [0, batch)."""
+        index = self._row_index(index)
         out = self._copy_owner()
         out._owners, out.length, out.batch = dict(self._owners), self.length, len(index)
         maps: dict[Any, RowMap] = {}  # one row map per previous map (and device): every layer shares it
@@ -177,6 +179,23 @@ class DecodeState:
         out.past_mask = None if self.past_mask is None else self.past_mask[index.to(self.past_mask.device)]
         out.next_position = None if self.next_position is None else self.next_position[index.to(self.next_position.device)]
         return out
+
+    def _row_index(self, index: Any) -> Tensor:
+        if self.batch is None:
+            raise ValueError("select: this DecodeState has read nothing yet; run the prefix with it first")
+        if isinstance(index, (list, tuple, range)):
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in index):
+                raise TypeError(f"select: index must hold integer rows, got {list(index)[:10]}")
+            index = torch.tensor(list(index), dtype=torch.long)
+        if not torch.is_tensor(index) or index.ndim != 1 or index.dtype not in (torch.int32, torch.int64):
+            shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if torch.is_tensor(index) else repr(index)
+            raise TypeError(f"select: index must be a 1-D integer tensor (or list) of rows, got {shown}")
+        if len(index) == 0:
+            raise ValueError("select: index is empty; a state needs at least one row")
+        bad = index[(index < 0) | (index >= self.batch)]
+        if len(bad):
+            raise ValueError(f"select: rows {bad.tolist()[:10]} are outside the state's {self.batch} rows [0, {self.batch})")
+        return index.long()
 
     def entries_of(self, modules: Any) -> DecodeState:
         """A new state with the entries of `modules` only (an iterable of modules) and no position read:
