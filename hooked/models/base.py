@@ -318,7 +318,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         elif torch.is_tensor(text):
             if text.is_floating_point() or text.is_complex() or text.dtype == torch.bool:
                 raise WrongType(f"to_str_tokens: a tensor must hold token ids (integers), got {text.dtype}")
-            ids = text.reshape(1) if text.ndim == 0 else text
+            ids = token_ids(text.reshape(1) if text.ndim == 0 else text, self.cfg.d_vocab, "to_str_tokens: tokens")
             if ids.ndim == 2:
                 return [self.to_str_tokens(row) for row in ids] if ids.shape[0] > 1 else self.to_str_tokens(ids[0])
             if ids.ndim != 1:
@@ -363,4 +363,5 @@ class HookedModel(ModelWeights, HookedRootModule):
         if not torch.is_tensor(tokens) or tokens.ndim not in (1, 2) or tokens.is_floating_point():
             shown = f"shape {tuple(tokens.shape)} {tokens.dtype}" if torch.is_tensor(tokens) else type(tokens).__name__
             raise WrongType(f"to_string: tokens must be token ids [pos] or [batch pos], got {shown}")
+        tokens = token_ids(tokens, self.cfg.d_vocab, "to_string: tokens")
         return tok.decode(tokens.tolist()) if tokens.ndim == 1 else [tok.decode(t.tolist()) for t in tokens]
