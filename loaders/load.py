@@ -220,7 +220,8 @@ def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False, *
     from_pretrained (off unless asked; not with share_weights, which would change the HF model).
     """
     _check_processing(processing)
-    if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
+    if not all(hasattr(hf_model, a) for a in ("config", "state_dict", "parameters")) or \
+            not hasattr(hf_model.config, "to_dict"):  # a transformers model, or anything shaped like one
         raise TypeError(f"from_hf takes an in-memory Hugging Face model (a transformers PreTrainedModel), got "
                         f"{type(hf_model).__name__}; for a name, path or hub id use from_pretrained")
     hf_config = hf_model.config.to_dict()

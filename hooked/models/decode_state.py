@@ -25,6 +25,10 @@ Glossary
                   state stays as it was before that forward and can be used again
     stepping      the state of the forward running now (`stepping_state()`, None outside a forward with
                   a state): hooks that index positions (knockout) read the past length from it
+    consistency   every module reads every position, so once `length` positions are read each module's
+                  entry must hold them: a module with none (or keys of another length) is refused
+                  (`StateMismatch`), as after a start_at_layer forward on a fresh state, whose lower
+                  blocks never read the prefix
     cuts          what each knockout active on a module carries from step to step (cut_record.py): the
                   positions it resolved over the past and, for an SSM, the part of h that came from cut
                   sources. A module's cuts live as long as they are continued at every step: a step that
@@ -167,7 +171,7 @@ class DecodeState:
         self.length += pos
 
     # ------------------------------------------------------------------------------- copies
-    def select(self, index: Tensor) -> DecodeState:
+    def select(self, index: Tensor | list[int]) -> DecodeState:
         """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is.
         index: a non-empty 1-D integer tensor (or list) of rows in [0, batch)."""
         index = self._row_index(index)
