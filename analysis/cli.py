@@ -315,7 +315,7 @@ def knockout_command(args: Any) -> int:
          arg("--n", type=int, default=50, rule=Integer(ge=1), help="prompts per size (default 50)"),
          arg("--rank-n", type=int, default=None, rule=Integer(ge=1, none=True),
              help="prompts for the head ranking (default --n)"),
-         arg("--seed", type=int, default=0),
+         arg("--seed", type=int, default=0, rule=Integer(ge=0), help="prompt and control seed (>= 0)"),
          arg("--batch-size", type=int, default=16, rule=Integer(ge=1)),
          arg("--top-k", type=int, default=4, rule=Integer(ge=1), help="top units ablated in pairs (default 4)"),
          arg("--channel-group", type=int, default=None, rule=Integer(ge=1, none=True),

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from analysis.tasks.known_facts import SOURCE_SETS, FactPrompt, load_facts, pad_id, pad_left, prepare_facts, source_masks
 from analysis.interventions.batching import tiles_for
-from analysis.interventions.knockout import knockout
+from analysis.interventions.knockout import knockout, knockout_sites
 from analysis.tasks.scoring import model_device
 from analysis.intervals import mean_interval
 from analysis.validate import layer_list
@@ -197,6 +197,9 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
     n_layers = model.cfg.n_layers
     starts = list(range(n_layers)) if starts is None else layer_list(starts, n_layers, "starts")
     model._need_tokenizer()
+    if channels is not None and not any(knockout_sites(model, layer)[1] for layer in range(n_layers)):
+        raise ValueError("info_flow: channels restricts the cut of SSM mixers, and the model has none (attention "
+                         "always cuts every head): drop channels")
     if facts is None or isinstance(facts, (str, Path)):
         facts = load_facts(facts)
     prompts, skipped = prepare_facts(model.tokenizer, facts)
@@ -230,8 +233,8 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
                     per_row = torch.cat([src if starts[w] <= layer < ends[w] else torch.zeros_like(src)
                                          for w in group])
                     if per_row.any():
-                        stack.enter_context(knockout(model, per_row, [-1], [layer], channels=channels,
-                                                     attention=attention, cut_conv=cut_conv))
+                        stack.enter_context(knockout(model, per_row, [-1], [layer], channels=_layer_channels(
+                            model, channels, layer), attention=attention, cut_conv=cut_conv))
                 if reuse_prefix:
                     resid = model(prefix[lo].repeat(rows * k, 1, 1), attention_mask=mask_r.repeat(k, 1),
                                   start_at_layer=lo, stop_at_layer=n_layers, tokens=tokens_r.repeat(k, 1))
@@ -251,6 +254,18 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
                 "n_skipped": len(skipped), "n_kept": len(kept),
                 "channels": None if channels is None else str(channels)}
     return InfoFlowResult(window, tuple(sources), starts, ends, fact_rows, changes, settings, confidence)
+
+
+def _layer_channels(model: Any, channels: Any, layer: int) -> Any:
+    """What knockout gets for one layer: the channels (or the layer's entry of a {layer: channels} dict)
+    where the layer has an SSM mixer, None where it has none (attention is cut whole)."""
+    if channels is None or not knockout_sites(model, layer)[1]:
+        return None
+    if isinstance(channels, dict):
+        if layer not in channels:
+            raise ValueError(f"info_flow: channels has no entry for layer {layer} (its keys: {sorted(channels)})")
+        return channels[layer]
+    return channels
 
 
 def markdown_table(result: InfoFlowResult) -> str:

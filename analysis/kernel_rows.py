@@ -47,6 +47,9 @@ def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, 
 
 def _positions(positions: int | Sequence[int] | Tensor, pos: int, what: str, device: torch.device) -> Tensor:
     """1-D long tensor of positions in [0, pos); negatives count from the end."""
+    if isinstance(positions, (list, tuple, range)) and len(positions) == 0 or \
+            torch.is_tensor(positions) and positions.numel() == 0:
+        raise ValueError(f"{what}: no position given")
     given = torch.as_tensor(positions)
     if given.dtype == torch.bool or given.is_floating_point():
         raise TypeError(f"{what} must be integer positions, got {positions!r}")
@@ -72,7 +75,7 @@ def kernel_cols(model: Any, tokens: Tensor, cols: int | Sequence[int] | Tensor, 
 def _slices(model: Any, tokens: Tensor, positions: Any, sites: Sequence[str] | None,
             attention_mask: Tensor | None, axis: str) -> dict[str, Tensor]:
     known = ssm_sites(model)
-    sites = known if sites is None else list(sites)
+    sites = known if sites is None else [sites] if isinstance(sites, str) else list(sites)  # one name: that site
     unknown = [s for s in sites if s not in known]
     if unknown:
         raise ValueError(f"not SSM mixers: {unknown}; the model's are {known}")

@@ -106,17 +106,36 @@ def index_mask(spec: Any, n: int, what: str, unit: str = "entries",
 
 
 def position_mask(spec: Any, batch: int, pos: int, device: torch.device | str = "cpu",
-                  what: str = "positions") -> Bool[Tensor, "batch pos"]:
-    """A bool mask [batch pos]: integer positions shared by the batch, or a bool mask [pos] / [batch pos]."""
+                  what: str = "positions", open_end: bool = False) -> Bool[Tensor, "batch pos"]:
+    """A bool mask [batch pos]: integer positions shared by the batch, or a bool mask [pos] / [batch pos].
+
+    open_end (decoding: the sequence read so far will grow): positions at or past `pos` are not read
+    yet and left out, and a bool mask may be wider than `pos` (its first `pos` columns are taken);
+    negative positions still count from `pos`, the end of what has been read."""
     if torch.is_tensor(spec) and spec.dtype == torch.bool:
         mask = spec.to(device)
         if mask.ndim == 1:
             mask = mask.expand(batch, -1)
+        if open_end and mask.ndim == 2 and mask.shape[0] == batch and mask.shape[1] > pos:
+            mask = mask[:, :pos]
         if tuple(mask.shape) != (batch, pos):
-            raise ValueError(f"{what}: mask has shape {tuple(spec.shape)}; the sequence is [batch pos] = {(batch, pos)}")
+            reach = (f"; while decoding a mask covers at least every position read so far ({pos}: past and new), "
+                     "columns past them being positions not read yet") if open_end else ""
+            raise ValueError(f"{what}: mask has shape {tuple(spec.shape)}; the sequence is [batch pos] = "
+                             f"{(batch, pos)}{reach}")
         return mask
-    row = index_mask(spec, pos, what, "positions", device)
+    if open_end:
+        kept = [v for v in _signed_positions(spec, what) if v < pos]
+        row = index_mask(kept, pos, what, "positions read so far", device)
+    else:
+        row = index_mask(spec, pos, what, "positions", device)
     return row.expand(batch, -1).clone()
+
+
+def _signed_positions(spec: Any, what: str) -> list[int]:
+    """The integers of an index list as given (types checked by index_list, no range)."""
+    huge = 2**62
+    return [v - huge if v >= huge // 2 else v for v in index_list(spec, huge, what, "positions")]
 
 
 def layer_list(spec: Any, n_layers: int, what: str = "layers") -> list[int]:

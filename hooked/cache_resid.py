@@ -38,11 +38,11 @@ from hooked.validate import Flag, Integer, checked, pos_index, token_ids
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
 
-def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2) -> Tensor:
-    """TransformerLens's Slice(pos_slice).apply(t, dim)."""
+def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2, name: str = "pos_slice") -> Tensor:
+    """TransformerLens's Slice(pos_slice).apply(t, dim); `name` is the argument's, for messages."""
     if pos_slice is None:
         return t
-    pos_slice = pos_index(pos_slice, t.shape[dim])  # refuses what selects nothing or is no position
+    pos_slice = pos_index(pos_slice, t.shape[dim], name)  # refuses what selects nothing or is no position
     if torch.is_tensor(pos_slice):
         pos_slice = pos_slice.to(t.device)
     index = [slice(None)] * t.ndim
@@ -264,8 +264,8 @@ class ResidualStreamMethods:
             W_out = mlp.down_proj.weight.T.to(post.device)  # [d_mlp d_model]
             W_out = W_out * getattr(mlp, "out_multiplier", 1.0)
         if neuron_slice is not None:
-            post = slice_pos(post, neuron_slice, dim=-1)
-            W_out = slice_pos(W_out, neuron_slice, dim=0)
+            post = slice_pos(post, neuron_slice, dim=-1, name="neuron_slice")
+            W_out = slice_pos(W_out, neuron_slice, dim=0, name="neuron_slice")
         return post[..., None] * W_out
 
     def _mlp_writer(self, l: int) -> Any:
@@ -284,7 +284,7 @@ class ResidualStreamMethods:
             res = self._to_resid(self._mlp_writer(l), self.get_neuron_results(l, neuron_slice).movedim(-2, 0))
             parts.append(slice_pos(res, pos_slice))
             ids = slice_pos(torch.arange(self.model.cfg.d_mlp if neuron_slice is not None else res.shape[0]),
-                            neuron_slice, dim=0)
+                            neuron_slice, dim=0, name="neuron_slice")
             labels += [f"L{l}N{int(i)}" for i in ids.reshape(-1)]
         like = slice_pos(self["embed"], pos_slice)
         stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))

@@ -11,7 +11,9 @@ Glossary
     stop_at_eos     a row that produced eos (any of a list of ids) keeps emitting eos; generation stops
                     when every row has
 
-Hooks attached around `generate` fire at every forward, on the new positions only.
+Hooks attached around `generate` fire at every forward, on the new positions only. A knockout around
+it cuts what it cuts in the whole-sequence forward of each step (or refuses the step: positions that
+move with the end, such as targets=[-1], need use_past_kv_cache=False).
 Returns what came in: text -> text (prompt included, special tokens dropped, as TL), tokens ->
 tokens [batch pos+new]
 (return_type="str" / "tokens" forces one).
@@ -87,6 +89,10 @@ def generate(model: Any, input: str | list[str] | Tensor = "", max_new_tokens: i
     Every prompt row must hold at least one token.
     """
     text_in = isinstance(input, (str, list))
+    if (return_type == "str" or verbose) and getattr(model, "tokenizer", None) is None:
+        what = "return_type='str'" if return_type == "str" else "verbose=True"
+        raise ValueError(f"generate: {what} needs text, and this model has no tokenizer; set model.tokenizer "
+                         "or return tokens")
     if text_in:
         tokens, mask = model.tokenize(input, prepend_bos=prepend_bos, padding_side="left")
         empty = (~mask.bool()).all(-1).nonzero().flatten().tolist()

@@ -54,7 +54,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from hooked.validate import Device, Flag, Integer, WrongType, checked, pos_index
+from hooked.validate import Device, Flag, Integer, WrongType, check, checked, pos_index
 
 HookFn = Callable[[Tensor, "HookPoint"], Union[Tensor, None]]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -278,6 +278,7 @@ class HookedRootModule(nn.Module):
 
     def hook_shape(self, name: str, batch: int = 1, pos: int = 1) -> tuple[int, ...]:
         """Shape of hook `name`'s activation for a [batch, pos] input, from its axes (no forward)."""
+        batch, pos = (check(v, f"hook_shape: {what}", Integer(ge=1)) for v, what in ((batch, "batch"), (pos, "pos")))
         return self._resolve(name)[0].shape(batch, pos)
 
     # ----------------------------------------------------------------------------------- lookup
@@ -390,6 +391,7 @@ class HookedRootModule(nn.Module):
         """Run the forward with temporary hooks (visible to this call only, removed on return, the
         backward ones included). reset_hooks_end=False adds them as model hooks instead, kept until
         reset_hooks(), so that a later backward pass reaches the bwd_hooks (as TL)."""
+        reset_hooks_end = check(reset_hooks_end, "run_with_hooks: reset_hooks_end", Flag())
         if reset_hooks_end:
             with self.hooks(fwd_hooks=fwd_hooks, bwd_hooks=bwd_hooks):
                 out = self(*args, **kwargs)

@@ -71,6 +71,10 @@ def test_prompt(prompt: str, answer: str | list[str], model, prepend_space_to_an
     answers = [answer] if isinstance(answer, str) else list(answer)
     if prepend_space_to_answer:
         answers = [a if a.startswith(" ") else " " + a for a in answers]
+    tok = model._need_tokenizer()
+    empty = [a for a in answers if not isinstance(a, str) or not tok(a, add_special_tokens=False)["input_ids"]]
+    if empty:  # to_tokens would keep a lone BOS, ranked as if it were the answer
+        raise ValueError(f"test_prompt: answer {empty[0]!r} tokenizes to no token; give a non-empty answer")
     prompt_tokens = model.to_tokens(prompt, prepend_bos=prepend_bos)
     answer_rows = [model.to_tokens(a, prepend_bos=False)[0] for a in answers]
     length = 1 if len(answers) > 1 else len(answer_rows[0])

@@ -89,7 +89,7 @@ class CheckpointError(ValueError):
 
 # ------------------------------------------------------------------------------------- entry points
 @checked(allow_pickle=Flag(), revision=Text(none=True), mmap=Flag(none=True))
-def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                     allow_pickle: bool = False, revision: str | None = None, device_map: str | dict | None = None,
                     max_memory: dict | None = None, offload_folder: str | Path | None = None,
                     mmap: bool | None = None, **processing: bool) -> Any:
@@ -100,7 +100,7 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
             model.safetensors (or a sharded model.safetensors.index.json), or a hub repo id
             (the hub cache is tried first, so a cached repo loads offline).
         dtype: parameter dtype; default the checkpoint's (config "dtype"/"torch_dtype", else its tensors').
-        device: where the parameters live.
+        device: where the parameters live (default "cpu"); not with device_map.
         allow_pickle: read pytorch pickles (`*.bin`) when there are no safetensors, with
             `torch.load(weights_only=True)`. Refused by default.
         revision: hub branch, tag or commit.
@@ -134,7 +134,10 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
     _check_processing(processing)
     check_placement(device_map, max_memory, offload_folder)
     dtype = _load_dtype(dtype)
-    device = check(device, "from_pretrained: device", Device(meta=True))  # meta: refused below, after mmap's check
+    if device is not None and device_map is not None:
+        raise ValueError(f"from_pretrained: device={str(device)!r} and device_map={device_map!r}: a device map places "
+                         "every module, so device would be ignored; give one of them")
+    device = check("cpu" if device is None else device, "from_pretrained: device", Device(meta=True))  # meta: refused below
     placement = Placement(dtype=dtype, device=device, device_map=device_map, max_memory=max_memory,
                           offload_folder=offload_folder, mmap=mmap)
     if device.type == "meta":
@@ -217,6 +220,10 @@ def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False, *
     from_pretrained (off unless asked; not with share_weights, which would change the HF model).
     """
     _check_processing(processing)
+    if not all(hasattr(hf_model, a) for a in ("config", "state_dict", "parameters")) or \
+            not hasattr(hf_model.config, "to_dict"):  # a transformers model, or anything shaped like one
+        raise TypeError(f"from_hf takes an in-memory Hugging Face model (a transformers PreTrainedModel), got "
+                        f"{type(hf_model).__name__}; for a name, path or hub id use from_pretrained")
     hf_config = hf_model.config.to_dict()
     p = next(hf_model.parameters())
     source = MappingSource(hf_model.state_dict(), origin=type(hf_model).__name__)

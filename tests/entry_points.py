@@ -177,18 +177,18 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     },
     "analysis.interventions.knockout.knockout": {"cut_conv": FLAG},
     "analysis.interventions.ablation.ablate_heads": {"keep": FLAG, "mode": Choice("zero", "mean")},
-    "analysis.tasks.text.kv_retrieval": {"seed": Int()},
+    "analysis.tasks.text.kv_retrieval": {"seed": Int(0)},  # Python's random seeds -k as k
     "analysis.ga.ranking.rank_heads": {
         "method": Choice("exhaustive", "screened"), "batch_size": Int(1), "reuse_prefix": FLAG, "pairs_top_k": Int(0),
         "mode": Choice("zero", "mean"), "channel_group": Int(1, none=True), "progress": FLAG, "verify_top": Int(1),
-        "n_control": Int(0), "seed": Int(), "replicas": Int(1, none=True), "confidence": PROB,
+        "n_control": Int(0), "seed": Int(0), "replicas": Int(1, none=True), "confidence": PROB,
         "prescreen_n": Int(1, none=True), "refine": Choice("none", "scores", "qk"), "stage_n": Int(1, none=True),
         "stage_keep": Int(1),
         "examples": None,  # a non-empty list
     },
     "analysis.ga.scores.ga_scores": {"batch_size": Int(1), "channel_group": Int(1, none=True), "examples": None},
     "analysis.ga.report.ga_report": {
-        "n": Int(1), "rank_n": Int(1, none=True), "seed": Int(), "batch_size": Int(1), "pairs_top_k": Int(0),
+        "n": Int(1), "rank_n": Int(1, none=True), "seed": Int(0), "batch_size": Int(1), "pairs_top_k": Int(0),
         "channel_group": Int(1, none=True), "progress": FLAG, "n_random": Int(1),
         "method": Choice("exhaustive", "screened"), "verify_top": Int(1), "n_control": Int(0),
         "replicas": Int(1, none=True), "refine": Choice("none", "scores", "qk"), "stage_n": Int(1, none=True),
@@ -208,7 +208,7 @@ CLI: dict[str, dict[str, Any]] = {  # options whose value argparse does not alre
     "parity": {"--tol": Real(0)},
     "knockout": {"--n": Int(1, none=True), "--screen": Int(1, none=True), "--window": Int(1),
                  "--batch-size": Int(1)},
-    "ga": {"--n": Int(1), "--rank-n": Int(1, none=True), "--batch-size": Int(1), "--top-k": Int(1),
+    "ga": {"--n": Int(1), "--seed": Int(0), "--rank-n": Int(1, none=True), "--batch-size": Int(1), "--top-k": Int(1),
            "--channel-group": Int(1, none=True), "--random-draws": Int(1), "--verify-top": Int(1),
            "--controls": Int(0), "--stage-n": Int(1), "--stage-keep": Int(1), "--replicas": Int(1, none=True)},
 }

@@ -381,6 +381,7 @@ CLI = {  # argv (after the missing model) -> message; every one before the model
     "knockout --screen 0": (["knockout"], ["--screen=0"], r"--screen=0: must be >= 1"),
     "knockout --facts missing": (["knockout"], ["--facts", "/nonexistent/facts.json"],
                                  r"--facts '/nonexistent/facts.json': no such file"),
+    "ga --seed -1": (["ga"], ["--seed=-1"], r"--seed=-1: must be >= 0"),  # Python's random seeds -1 as 1
 }
 
 
@@ -400,3 +401,147 @@ def test_cli_checks_the_output_directory_before_the_work(command, tmp_path, caps
     assert main([command, str(tmp_path / "no_model"), "--out", str(blocker / "out")]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and "not a writable directory" in err and "no_model" not in err, err
+
+
+# ------------------------------------------------------------------ a third careless pass
+# New cases (notes/issue28_careless_pass2.md); the decoding ones with a knockout are in test_decode_knockout.py.
+def _tiny(name):
+    from tests.tiny_families import tiny
+
+    return tiny(name)  # no tokenizer; d_vocab 64; Mamba-1: 32 channels, 2 layers
+
+
+def third_pass(model):
+    from analysis.ga.ranking import head_units
+    from analysis.interventions import decay_split, knockout, prune_from_end, remove_and_restore
+    from analysis.kernel_rows import kernel_rows
+    from analysis.tasks.text import Example, kv_retrieval
+    from hooked import utils
+    from hooked.models.decode_state import DecodeState, StateMismatch
+    from loaders import from_hf
+
+    def within(context, run=None):
+        with context:
+            if run is not None:
+                run()
+
+    def prefilled():
+        state = DecodeState()
+        model(TOKENS.expand(2, -1), state=state)
+        return state
+
+    def lower_blocks_skipped():
+        state = DecodeState()
+        resid = model(TOKENS[:, :6], stop_at_layer=1)
+        model(resid, start_at_layer=1, tokens=TOKENS[:, :6], state=state)  # block 0 never reads the prefix
+        model(TOKENS[:, 6:7], state=state)
+
+    mamba = _tiny("mamba") if model is not None else None
+    ids = TOKENS % 64
+    return {  # name -> (call, error, message)
+        "knockout channels, no SSM mixer": (
+            lambda: within(knockout(model, [1], [5], [0], channels=[0])), ValueError,
+            r"channels restricts the cut of SSM mixers, and layers \[0\] have none"),
+        "knockout a 0/1 list as positions": (
+            lambda: within(knockout(model, [0, 1, 1, 0, 0], [5], [0])), ValueError, r"reads as a 0/1 mask"),
+        "knockout a uint8 mask": (
+            lambda: within(knockout(model, torch.ones(10, dtype=torch.uint8), [5], [0])), ValueError,
+            r"a uint8 tensor is ambiguous"),
+        "knockout channels for a layer not cut": (
+            lambda: within(knockout(mamba, [1], [5], [0], channels={0: [1], 1: [2]})), ValueError,
+            r"channels has entries for layers \[1\], which are not in layers=\[0\]"),
+        "two knockouts sharing an SSM edge": (
+            lambda: within(knockout(mamba, [1, 2], [5], [0]), lambda: within(knockout(mamba, [2], [5, 6], [0]),
+                                                                           lambda: mamba(ids))),
+            ValueError, r"blocks.0.mixer is cut by two active knockouts that share edges \(target 5"),
+        "decay_split fraction=True": (lambda: decay_split(mamba, 0, fraction=True), TypeError,
+                                      r"decay_split: fraction: expected a finite number in \(0, 1\], got True"),
+        "select rows outside the state": (lambda: prefilled().select(torch.tensor([0, 2])), ValueError,
+                                          r"select: rows \[2\] are outside the state's 2 rows"),
+        "select a negative row": (lambda: prefilled().select(torch.tensor([-1])), ValueError, r"rows \[-1\]"),
+        "select float rows": (lambda: prefilled().select(torch.tensor([0.0])), TypeError,
+                              r"select: index must be a 1-D integer tensor"),
+        "select no row": (lambda: prefilled().select([]), ValueError, r"select: index is empty"),
+        "decode after start_at_layer on a fresh state": (
+            lower_blocks_skipped, StateMismatch, r"has read 6 positions, but blocks.0.attn holds 0 of them"),
+        "kv_retrieval seed=-1": (lambda: kv_retrieval(3, 2, seed=-1), ValueError, r"kv_retrieval: seed=-1: must be >= 0"),
+        "Example answer=True": (lambda: Example("x", ["a", "b"], True), TypeError, r"answer must be an integer"),
+        "Example choices a string": (lambda: Example("x", "ab", 0), TypeError, r"choices must be a list of strings"),
+        "generate text without a tokenizer": (
+            lambda: mamba.generate(ids, max_new_tokens=1, return_type="str"), ValueError,
+            r"generate: return_type='str' needs text, and this model has no tokenizer"),
+        "generate verbose without a tokenizer": (
+            lambda: mamba.generate(ids, max_new_tokens=1, verbose=True), ValueError, r"verbose=True needs text"),
+        "head_units channel_group=0": (lambda: head_units(mamba, channel_group=0), ValueError,
+                                       r"head_units: channel_group=0: must be >= 1"),
+        "prune_from_end keep past n_layers": (lambda: prune_from_end(model, lambda m: 0.0, keep=[5], progress=False),
+                                              ValueError, r"prune_from_end: keep=5: must be in \[0, 2\]"),
+        "prune_from_end keep=-1": (lambda: prune_from_end(model, lambda m: 0.0, keep=[-1], progress=False),
+                                   ValueError, r"keep=-1"),
+        "remove_and_restore layer 9": (lambda: remove_and_restore(model, lambda m: 0.0, layers=[9], progress=False),
+                                       ValueError, r"remove_and_restore: layers: 9 is outside \[-2, 2\)"),
+        "hook_shape pos=0": (lambda: model.hook_shape("blocks.0.hook_resid_pre", batch=1, pos=0), ValueError,
+                             r"hook_shape: pos=0: must be >= 1"),
+        "hook_shape batch=-1": (lambda: model.hook_shape("blocks.0.hook_resid_pre", batch=-1), ValueError,
+                                r"hook_shape: batch=-1"),
+        "run_with_hooks reset_hooks_end='no'": (lambda: model.run_with_hooks(TOKENS, reset_hooks_end="no"), TypeError,
+                                                either(r"run_with_hooks: reset_hooks_end: expected True or False",
+                                                       "reset_hooks_end", "no")),
+        "from_pretrained device and device_map": (
+            lambda: from_pretrained("organism/llama-kv", device="cpu", device_map="auto"), ValueError,
+            r"device='cpu' and device_map='auto': a device map places every module"),
+        "from_hf of a name": (lambda: from_hf("gpt2"), TypeError, r"from_hf takes an in-memory Hugging Face model"),
+        "to_str_tokens id 500": (lambda: model.to_str_tokens(torch.tensor([3, 500])), ValueError,
+                                 r"to_str_tokens: tokens: token ids outside the vocabulary \[0, 101\): \[500\]"),
+        "to_string id -3": (lambda: model.to_string(torch.tensor([-3])), ValueError, r"to_string: tokens: .*\[-3\]"),
+        "test_prompt answer of no token": (lambda: utils.test_prompt("K03", "", model, print_details=False), ValueError,
+                                           r"test_prompt: answer ' ' tokenizes to no token"),
+        "get_neuron_results neuron_slice=[999]": (
+            lambda: model.run_with_cache(TOKENS)[1].get_neuron_results(0, neuron_slice=[999]), ValueError,
+            r"neuron_slice\[0\]=999"),
+        "kernel_rows no rows": (lambda: kernel_rows(mamba, ids, []), ValueError, r"rows: no position given"),
+        "info_flow channels, no SSM mixer": (lambda: __import__("analysis.info_flow", fromlist=["x"]).info_flow(
+            model, [], channels=[0]), ValueError, r"info_flow: channels restricts the cut of SSM mixers"),
+    }
+
+
+@pytest.mark.parametrize("case", list(third_pass(None)))
+def test_third_pass_refuses(model, case):
+    call, error, message = third_pass(model)[case]
+    reference = model(TOKENS)
+    with pytest.raises(error, match=message):
+        call()
+    unchanged(model, reference)
+
+
+def test_third_pass_right_answers(model):
+    from analysis.interventions import knockout
+    from analysis.kernel_rows import kernel_rows
+    from hooked.models.decode_state import DecodeState
+
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.uint8):  # small integer ids are ids
+        assert torch.equal(model(TOKENS.to(dtype)), model(TOKENS)), dtype
+    mamba = _tiny("mamba")
+    ids = TOKENS % 64
+    one, listed = kernel_rows(mamba, ids, [3], sites="blocks.0.mixer"), kernel_rows(mamba, ids, [3], sites=["blocks.0.mixer"])
+    assert one.keys() == listed.keys() == {"blocks.0.mixer"} and torch.equal(one["blocks.0.mixer"], listed["blocks.0.mixer"])
+    state = DecodeState()
+    with torch.no_grad():
+        model(TOKENS.expand(2, -1), state=state)
+        assert torch.equal(model(TOKENS[:, :1].expand(2, -1), state=state.select([1, 0])),
+                           model(TOKENS[:, :1].expand(2, -1), state=state.select(torch.tensor([1, 0]))))
+    # two knockouts on one SSM layer with disjoint edges: exactly the two kernel entries removed
+    with torch.no_grad():
+        _, cache = mamba.run_with_cache(ids, names_filter=lambda n: n == "blocks.0.mixer.hook_kernel")
+
+        def zero_edges(kernel, hook):
+            kernel = kernel.clone()
+            kernel[:, :, 5, 1] = 0
+            kernel[:, :, 6, 2] = 0
+            return kernel
+
+        want = mamba.run_with_hooks(ids, fwd_hooks=[("blocks.0.mixer.hook_kernel", zero_edges)])
+        with knockout(mamba, [1], [5], [0]), knockout(mamba, [2], [6], [0]):
+            got = mamba(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (got - mamba(ids)).abs().max() > 1e-4

@@ -5,7 +5,8 @@ block sees `Context.to(device)`; that copy must keep the decoding state and the 
 blocks decode without their past (a 4-block Llama alternating cpu/disk generated
 [17, 1, 19, 39, 21, 17] where the plain model gives [17, 17, 17, 17, 17, 17]). Here, on the cpu /
 disk map of test_dispatch.py (blocks alternate, the rest offloaded but the embedding): greedy
-`generate` (with and without the state) gives the same tokens; step-by-step logits of a left-padded
+`generate` (with and without the state) gives the same tokens on every family of tiny_families.py (also
+under a knockout, whose cut state the DecodeState carries); step-by-step logits of a left-padded
 batch and shared-prefix `ChoiceScorer` scores (prefix state selected per choice) equal the plain
 model's up to float32 rounding (one-row products round by the weight's address).
 GPU (skipped without CUDA): generate on a cuda:0 + cpu-offload map.
@@ -17,15 +18,20 @@ import pytest
 import torch
 from test_dispatch import N_LAYERS, _configs, split_map
 
+from tiny_families import FAMILIES
+
+from analysis.interventions.knockout import knockout
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example, char_tokenizer, kv_retrieval, multiple_choice
 from hooked.models.base import Context
 from hooked.models.decode_state import DecodeState
 from loaders import from_pretrained
+from loaders.dispatch import entry_of, tie_groups
 
 V = 128  # the char tokenizer's 104 ids fit
 ARCHS = list(_configs())
 TOKENS = torch.randint(4, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+SHORT = TOKENS[:, :6]  # ids of every tiny family's vocabulary
 
 
 def _config(name: str):
@@ -74,16 +80,54 @@ def test_context_to_keeps_the_state_and_moves_every_tensor():
                                                       "key_mask")) and on_meta.state is state
 
 
-@pytest.mark.parametrize("name", ARCHS)
-def test_generate_equals_the_plain_model(pair, name):
-    plain, model = pair(name)
+@pytest.fixture(scope="module")
+def family_pair(tmp_path_factory):
+    """name -> (plain, dispatched) of every family of tests/tiny_families.py, saved and loaded back."""
+    from conftest import build_tiny_hf
+    from tiny_families import CONFIGS
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            d = tmp_path_factory.mktemp(name)
+            cls, config = CONFIGS[name]()
+            build_tiny_hf(config, cls, perturb=0.05).save_pretrained(d)
+            plain = from_pretrained(d)
+            devices = split_map(plain)
+            for names, _ in tie_groups(plain):  # shared blocks (Zamba2's) on the device of the first
+                entries = sorted({entry_of(n, devices) for n in names})
+                devices.update({e: devices[entries[0]] for e in entries})
+            model = from_pretrained(d, device_map=devices, offload_folder=tmp_path_factory.mktemp(f"{name}-off"))
+            made[name] = plain, model
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_generate_equals_the_plain_model(family_pair, name):
+    plain, model = family_pair(name)
+    assert {"cpu", "disk"} <= set(model.hf_device_map.values())
     for use_state in (True, False):
         kw = dict(max_new_tokens=6, do_sample=False, stop_at_eos=False, use_past_kv_cache=use_state)
-        want = plain.generate(TOKENS, **kw)
-        assert torch.equal(model.generate(TOKENS, **kw), want), use_state
+        want = plain.generate(SHORT, **kw)
+        assert torch.equal(model.generate(SHORT, **kw), want), use_state
     with torch.no_grad():  # greedy: each new token is the argmax of the whole sequence before it
         assert torch.equal(plain(want[:, :-1])[:, -1].argmax(-1), want[:, -1])
     assert all(p.is_meta for n, p in model.named_parameters() if n.startswith("blocks.1."))  # still offloaded
+
+
+@pytest.mark.parametrize("name", ["llama", "mamba", "mamba2", "zamba2", "falcon_h1"])
+def test_generate_under_knockout_equals_the_plain_model(family_pair, name):
+    """The knockout's cut state travels with the DecodeState through the dispatched blocks."""
+    plain, model = family_pair(name)
+    ko = dict(sources=[0, 2, 5], targets=[3, 5, 8, 9], layers=range(plain.cfg.n_layers), cut_conv=True)
+    kw = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False)
+    with knockout(plain, **ko):
+        want = plain.generate(SHORT, **kw)
+    with knockout(model, **ko):
+        assert torch.equal(model.generate(SHORT, **kw), want)
 
 
 @pytest.mark.parametrize("name", ARCHS)

@@ -75,7 +75,7 @@ from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example
 from analysis.validate import positive_int
-from hooked.validate import Flag, Integer, OneOf, Number, Seq, checked
+from hooked.validate import Flag, Integer, OneOf, Number, Seq, check, checked
 from hooked.models.decode_state import StateRefused
 
 
@@ -132,6 +132,8 @@ def expert_units(model: Any) -> list[Unit]:
 
 def head_units(model: Any, channel_group: int | None = None) -> list[Unit]:
     """Every head of every layer; Mamba-1 channels in groups of `channel_group` (default d_inner/16)."""
+    if channel_group is not None:  # 0 would otherwise read as the default
+        channel_group = check(channel_group, "head_units: channel_group", Integer(ge=1))
     units = []
     layout = head_layout(model)
     for m in layout.values():
@@ -244,7 +246,7 @@ def _row(unit: Unit, scores: Tensor, scorer: ChoiceScorer, base_ex: dict[str, Te
 
 @checked(examples=Seq(), method=OneOf("exhaustive", "screened"), batch_size=Integer(ge=1), reuse_prefix=Flag(),
          pairs_top_k=Integer(ge=0), mode=OneOf("zero", "mean"), channel_group=Integer(ge=1, none=True), progress=Flag(),
-         verify_top=Integer(ge=1), n_control=Integer(ge=0), seed=Integer(), replicas=Integer(ge=1, none=True),
+         verify_top=Integer(ge=1), n_control=Integer(ge=0), seed=Integer(ge=0), replicas=Integer(ge=1, none=True),
          confidence=Number(gt=0, lt=1), prescreen_n=Integer(ge=1, none=True), refine=OneOf("none", "scores", "qk"),
          stage_n=Integer(ge=1, none=True), stage_keep=Integer(ge=1))
 def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None, *,

@@ -202,7 +202,7 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
     return w, model.to_str_tokens(tokens[0]), kind != "attn"
 
 
-@checked(sizes=Seq(Integer(ge=1)), n=Integer(ge=1), rank_n=Integer(ge=1, none=True), seed=Integer(), batch_size=Integer(ge=1),
+@checked(sizes=Seq(Integer(ge=1)), n=Integer(ge=1), rank_n=Integer(ge=1, none=True), seed=Integer(ge=0), batch_size=Integer(ge=1),
          pairs_top_k=Integer(ge=0), channel_group=Integer(ge=1, none=True), progress=Flag(), n_random=Integer(ge=1),
          method=OneOf("exhaustive", "screened"), verify_top=Integer(ge=1), n_control=Integer(ge=0),
          replicas=Integer(ge=1, none=True), refine=OneOf("none", "scores", "qk"), stage_n=Integer(ge=1, none=True),

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from hooked.validate import Flag, OneOf, checked
-from analysis.validate import as_index, layer_index, layer_list
+from hooked.validate import Flag, Integer, OneOf, check, checked
+from analysis.validate import as_index, index_list, layer_index, layer_list
 from hooked.hook_points import scoped_hooks
 from hooked.models.base import HookedModel
 from hooked.models.protocol import token_mixers, unit_tags
@@ -226,8 +226,10 @@ def prune_from_end(model: Any, evaluate: Callable[[Any], Any], keep: Iterable[in
                    progress: bool = True) -> list[dict[str, Any]]:
     """Keep layers [0, k) for each k in `keep` (default 0..n_layers); rows {"kept_layers", "score"}."""
     n = model.cfg.n_layers
+    counts = list(range(n + 1)) if keep is None else [check(k, "prune_from_end: keep", Integer(ge=0, le=n))
+                                                      for k in _iterable(keep, "prune_from_end: keep")]
     rows = []
-    for k in tqdm(list(range(n + 1) if keep is None else keep), desc="prune", disable=not progress):
+    for k in tqdm(counts, desc="prune", disable=not progress):
         with skip_layers(model, range(k, n)):
             rows.append({"kept_layers": k, "score": _plain(evaluate(model))})
     return rows
@@ -236,11 +238,19 @@ def prune_from_end(model: Any, evaluate: Callable[[Any], Any], keep: Iterable[in
 def remove_and_restore(model: Any, evaluate: Callable[[Any], Any], layers: Iterable[int] | None = None,
                        progress: bool = True) -> list[dict[str, Any]]:
     """Remove one layer at a time, evaluate, restore; first row is the full model (layer None)."""
+    n = model.cfg.n_layers
+    order = list(range(n)) if layers is None else index_list(layers, n, "remove_and_restore: layers", "layers of the model")
     rows = [{"removed_layer": None, "score": _plain(evaluate(model))}]
-    for layer in tqdm(list(range(model.cfg.n_layers) if layers is None else layers), desc="remove", disable=not progress):
+    for layer in tqdm(order, desc="remove", disable=not progress):
         with skip_layers(model, [layer]):
             rows.append({"removed_layer": int(layer), "score": _plain(evaluate(model))})
     return rows
+
+
+def _iterable(value: Any, what: str) -> list[Any]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{what}: expected a list of layer counts, got {value!r}")
+    return list(value)
 
 
 def _plain(value: Any) -> Any:

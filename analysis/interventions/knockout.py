@@ -31,6 +31,16 @@ What a cut does, per site kind
                           channels shared by every head (Mamba-2's B and C) only when channels is None.
 Every mode is causal: only entries with source <= target exist to be cut; nothing is unmasked.
 
+While decoding with a DecodeState (`model(new_tokens, state=state)`, `generate`), positions index the
+whole sequence read so far, past and new (negative ones count from its end; positions not read yet
+are cut when they are read, and a bool mask may be wider than the sequence), and every step cuts
+exactly the edges of the whole-sequence forward at its positions: an SSM carries the part of its state
+that came from cut sources across steps (hooked/models/cut_record.py). A step that cannot be exact is
+refused with a `PastCutMismatch` (a StateRefused) naming the positions: targets or sources that move
+with the sequence's end (targets=[-1] refuses the step after the prefill: decode such knockouts with
+generate(..., use_past_kv_cache=False)), or a knockout entered after positions holding its sources or
+targets were read without it.
+
 Knockout reads dt, B, C (not hook_A_bar, hook_B_bar or hook_kernel), so edits another hook makes to
 those three lazy quantities are not seen by the kernel terms it removes.
 """
@@ -46,7 +56,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from hooked.validate import Flag, checked
+from hooked.validate import Flag, Number, check, checked
 from analysis.validate import index_list, index_mask, layer_index, layer_list, position_mask
 from hooked.devices import onloaded
 from hooked.hook_points import scoped_hooks
@@ -104,15 +114,21 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
     layers = layer_list(layers, n_layers, "layers")
     for spec, what in ((sources, "sources"), (targets, "targets")):  # types now; ranges at the forward
         if not (torch.is_tensor(spec) and spec.dtype == torch.bool):
+            _not_a_01_mask(spec, what)
             index_list(spec, _ANY_LENGTH, what, "positions")
     if isinstance(channels, dict):
         channels = {layer_index(k, n_layers, "channels key"): v for k, v in channels.items()}
+        stray = sorted(set(channels) - set(layers))
+        if stray:
+            raise ValueError(f"channels has entries for layers {stray}, which are not in layers={layers}: "
+                             "nothing would be cut there")
 
-    def masks(batch: int, pos: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        return (position_mask(targets, batch, pos, device, "targets"),
-                position_mask(sources, batch, pos, device, "sources"))
+    def masks(batch: int, pos: int, device: torch.device, open_end: bool = False) -> tuple[Tensor, Tensor]:
+        return (position_mask(targets, batch, pos, device, "targets", open_end),
+                position_mask(sources, batch, pos, device, "sources", open_end))
 
     hooks: list[tuple[Any, Any]] = []
+    with_ssm: set[int] = set()
     for layer in layers:
         for name, mixer in layer_mixers(model, layer):  # none: an MLP-only block (NemotronH)
             if mixer.heads().kind == "attn":
@@ -122,8 +138,27 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
                 raise ValueError(f"channels has no entry for layer {layer} (its keys: {sorted(channels)})")
             chan = channels[layer] if isinstance(channels, dict) else channels
             hooks += mixer.cut_edges(masks, _channel_mask(chan, mixer.heads().n, name), cut_conv=cut_conv)
+            with_ssm.add(layer)
+    if channels is not None and not with_ssm:
+        raise ValueError(f"channels restricts the cut of SSM mixers, and layers {layers} have none (attention "
+                         "always cuts every head): drop channels, or use ablate_heads for single heads")
+    no_ssm = sorted(set(channels) - with_ssm) if isinstance(channels, dict) else []
+    if no_ssm:
+        raise ValueError(f"channels has entries for layers {no_ssm}, which have no SSM mixer to restrict")
     with scoped_hooks([(point, fn, False) for point, fn in hooks]):
         yield model
+
+
+def _not_a_01_mask(spec: Any, what: str) -> None:
+    """Refuse a 0/1 integer mask given where positions are read: [0, 1, 1, 0] would mean positions 0 and 1."""
+    if torch.is_tensor(spec) and spec.dtype == torch.uint8:
+        raise ValueError(f"{what}: a uint8 tensor is ambiguous (a byte mask or positions?): pass a bool mask "
+                         "(.bool()) or integer positions (.long())")
+    values = spec.tolist() if torch.is_tensor(spec) else spec
+    if isinstance(values, (list, tuple)) and len(values) > 2 and all(type(v) is int for v in values) \
+            and set(values) <= {0, 1} and len(set(values)) < len(values):
+        raise ValueError(f"{what}={values!r} repeats positions 0 and 1: it reads as a 0/1 mask, which would select "
+                         "positions 0 and 1 only; pass a bool mask (torch.tensor(...).bool()) or the positions")
 
 
 # ------------------------------------------------------------------------- decay and features
@@ -150,8 +185,7 @@ class DecaySplit(NamedTuple):
 
 def decay_split(model: Any, layer: int, fraction: float = 1 / 3) -> DecaySplit:
     """The `fraction` of channels (heads) that decay fastest and the `fraction` that decay slowest."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    fraction = check(fraction, "decay_split: fraction", Number(gt=0, le=1))
     norms = decay_norms(model, layer)
     k = max(1, int(round(fraction * len(norms))))
     order = torch.argsort(norms, stable=True)

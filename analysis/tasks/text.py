@@ -33,6 +33,8 @@ with `letter_prefix`).
 
 from __future__ import annotations
 
+import numbers
+
 import random
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -60,6 +62,14 @@ class Example:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            raise TypeError(f"Example: prompt must be a string, got {type(self.prompt).__name__}")
+        if not isinstance(self.choices, (list, tuple)) or not all(isinstance(c, str) for c in self.choices):
+            shown = repr(self.choices)[:80]
+            raise TypeError(f"Example: choices must be a list of strings (a string would be read character by "
+                            f"character), got {shown}")
+        if isinstance(self.answer, bool) or not isinstance(self.answer, numbers.Integral):
+            raise TypeError(f"Example: answer must be an integer index into the choices, got {self.answer!r}")
         if not 0 <= self.answer < len(self.choices):
             raise ValueError(f"answer {self.answer} is not an index into {len(self.choices)} choices")
         for start, end in self.segments:
@@ -75,7 +85,7 @@ def load_words() -> tuple[str, ...]:
     return words
 
 
-@checked(seed=Integer())
+@checked(seed=Integer(ge=0))
 def kv_retrieval(n_pairs: int, n_samples: int, seed: int = 0, words: tuple[str, ...] | None = None) -> list[Example]:
     """`n_samples` KV-retrieval prompts with `n_pairs` key:value lines each (seeded, reproducible).
 

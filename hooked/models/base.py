@@ -25,7 +25,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from hooked.hook_points import HookedRootModule
-from hooked.models.decode_state import DecodeState
+from hooked.models.decode_state import DecodeState, stepping
 from hooked.tl_config import attach
 from hooked.validate import AnyOf, Flag, Instance, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
 from hooked.weights import ModelWeights
@@ -167,8 +167,9 @@ class HookedModel(ModelWeights, HookedRootModule):
                 tokens = self.check_tokens(tokens)
             ctx = self.make_context(input.shape[:2], attention_mask, tokens, input.device, state)
             resid = input
-        for block in self.blocks[start:stop]:
-            resid = block(resid, ctx)
+        with stepping(state):  # hooks indexing positions (knockout) read the past length from the state
+            for block in self.blocks[start:stop]:
+                resid = block(resid, ctx)
         if state is not None:
             state.advance(ctx.attention_mask, *resid.shape[:2], resid.device)
         if stop_at_layer is not None:
@@ -212,6 +213,8 @@ class HookedModel(ModelWeights, HookedRootModule):
             raise TypeError(f"tokens must be a tensor of ids, a string or a list of strings, got {type(tokens).__name__}")
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        if tokens.dtype not in (torch.int64, torch.int32):  # int8 / int16 / uint8 ids: the embedding takes int64
+            tokens = tokens.long()
         if tokens.ndim == 1:
             tokens = tokens[None]
         if tokens.ndim != 2 or tokens.shape[1] == 0:
@@ -315,7 +318,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         elif torch.is_tensor(text):
             if text.is_floating_point() or text.is_complex() or text.dtype == torch.bool:
                 raise WrongType(f"to_str_tokens: a tensor must hold token ids (integers), got {text.dtype}")
-            ids = text.reshape(1) if text.ndim == 0 else text
+            ids = token_ids(text.reshape(1) if text.ndim == 0 else text, self.cfg.d_vocab, "to_str_tokens: tokens")
             if ids.ndim == 2:
                 return [self.to_str_tokens(row) for row in ids] if ids.shape[0] > 1 else self.to_str_tokens(ids[0])
             if ids.ndim != 1:
@@ -360,4 +363,5 @@ class HookedModel(ModelWeights, HookedRootModule):
         if not torch.is_tensor(tokens) or tokens.ndim not in (1, 2) or tokens.is_floating_point():
             shown = f"shape {tuple(tokens.shape)} {tokens.dtype}" if torch.is_tensor(tokens) else type(tokens).__name__
             raise WrongType(f"to_string: tokens must be token ids [pos] or [batch pos], got {shown}")
+        tokens = token_ids(tokens, self.cfg.d_vocab, "to_string: tokens")
         return tok.decode(tokens.tolist()) if tokens.ndim == 1 else [tok.decode(t.tolist()) for t in tokens]

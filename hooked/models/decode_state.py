@@ -23,6 +23,16 @@ Glossary
                   pending, and `advance` (after the last block) commits the entries and the positions
                   together. A forward that raises (a hook, a refused lazy hook) commits nothing, so the
                   state stays as it was before that forward and can be used again
+    stepping      the state of the forward running now (`stepping_state()`, None outside a forward with
+                  a state): hooks that index positions (knockout) read the past length from it
+    consistency   every module reads every position, so once `length` positions are read each module's
+                  entry must hold them: a module with none (or keys of another length) is refused
+                  (`StateMismatch`), as after a start_at_layer forward on a fresh state, whose lower
+                  blocks never read the prefix
+    cuts          what each knockout active on a module carries from step to step (cut_record.py): the
+                  positions it resolved over the past and, for an SSM, the part of h that came from cut
+                  sources. A module's cuts live as long as they are continued at every step: a step that
+                  does not continue one (the knockout was not active) drops it
 
 A left-padded prompt is read once with its mask; new tokens are real. An SSM's lazy hooks
 (A_bar, B_bar, h, kernel) describe a whole sequence from a zero state, so they are refused while
@@ -32,7 +42,10 @@ decoding with a state (decode without it: `generate(..., use_past_kv_cache=False
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +60,45 @@ class StateRefused(ValueError):
 
 class WrongModel(ValueError):
     """A DecodeState used with a model other than the one it belongs to."""
+
+
+class StateMismatch(ValueError):
+    """A module's entry does not hold the positions the state says it has read."""
+
+
+class _Forward:
+    """The forward running now: its DecodeState (None: a whole-sequence forward) and notes that hooks
+    of that forward leave for each other (knockouts on one SSM mixer check that their edges differ)."""
+
+    def __init__(self, state: DecodeState | None) -> None:
+        self.state = state
+        self.notes: dict[Any, Any] = {}
+
+
+_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("hooked_forward", default=None)
+
+
+def stepping_state() -> DecodeState | None:
+    """The DecodeState of the forward running now, or None (a whole-sequence forward, or no forward)."""
+    forward = _FORWARD.get()
+    return None if forward is None else forward.state
+
+
+def forward_notes() -> dict[Any, Any] | None:
+    """A dict living as long as the forward running now (None outside a forward)."""
+    forward = _FORWARD.get()
+    return None if forward is None else forward.notes
+
+
+@contextlib.contextmanager
+def stepping(state: DecodeState | None) -> Iterator[None]:
+    """Mark the blocks run inside as one forward, a step of `state` (None: a whole-sequence forward, also
+    when a hook runs one inside a decoding step)."""
+    token = _FORWARD.set(_Forward(state))
+    try:
+        yield
+    finally:
+        _FORWARD.reset(token)
 
 
 def fingerprint(model: Any) -> str:
@@ -104,6 +156,9 @@ class DecodeState:
     def advance(self, mask: Tensor | None, batch: int, pos: int, device: torch.device) -> None:
         """Record that the forward read `pos` more positions and commit its entries (called once, after the
         last block)."""
+        cut_now = {key for key in (self._pending or {}) if key[1] == "cut"}
+        for key in [k for k in self.entries if k[1] == "cut" and k not in cut_now]:
+            del self.entries[key]  # a cut not continued in this step no longer describes the positions read
         if self._pending:
             self.entries.update(self._pending)
         if self._model is None and self._stepping is not None:
@@ -116,8 +171,10 @@ class DecodeState:
         self.length += pos
 
     # ------------------------------------------------------------------------------- copies
-    def select(self, index: Tensor) -> DecodeState:
-        """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is."""
+    def select(self, index: Tensor | list[int]) -> DecodeState:
+        """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is.
+        index: a non-empty 1-D integer tensor (or list) of rows in [0, batch)."""
+        index = self._row_index(index)
         out = self._copy_owner()
         out._owners, out.length, out.batch = dict(self._owners), self.length, len(index)
         maps: dict[Any, RowMap] = {}  # one row map per previous map (and device): every layer shares it
@@ -126,6 +183,23 @@ class DecodeState:
         out.past_mask = None if self.past_mask is None else self.past_mask[index.to(self.past_mask.device)]
         out.next_position = None if self.next_position is None else self.next_position[index.to(self.next_position.device)]
         return out
+
+    def _row_index(self, index: Any) -> Tensor:
+        if self.batch is None:
+            raise ValueError("select: this DecodeState has read nothing yet; run the prefix with it first")
+        if isinstance(index, (list, tuple, range)):
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in index):
+                raise TypeError(f"select: index must hold integer rows, got {list(index)[:10]}")
+            index = torch.tensor(list(index), dtype=torch.long)
+        if not torch.is_tensor(index) or index.ndim != 1 or index.dtype not in (torch.int32, torch.int64):
+            shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if torch.is_tensor(index) else repr(index)
+            raise TypeError(f"select: index must be a 1-D integer tensor (or list) of rows, got {shown}")
+        if len(index) == 0:
+            raise ValueError("select: index is empty; a state needs at least one row")
+        bad = index[(index < 0) | (index >= self.batch)]
+        if len(bad):
+            raise ValueError(f"select: rows {bad.tolist()[:10]} are outside the state's {self.batch} rows [0, {self.batch})")
+        return index.long()
 
     def entries_of(self, modules: Any) -> DecodeState:
         """A new state with the entries of `modules` only (an iterable of modules) and no position read:
@@ -159,7 +233,11 @@ class DecodeState:
         and (k, v) every position so far [batch past+pos n_kv_heads d_head]; or, in a selected state,
         the `SharedKV` (its shared past read through the row map) and (k, v) the rows' own positions
         after that past [batch own+pos n_kv_heads d_head]."""
-        past = self._get(module, "kv")
+        past = self._read(module, "kv")
+        if past is not None:
+            held = past.shared_positions + past.k1.shape[1] if isinstance(past, SharedKV) else past[0].shape[1]
+            if held != self.length:
+                self._mismatch(module, held)
         if isinstance(past, SharedKV):
             past = past.extend(k, v)
             self._put(module, "kv", past)
@@ -171,18 +249,50 @@ class DecodeState:
 
     def conv_window(self, module: Any, x: Tensor, width: int) -> Tensor:
         """The conv input with the previous `width - 1` inputs in front (zeros at the start)."""
-        past = self._get(module, "conv")
+        past = self._read(module, "conv")
         if past is None:
             past = x.new_zeros(x.shape[0], width - 1, x.shape[2])
         full = torch.cat([past, x], dim=1)
         self._put(module, "conv", full[:, full.shape[1] - (width - 1):])
         return full
 
+    def conv_past(self, module: Any) -> Tensor | None:
+        """The previous `width - 1` conv inputs [batch width-1 channels] before this step's (None: none yet)."""
+        return self.entries.get((id(module), "conv"))
+
     def ssm_state(self, module: Any) -> Tensor | None:
-        return self._get(module, "h")
+        return self._read(module, "h")
+
+    def _read(self, module: Any, kind: str) -> Any:
+        """A module's entry, which must exist once positions have been read (every module reads each one)."""
+        past = self._get(module, kind)
+        if past is None and self.length > 0:
+            self._mismatch(module, 0)
+        return past
+
+    def _mismatch(self, module: Any, held: int) -> None:
+        where = next((m.name.rsplit(".", 1)[0] for m in module.children() if isinstance(getattr(m, "name", None), str)),
+                     type(module).__name__)
+        raise StateMismatch(
+            f"this DecodeState has read {self.length} positions, but {where} holds {held} of them: the state was "
+            "filled by forwards that skipped that module (start_at_layer with a fresh DecodeState: its lower blocks "
+            "never read the prefix; resume with entries_of of a state that did), or an entries_of copy is run "
+            "from a layer it does not start at")
 
     def set_ssm_state(self, module: Any, h: Tensor) -> None:
         self._put(module, "h", h)
+
+    def past_cuts(self, module: Any) -> tuple[Any, ...]:
+        """The cuts (cut_record.CutRecord) active on `module` in every earlier step, as committed."""
+        return self.entries.get((id(module), "cut"), ())
+
+    def step_cuts(self, module: Any) -> tuple[Any, ...]:
+        """The cuts on `module` written in the step now open."""
+        return (self._pending or {}).get((id(module), "cut"), ())
+
+    def add_cut(self, module: Any, record: Any) -> None:
+        """Record a cut continued (or started) on `module` in this step."""
+        self._put(module, "cut", self.step_cuts(module) + (record,))
 
     def refuse_lazy(self, module: Any, hooks: list[Any]) -> None:
         active = [h.name for h in hooks if h.is_active]
@@ -206,7 +316,9 @@ def _kv_rows(value: tuple[Tensor, Tensor] | SharedKV, index: Tensor, maps: dict[
 
 
 def _rows(value: Any, index: Tensor) -> Any:
-    """Rows `index` of an entry: a tensor [batch ...] or a tuple of them."""
+    """Rows `index` of an entry: a tensor [batch ...], a cut record, or a tuple of them."""
     if isinstance(value, tuple):
         return tuple(_rows(v, index) for v in value)
+    if hasattr(value, "select_rows"):
+        return value.select_rows(index)
     return value[index.to(value.device)]

@@ -273,11 +273,16 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
                         state: DecodeState) -> Float[Tensor, "batch pos d_inner"]:
         """The scan continued from the state the previous positions left (incremental decoding)."""
         state.refuse_lazy(self, [self.hook_A_bar, self.hook_B_bar, self.hook_h, self.hook_kernel])
-        A = self.A()
-        y, h = selective_scan(*(t.to(A.dtype) for t in (u, dt)), A, B.to(A.dtype), C.to(A.dtype),
-                              h0=state.ssm_state(self))
+        y, h = self.state_scan(u, dt, B, C, state.ssm_state(self))
         state.set_ssm_state(self, h)
         return y.to(u.dtype)
+
+    def state_scan(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
+                   B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
+                   h0: Float[Tensor, "batch d_inner d_state"] | None) -> tuple[Tensor, Tensor]:
+        """(y, h_last) of the recurrence from h0 (None: zero), at least float32 (the state's dtype)."""
+        A = self.A()
+        return selective_scan(*(t.to(A.dtype) for t in (u, dt)), A, B.to(A.dtype), C.to(A.dtype), h0=h0)
 
     def write_out(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
         """out_proj(gated); with hook_head_out active, the sum of the per-channel writes."""

@@ -266,8 +266,7 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             y = self._scan(ssm_in, dt, self.A().to(ssm_dtype), B, C)
         else:  # decoding: continue from the state the previous positions left
             ctx.state.refuse_lazy(self, [self.hook_A_bar, self.hook_B_bar, self.hook_h, self.hook_kernel])
-            y, h = ssd_chunked(ssm_in, dt, self.A().to(ssm_dtype), B, C, min(self.chunk_size, ssm_in.shape[1]),
-                               h0=ctx.state.ssm_state(self))
+            y, h = self.state_scan(ssm_in, dt, B, C, ctx.state.ssm_state(self))
             ctx.state.set_ssm_state(self, h)
         y = self.hook_y(y)
         ssm_out = y + self.D.to(ssm_dtype)[:, None] * ssm_in
@@ -275,6 +274,12 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         gated = self.norm(rearrange(ssm_out, "b l h p -> b l (h p)"), gate).to(x.dtype)
         gated = self.hook_gated(gated)
         return self._out_proj(gated)
+
+    def state_scan(self, u: Float[Tensor, "batch pos n_heads d_head"], dt: Float[Tensor, "batch pos n_heads"],
+                   B: Float[Tensor, "batch pos n_groups d_state"], C: Float[Tensor, "batch pos n_groups d_state"],
+                   h0: Float[Tensor, "batch n_heads d_head d_state"] | None) -> tuple[Tensor, Tensor]:
+        """(y, h_last) of the recurrence from h0 (None: zero), chunked SSD in u's dtype (the scan's)."""
+        return ssd_chunked(u, dt, self.A().to(u.dtype), B, C, min(self.chunk_size, u.shape[1]), h0=h0)
 
     def _scan(
         self,

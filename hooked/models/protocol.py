@@ -15,8 +15,12 @@ Glossary
                  heads or channels), "SH" (Zamba2's shared attention, set by the family's build)
     edge         (target j <- source i) inside one layer; `cut_edges` returns the hooks that remove
                  exactly those edges in a forward (hooked/ops/edge_cut.py holds the arithmetic)
-    masks        `masks(batch, pos, device) -> (target, source)`, bool [batch pos] each: the edges'
-                 positions, resolved when the forward's length is known
+    masks        `masks(batch, pos, device, open_end=False) -> (target, source)`, bool [batch pos] each:
+                 the edges' positions, resolved when the forward's length is known. While decoding
+                 (`stepping_state()` is the forward's DecodeState) they are resolved over the whole
+                 sequence read so far, past and new (pos = past + new), with open_end: positions not
+                 read yet are left out; the cut then continues across steps (cut_record.py) so that it
+                 removes exactly the edges of the whole-sequence forward, or refuses the step
     channels     a bool mask over the units (None: every unit) an SSM cut is restricted to;
                  attention always cuts every head
 
@@ -34,9 +38,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from hooked.models.cut_record import CutRecord, resume_cut
+from hooked.models.decode_state import DecodeState, StateRefused, forward_notes, stepping_state
 from hooked.ops.edge_cut import attention_cut, conv_channels, conv_cut, kernel_cut
 
-Masks = Callable[[int, int, torch.device], tuple[Tensor, Tensor]]
+Masks = Callable[..., tuple[Tensor, Tensor]]  # (batch, pos, device, open_end=False) -> (target, source)
 Index = Callable[[int, torch.device], Tensor]  # (pos, device) -> long positions
 HookPoint = Any  # hooked.hook_points.HookPoint: not imported, the hook engine's cache reads this module
 CutHooks = list[tuple[HookPoint, Callable[[Tensor, Any], Any]]]
@@ -89,13 +95,24 @@ class AttentionCut:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         state: dict[str, Tensor] = {}
+        spec = ("attn", attention)
 
-        def edges(x: Tensor) -> Tensor:
-            t, s = masks(x.shape[0], x.shape[-1], x.device)
-            return t[:, :, None] & s[:, None, :]
+        def edges(x: Tensor, hook: Any) -> Tensor:
+            """[batch q k]: the cut entries of this forward's rows, the last q of the k positions read."""
+            q_len, k_len = x.shape[-2], x.shape[-1]
+            step = stepping_state()
+            if step is None:
+                t, s = masks(x.shape[0], k_len, x.device)
+                return t[:, :, None] & s[:, None, :]
+            if k_len != step.length + q_len:
+                raise RuntimeError(f"{hook.name}: {k_len} keys for {q_len} new queries after {step.length} positions")
+            t, s = masks(x.shape[0], k_len, x.device, open_end=True)
+            parent = resume_cut(step, self, hook.name.rsplit(".", 1)[0], spec, t, s, needs_h=False)
+            step.add_cut(self, CutRecord(spec, t, s, None, parent))
+            return t[:, step.length:, None] & s[:, None, :]
 
         def on_scores(scores: Tensor, hook: Any) -> Tensor | None:
-            cut = edges(scores)
+            cut = edges(scores, hook)
             if not cut.any():  # nothing to cut: leave the tensor itself (bit-identical downstream)
                 return None
             new, state["dead"] = attention_cut(scores, cut, "scores")
@@ -103,7 +120,7 @@ class AttentionCut:
 
         def on_pattern(pattern: Tensor, hook: Any) -> Tensor | None:
             if attention == "pattern":
-                cut = edges(pattern)
+                cut = edges(pattern, hook)
                 return attention_cut(pattern, cut, "pattern")[0] if cut.any() else None
             dead = state.pop("dead", None)
             return pattern if dead is None or not dead.any() else pattern.masked_fill(dead[..., None], 0.0)
@@ -148,10 +165,15 @@ class StateSpaceMixer:
         A = self.A().double()
         return torch.exp(A).sum(-1) if A.ndim == 2 else torch.exp(A) * self.d_state
 
+    def state_scan(self, u: Tensor, dt: Tensor, B: Tensor, C: Tensor, h0: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(y, h_last) of this mixer's recurrence on (u, dt, B, C) from h0 (None: zero), in the scan's dtype."""
+        raise NotImplementedError
+
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
         seen: dict[str, Tensor] = {}
         pairs = type(self).kernel_pairs
+        spec = ("ssm", None if channels is None else tuple(channels.tolist()), cut_conv)
 
         def keep(key: str) -> Callable[[Tensor, Any], None]:
             def fn(x: Tensor, hook: Any) -> None:
@@ -160,7 +182,13 @@ class StateSpaceMixer:
 
         def on_y(y: Tensor, hook: Any) -> Tensor | None:
             u, dt, B, C = (seen.pop(k) for k in ("u", "dt", "B", "C"))
+            step = stepping_state()
+            if step is not None:
+                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
+                self._check_overlap(hook.name, t, s, channels)
+                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y, u, dt, B, C)
             t, s = masks(y.shape[0], y.shape[1], y.device)
+            self._check_overlap(hook.name, t, s, channels)
             if not (t.any() and s.any()) or (channels is not None and not channels.any()):
                 return None  # nothing to cut: the tensor itself goes on
             return y - kernel_cut(pairs, u, dt, B, C, self.A(), t, s, channels)  # A read now: real when offloaded
@@ -172,13 +200,73 @@ class StateSpaceMixer:
         conv_chan = conv_channels(channels, self.conv_weight.shape[0], self.d_inner)
 
         def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
-            t, s = masks(conv.shape[0], conv.shape[1], conv.device)
             conv_in = seen.pop("in")
+            step = stepping_state()
+            if step is None:
+                t, s = masks(conv.shape[0], conv.shape[1], conv.device)
+            else:  # the window's past inputs are in the state: cut from them too
+                conv_in, t, s = self._conv_window(step, masks, conv_in)
             if not (t.any() and s.any()) or (conv_chan is not None and not conv_chan.any()):
                 return None
-            return conv - conv_cut(conv_in, self.conv_weight, t, s, conv_chan)  # read now: real when offloaded
+            delta = conv_cut(conv_in, self.conv_weight, t, s, conv_chan)  # read now: real when offloaded
+            return conv - delta[:, delta.shape[1] - conv.shape[1]:]
 
         return [(self.hook_in, keep("in")), (self.hook_conv, on_conv)] + hooks
+
+    def _check_overlap(self, name: str, t: Tensor, s: Tensor, channels: Tensor | None) -> None:
+        """Refuse a second knockout of this forward cutting an edge (on a channel) another one already cut:
+        each SSM cut subtracts its edges' terms, so an edge cut twice would be removed twice."""
+        notes = forward_notes()
+        if notes is None:
+            return
+        earlier = notes.setdefault(("ssm cuts", id(self)), [])
+        for t0, s0, c0 in earlier:
+            shared_channels = c0 is None or channels is None or bool((c0 & channels.to(c0.device)).any())
+            reached = (s0 & s).long().cumsum(-1) > 0  # a source of both at or before each position
+            if shared_channels and t0.shape == t.shape and bool((t0 & t & reached).any()):
+                j = int((t0 & t & reached).nonzero()[0, 1])
+                raise ValueError(
+                    f"knockout: {name.rsplit('.', 1)[0]} is cut by two active knockouts that share edges (target {j} "
+                    f"among them) on shared channels; an SSM cut subtracts each edge's term, so a shared edge would be "
+                    "removed twice. Merge them into one knockout (bool masks [batch pos] give per-row sets), or give "
+                    "them disjoint positions or channels")
+        earlier.append((t, s, channels))
+
+    def _cut_step(self, step: DecodeState, where: str, spec: tuple, t: Tensor, s: Tensor, channels: Tensor | None,
+                  y: Tensor, u: Tensor, dt: Tensor, B: Tensor, C: Tensor) -> Tensor | None:
+        """The cut while decoding (t, s: the masks over past and new positions): y_j -= C_j . h_cut_j at new
+        targets j, h_cut (cut_record.py) carried in the state from the step before and advanced over the
+        new positions' sources."""
+        offset = step.length
+        parent = resume_cut(step, self, where, spec, t, s, needs_h=True)
+        h0 = None if parent is None else parent.h_cut
+        t_new, s_new = t[:, offset:], s[:, offset:]
+        if h0 is None and not s_new.any():  # no cut source read yet: nothing to carry, nothing to cut
+            step.add_cut(self, CutRecord(spec, t, s, None, parent))
+            return None
+        only_sources = s_new.reshape(s_new.shape + (1,) * (u.ndim - 2)).to(u.dtype)
+        y_cut, h_cut = self.state_scan(u * only_sources, dt, B, C, h0)
+        step.add_cut(self, CutRecord(spec, t, s, h_cut, parent))
+        if not t_new.any() or (channels is not None and not channels.any()):
+            return None
+        keep_at = t_new.reshape(t_new.shape + (1,) * (y.ndim - 2)).to(y_cut.dtype)
+        if channels is not None:
+            keep_at = keep_at * channels.to(y.device).reshape((-1,) + (1,) * (y.ndim - 3)).to(y_cut.dtype)
+        return y - (y_cut * keep_at).to(y.dtype)
+
+    def _conv_window(self, step: DecodeState, masks: Masks, conv_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(the conv input with the previous width - 1 inputs in front, target, source over those
+        positions): positions before the sequence's start are zeros and neither target nor source."""
+        lead = self.conv_weight.shape[1] - 1
+        offset, (batch, pos) = step.length, conv_in.shape[:2]
+        past = step.conv_past(self)
+        if past is None:
+            past = conv_in.new_zeros(batch, lead, conv_in.shape[2])
+        t, s = masks(batch, offset + pos, conv_in.device, open_end=True)
+        missing = max(0, lead - offset)  # window slots before position 0
+        pad = t.new_zeros(batch, missing)
+        t, s = (torch.cat([pad, m[:, offset + missing - lead:]], dim=1) for m in (t, s))
+        return torch.cat([past, conv_in], dim=1), t, s
 
     def kernel_slices(self, index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> CutHooks:
         if axis not in ("rows", "cols"):
@@ -199,6 +287,10 @@ class StateSpaceMixer:
             return hook
 
         def on_C(C: Tensor, hook: Any) -> None:
+            if stepping_state() is not None:
+                raise StateRefused(f"{hook.name.rsplit('.', 1)[0]}: kernel slices describe the whole sequence from a "
+                                   "zero state and cannot be taken while decoding with a state; run the whole "
+                                   "sequence (generate with use_past_kv_cache=False)")
             A = self.A()
             dt, B, C = (t.to(A.dtype) for t in (seen.pop("dt"), seen.pop("B"), C))
             on_slice(fn(dt, A, B, C, index(dt.shape[1], dt.device)))
