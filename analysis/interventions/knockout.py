@@ -47,6 +47,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from hooked.backends import exact_hook
 from hooked.devices import onloaded
 from hooked.ops.selective_scan import mamba1_kernel_pairs
 from analysis.validate import index_list, index_mask, layer_index, layer_list, position_mask
@@ -274,7 +275,7 @@ def _ssm_hooks(model: Any, site: str, sources: Positions, targets: Positions, ch
         return y - ssm_cut(u, dt, B, C, _ssm_A(mixer), t, s, chan)  # A read now: one graph per forward
 
     hooks = [(f"{site}.hook_ssm_in", keep("u")), (f"{site}.hook_dt", keep("dt")), (f"{site}.hook_B", keep("B")),
-             (f"{site}.hook_C", keep("C")), (f"{site}.hook_y", on_y)]
+             (f"{site}.hook_C", keep("C")), (f"{site}.hook_y", exact_hook(on_y))]  # y from the exact path
     if cut_conv:
         conv_chan = _conv_channels(chan, _conv_weight(mixer).shape[0], _d_inner(mixer))
 
