@@ -45,7 +45,7 @@ from torch import nn
 
 from hooked.backend_rules import ATTENTIONS, SCANS, choose_attention, choose_scan, needs_exact
 from hooked.hook_points import HookPoint
-from hooked.ops.fused import KERNEL_DTYPES, REFERENCE, Kernels, fused_available
+from hooked.ops.fused import KERNEL_DTYPES, REFERENCE, Kernels, mamba_ssm_kernels
 
 _FORCED: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
     "hooked_backends", default=(None, None))
@@ -99,12 +99,23 @@ def _exact(module: nn.Module) -> bool:
     return any(getattr(h.fn, "needs_exact", False) for _, p in listened for h in p.visible_hooks())
 
 
-def scan_backend(mixer: nn.Module, device: torch.device, dtype: torch.dtype, *,
+@torch.compiler.assume_constant_result
+def _importable(op: str) -> bool:
+    """Whether mamba-ssm's kernel `op` imports (a constant to torch.compile: imports are not traced)."""
+    return getattr(mamba_ssm_kernels(), op) is not None
+
+
+def _fused_available(device: torch.device, op: str = "selective_scan_fn") -> bool:
+    return device.type == "cuda" and _importable(op)
+
+
+def scan_backend(mixer: nn.Module, device: torch.device, dtype: torch.dtype, *, op: str = "selective_scan_fn",
                  has_initial_state: bool = False) -> str:
     """The scan backend `mixer` runs now (also kept as mixer.last_backend): backend_rules.choose_scan
-    with this forward's hooks, forcing, device, initial state and dtype (the scan's compute dtype)."""
+    with this forward's hooks, forcing, device, initial state and dtype (the scan's compute dtype);
+    op: the mamba-ssm kernel the mixer's "fused" path calls (ops/fused.py's Kernels field)."""
     choice = choose_scan(exact=_exact(mixer), forced=forced()[0], on_cuda=device.type == "cuda",
-                         fused_importable=fused_available(device), has_initial_state=has_initial_state,
+                         fused_importable=_fused_available(device, op), has_initial_state=has_initial_state,
                          kernel_dtype=dtype in KERNEL_DTYPES)
     mixer.last_backend = choice
     return choice
@@ -119,5 +130,5 @@ def attention_backend(attn: nn.Module, *, softcap: bool, shared_past: bool) -> s
 
 def fused_kernels(device: torch.device) -> Kernels | None:
     """The kernels for a "fused" scan on `device`: mamba-ssm's where they run (None), else the stand-ins."""
-    return None if fused_available(device) else REFERENCE
+    return None if device.type == "cuda" and _importable("selective_scan_fn") else REFERENCE
 

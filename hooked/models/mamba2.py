@@ -253,7 +253,7 @@ class Mamba2Mixer(StateSpaceCut, TokenMixer, MixerWeights, nn.Module):
         xBC = self.hook_in(xBC)
         gate = self.hook_gate(gate)
         ssm_dtype = torch.promote_types(x.dtype, torch.float32)
-        backend = backends.scan_backend(self, x.device, ssm_dtype)
+        backend = backends.scan_backend(self, x.device, ssm_dtype, op="mamba_chunk_scan_combined")
         if ctx.state is None and backend == "fused":
             conv = causal_conv1d_fused(xBC, self.conv_weight, self.conv_bias, kernels=backends.fused_kernels(x.device))
             conv = conv.contiguous()

@@ -147,9 +147,13 @@ class MoE(nn.Module):
     def expert_outputs(self, x: Float[Tensor, "n d_model"], chosen: Int[Tensor, "n k"]) -> Float[Tensor, "n k d_model"]:
         """Each slot's expert on its token: the slots sorted by expert, each expert run on its run of rows.
 
-        Grouped matrix multiplies (no host read) where they apply, else one read of the counts per call.
+        Grouped matrix multiplies (no host read) where they apply; while compiling where they do not,
+        every expert on every token (n_experts / k times the flops, no host read); else one read of
+        the counts per call.
         """
         n, k = chosen.shape
+        if torch.compiler.is_compiling() and not self._grouped_mm_applies(x):
+            return self._every_expert(x).gather(1, chosen[..., None].expand(n, k, x.shape[-1]))
         ids = chosen.reshape(-1)
         order = ids.argsort(stable=True)  # slots grouped by expert
         rows = x[order // k]  # [n*k d_model], each slot's token
@@ -170,20 +174,29 @@ class MoE(nn.Module):
         hidden = self.act(up) if self.gate_proj is None else self.act(linear(rows, self.gate_proj)) * up
         return linear(hidden, self.down_proj)
 
+    def _every_expert(self, x: Float[Tensor, "n d_model"]) -> Float[Tensor, "n n_experts d_model"]:
+        up = einsum(x, self.up_proj, "n m, e f m -> n e f")
+        hidden = self.act(up) if self.gate_proj is None else self.act(einsum(x, self.gate_proj, "n m, e f m -> n e f")) * up
+        return einsum(hidden, self.down_proj, "n e f, e m f -> n e m")
+
     def _grouped_mm_applies(self, rows: Tensor) -> bool:
         """torch's grouped multiply takes this call: no autograd (its CPU backward refuses broadcast
-        gradients), float32 / bfloat16 / float16 on CPU and bfloat16 on CUDA (sm80+), 16-byte rows."""
+        gradients), float32 / bfloat16 / float16 on CPU and bfloat16 on CUDA (sm80+), 16-byte rows;
+        while compiling bfloat16 only (its meta function refuses the others)."""
         weights = [w for w in (self.gate_proj, self.up_proj, self.down_proj) if w is not None]
         if _GROUPED_MM is None or any(w.dtype != rows.dtype or w.device != rows.device for w in weights):
             return False
         if torch.is_grad_enabled() and (rows.requires_grad or any(w.requires_grad for w in weights)):
+            return False
+        if torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
             return False
         if rows.device.type == "cuda":
             ok_device = rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (8, 0)
         else:
             ok_device = rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
         size = rows.element_size()
-        return ok_device and all(w.shape[-1] * size % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
+        aligned = torch.compiler.is_compiling() or all(w.data_ptr() % 16 == 0 for w in weights)  # not traceable
+        return ok_device and aligned and all(w.shape[-1] * size % 16 == 0 for w in weights)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         batch, _, d_model = x.shape
