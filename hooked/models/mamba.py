@@ -223,7 +223,8 @@ class MambaMixer(StateSpaceCut, TokenMixer, MixerWeights, nn.Module):
         conv = self.hook_conv(conv)
         ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
         ssm_in = self.hook_ssm_in(ssm_in)
-        dt_in, B, C = self.x_proj(ssm_in).split([self.spec.dt_rank, self.spec.d_state, self.spec.d_state], dim=-1)
+        # dt_proj.in_features is dt_rank, a derived field: its descriptor, instrumented under pytest, trips dynamo
+        dt_in, B, C = self.x_proj(ssm_in).split([self.dt_proj.in_features, self.spec.d_state, self.spec.d_state], dim=-1)
         if self.spec.mixer_rms_eps is not None:  # FalconMamba; Jamba with weights
             dt_in, B, C = (_weightless_rms_norm(t, self.spec.mixer_rms_eps) for t in (dt_in, B, C))
             if self.spec.mixer_norm_weights:
