@@ -451,3 +451,28 @@ def test_moe_refuses_an_edited_choice_out_of_range():
     name = next(n for n in model.hook_dict if n.endswith("hook_chosen"))
     with pytest.raises(ValueError, match="chosen experts must be int64 ids"):
         model.run_with_hooks(batch()[0], fwd_hooks=[(name, lambda x, h: x + 100)])
+
+
+# ---------------------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", SSM + ["llama", "qwen3", "gemma2"])
+def test_on_cuda_the_default_path_equals_the_exact_path(family, dtype, rel, cuda):
+    """What a hook-free forward picks on CUDA (fused where mamba-ssm imports, else chunked; SDPA) equals
+    the exact path, reads nothing from the device inside the blocks, and a state hook gets "chunked"."""
+    model = copy.deepcopy(tiny(family)).to(cuda, dtype)
+    tokens, mask = (t.to(cuda) for t in batch())
+    with torch.no_grad():
+        with backends.use(scan="loop", attention="eager"):
+            exact = model(tokens, attention_mask=mask)
+        fast = model(tokens, attention_mask=mask)
+        chosen = backends.active(model)
+        assert reads_inside_blocks(model, lambda: model(tokens, attention_mask=mask)) == []
+        mixers = [n for n, b in chosen.items() if b in SCANS]
+        if mixers:
+            model.run_with_cache(tokens, names_filter=[f"{mixers[-1]}.hook_h"])
+            assert backends.active(model)[mixers[-1]] == "chunked"
+    assert "loop" not in chosen.values()
+    assert all(b == "sdpa" or family == "gemma2" for b in chosen.values() if b in ATTENTIONS)
+    real = mask.bool()
+    rel_close(fast[real].float(), exact[real].float(), rel)
