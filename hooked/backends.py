@@ -22,7 +22,7 @@ Glossary
                        default). An exact hook wins: a forced "fused" then runs "loop" on a CPU,
                        "chunked" on CUDA; a forced "sdpa" runs "eager"
     default            scan: "loop" on a CPU (one chunk stays in cache: fastest there), on CUDA "fused"
-                       where mamba-ssm imports, else "chunked"; an exact hook on CUDA: "chunked".
+                       where mamba-ssm is installed, else "chunked"; an exact hook on CUDA: "chunked".
                        "fused" becomes the device's exact algorithm for float64 and for Mamba-1 with
                        an initial state (the kernels take neither). Attention: "sdpa", except a
                        soft-capped layer and a selected state's shared past ("eager")
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import threading
 from collections.abc import Callable, Iterator
 
@@ -45,7 +46,7 @@ from torch import nn
 
 from hooked.backend_rules import ATTENTIONS, SCANS, choose_attention, choose_scan, needs_exact
 from hooked.hook_points import HookPoint
-from hooked.ops.fused import KERNEL_DTYPES, REFERENCE, Kernels, mamba_ssm_kernels
+from hooked.ops.fused import KERNEL_DTYPES, REFERENCE, Kernels
 
 _FORCED: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
     "hooked_backends", default=(None, None))
@@ -99,14 +100,19 @@ def _exact(module: nn.Module) -> bool:
     return any(getattr(h.fn, "needs_exact", False) for _, p in listened for h in p.visible_hooks())
 
 
-@torch.compiler.assume_constant_result
-def _importable(op: str) -> bool:
-    """Whether mamba-ssm's kernel `op` imports (a constant to torch.compile: imports are not traced)."""
-    return getattr(mamba_ssm_kernels(), op) is not None
+def _found(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+# Whether each mamba-ssm kernel's package is installed, looked up once at import without importing it:
+# torch.compile reads a constant here, never an import (a broken build still falls back, ops/fused.py)
+_INSTALLED = {op: _found(package) for op, package in (("selective_scan_fn", "mamba_ssm"),
+                                                       ("mamba_chunk_scan_combined", "mamba_ssm"),
+                                                       ("causal_conv1d_fn", "causal_conv1d"))}
 
 
 def _fused_available(device: torch.device, op: str = "selective_scan_fn") -> bool:
-    return device.type == "cuda" and _importable(op)
+    return device.type == "cuda" and _INSTALLED[op]
 
 
 def scan_backend(mixer: nn.Module, device: torch.device, dtype: torch.dtype, *, op: str = "selective_scan_fn",
@@ -130,5 +136,5 @@ def attention_backend(attn: nn.Module, *, softcap: bool, shared_past: bool) -> s
 
 def fused_kernels(device: torch.device) -> Kernels | None:
     """The kernels for a "fused" scan on `device`: mamba-ssm's where they run (None), else the stand-ins."""
-    return None if device.type == "cuda" and _importable("selective_scan_fn") else REFERENCE
+    return None if device.type == "cuda" and _INSTALLED["selective_scan_fn"] else REFERENCE
 
