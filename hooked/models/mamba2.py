@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +59,12 @@ from hooked.models.config import derived
 from hooked.models.gated_norm import GatedRMSNorm, NormThenGate, SiluGate
 from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
-from hooked.models.protocol import Heads, StateSpaceCut, TokenMixer
+from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.fused import causal_conv1d_fused, ssd_fused
 from hooked.ops.scan_chunked import linear_scan_chunked
 from hooked.ops.ssd import linear_scan_heads, mamba2_kernel_pairs, ssd_chunked
-from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_discrete
+from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_cols, mamba2_kernel_discrete, mamba2_kernel_rows
 from hooked.weights import MixerWeights
 
 
@@ -107,6 +108,14 @@ class Mamba2Spec:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
         if len(self.ssm_multipliers) != 5:
             raise ValueError(f"ssm_multipliers holds 5 scales (z, x, B, C, dt), got {len(self.ssm_multipliers)}")
+
+    @classmethod
+    def of(cls, cfg: Any, **changes: Any) -> "Mamba2Spec":
+        """The spec of a family config that spells the SSM fields as Mamba2Config does (d_model, n_heads,
+        d_head, d_state, n_groups, d_conv, chunk_size, conv_bias, proj_bias, eps, dt_limit), with `changes`."""
+        fields = ("d_model", "n_heads", "d_head", "d_state", "n_groups", "d_conv", "chunk_size", "conv_bias",
+                  "proj_bias", "eps", "dt_limit")
+        return cls(**{f: getattr(cfg, f) for f in fields if f not in changes} | changes)
 
     @property
     def d_inner(self) -> int:
@@ -159,8 +168,7 @@ class Mamba2Config:
 
     @property
     def mixer(self) -> Mamba2Spec:
-        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
-                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
+        return Mamba2Spec.of(self)
 
     @property
     def conv_dim(self) -> int:
@@ -182,11 +190,13 @@ def _linear_scan_heads_chunked(
     return linear_scan_chunked(A_bar, X.reshape(flat)).view(X.shape)
 
 
-class Mamba2Mixer(StateSpaceCut, TokenMixer, MixerWeights, nn.Module):
+class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
     """The Mamba-2 mixer of a `Mamba2Spec` (its docstring lists the options). Its units are the SSM heads."""
 
     unit_tag = "M"
     kernel_pairs = staticmethod(mamba2_kernel_pairs)
+    kernel_rows = staticmethod(mamba2_kernel_rows)
+    kernel_cols = staticmethod(mamba2_kernel_cols)
 
     def __init__(self, spec: Mamba2Spec) -> None:
         super().__init__()

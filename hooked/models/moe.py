@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
 from hooked.models.mlp import activation
+from hooked.models.protocol import ExpertMixture
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.8
 
@@ -96,7 +97,7 @@ class SigmoidTopK(nn.Module):
                 f"renormalise={self.renormalise}, scaling={self.scaling:g}")
 
 
-class MoE(nn.Module):
+class MoE(ExpertMixture, nn.Module):
     """Router, rule, stacked experts and an optional shared MLP, every routing quantity hooked.
 
     Args:
