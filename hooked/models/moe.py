@@ -43,6 +43,7 @@ from hooked.models.mlp import activation
 from hooked.models.protocol import ExpertMixture
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.8
+_CPU_ANY_ADDRESS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
 
 
 class SoftmaxTopK(nn.Module):
@@ -182,8 +183,9 @@ class MoE(ExpertMixture, nn.Module):
 
     def _grouped_mm_applies(self, rows: Tensor) -> bool:
         """torch's grouped multiply takes this call: no autograd (its CPU backward refuses broadcast
-        gradients), float32 / bfloat16 / float16 on CPU and bfloat16 on CUDA (sm80+), 16-byte rows;
-        while compiling bfloat16 only (its meta function refuses the others)."""
+        gradients), float32 / bfloat16 / float16 on CPU and bfloat16 on CUDA (sm80+), 16-byte rows,
+        16-byte aligned weights (on CUDA, or torch < 2.11); while compiling bfloat16 only (its meta
+        function refuses the others)."""
         weights = [w for w in (self.gate_proj, self.up_proj, self.down_proj) if w is not None]
         if _GROUPED_MM is None or any(w.dtype != rows.dtype or w.device != rows.device for w in weights):
             return False
@@ -196,7 +198,9 @@ class MoE(ExpertMixture, nn.Module):
         else:
             ok_device = rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
         size = rows.element_size()
-        aligned = torch.compiler.is_compiling() or all(w.data_ptr() % 16 == 0 for w in weights)  # not traceable
+        # torch >= 2.11 takes any address on CPU (a memory-mapped checkpoint's); the address is not traceable
+        aligned = (torch.compiler.is_compiling() or (rows.device.type == "cpu" and _CPU_ANY_ADDRESS)
+                   or all(w.data_ptr() % 16 == 0 for w in weights))
         return ok_device and aligned and all(w.shape[-1] * size % 16 == 0 for w in weights)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
