@@ -167,7 +167,8 @@ class MoE(ExpertMixture, nn.Module):
             out = torch.cat([self.expert(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]])
         return out[order.argsort()].view(n, k, -1)  # back to slot order
 
-    def _grouped_experts(self, rows: Float[Tensor, "m d_model"], ends: Int[Tensor, "n_experts"]) -> Float[Tensor, "m d_model"]:
+    def _grouped_experts(self, rows: Float[Tensor, "m d_model"],
+                         ends: Int[Tensor, "n_experts"]) -> Float[Tensor, "m d_model"]:
         """Every expert on its run of rows (expert e: rows ends[e-1]..ends[e]) in three grouped multiplies."""
         def linear(a: Tensor, weight: Tensor) -> Tensor:  # per group: a @ weight[e].T
             return _GROUPED_MM(a, weight.transpose(1, 2), offs=ends)
