@@ -151,6 +151,7 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         else:
             z = self._eager_z(q, k, v, shared, ctx)
         z = self.hook_z(z)
+        z = self.gate_heads(z, x)
 
         flat_z = rearrange(z, "batch pos n_heads d_head -> batch pos (n_heads d_head)")
         if not self.hook_result.is_active:
@@ -184,6 +185,11 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         p0 = shared.shared_positions
         return shared.mix(pattern[..., :p0]) + einsum(
             pattern[..., p0:], v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
+
+    def gate_heads(self, z: Float[Tensor, "batch pos n_heads d_head"],
+                   x: Float[Tensor, "batch pos d_in"]) -> Float[Tensor, "batch pos n_heads d_head"]:
+        """What each head writes through o_proj: z itself (gated_attention.py multiplies it by an output gate)."""
+        return z
 
     def input_linears(self) -> list[nn.Module]:
         return [self.q_proj, self.k_proj, self.v_proj]
