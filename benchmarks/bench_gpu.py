@@ -4,10 +4,10 @@ Glossary
     HF       the same random model in Hugging Face transformers as users get it: SDPA attention (its
              default), and for the SSM families mamba-ssm / causal-conv1d's kernels whenever they are
              importable (column "HF path": "kernels", else "torch", HF's own torch fallback)
-    exact    our forward on the exact path (the sequential scans, eager attention: every hook available);
-             `hooked.backends.use(scan="loop", attention="eager")` once hooked.backends exists
+    exact    our forward on the exact path (the sequential scans, eager attention: every hook available),
+             `hooked.backends.use(scan="loop", attention="eager")`
     fast     our forward on the fast path, `hooked.backends.use(scan=<fused where mamba-ssm is importable,
-             else chunked>, attention="sdpa")`; "-" until hooked.backends exists (the mixers are not wired)
+             else chunked>, attention="sdpa")` (what a hook-free forward picks on CUDA)
     ratio    median of one model's times / median of another's, `--reps` runs each after a warm-up,
              interleaved (HF, exact, fast, HF, ...), each timed between device synchronisations; <1: faster
     rel err  max |fast - exact| / max |exact| over the logits (the same run; "-" without a fast path)
@@ -74,7 +74,7 @@ def paths(device: torch.device) -> tuple[Callable, Callable | None]:
     from hooked.ops.fused import fused_available
 
     try:
-        from hooked import backends  # the lead's wiring of ops/scan_chunked.py, ops/fused.py, ops/sdpa.py
+        from hooked import backends
     except ImportError:
         return contextlib.nullcontext, None
     exact = lambda: backends.use(scan="loop", attention="eager")  # noqa: E731

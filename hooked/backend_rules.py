@@ -1,9 +1,11 @@
 """Which backend a mixer or attention layer takes for one forward: pure rules, no state.
 
 Glossary
-    scan backend       "loop" (selective_scan / ssd_chunked: exact, every state hook available),
-                       "chunked" (ops/scan_chunked.py: few launches, for GPUs without mamba-ssm),
-                       "fused" (ops/fused.py: mamba-ssm's kernels, or their stand-ins when forced)
+    scan backend       "loop" (selective_scan / ssd_chunked: every state hook available),
+                       "chunked" (ops/scan_chunked.py: few launches, for GPUs without mamba-ssm;
+                       every state hook available too, equal to "loop" but for rounding),
+                       "fused" (ops/fused.py: mamba-ssm's kernels, or their stand-ins when forced;
+                       y and the last state only)
     attention backend  "eager" (scores and pattern built, hookable) or "sdpa" (ops/sdpa.py)
     exact hooks        hooks whose quantity only the exact path builds: an SSM's per-position states
                        and kernel, attention's scores and pattern, the soft-cap's input and output.
@@ -11,8 +13,8 @@ Glossary
                        the exact path too
     forced             what `backends.use(scan=..., attention=...)` demands (None: the default rule)
 
-An active exact hook always wins over a forced fast backend: its hook must fire with the quantity
-it names. The fast paths feed the same hooked tensors into the kernels (hook_in, hook_conv, hook_dt,
+An active exact hook always wins over a forced fast backend ("fused", "sdpa"): its hook must fire
+with the quantity it names. The fast paths feed the same hooked tensors into the kernels (hook_in, hook_conv, hook_dt,
 hook_B, hook_C, hook_ssm_in, hook_y, ... still fire and edits to them propagate).
 """
 
@@ -33,19 +35,20 @@ def needs_exact(active_hooks: Iterable[str]) -> bool:
 
 
 def choose_scan(*, exact: bool, forced: str | None = None, on_cuda: bool = False, fused_importable: bool = False,
-                has_initial_state: bool = False) -> str:
-    """The scan backend: "loop" when an exact hook is active; else the forced one; else "fused" on
-    CUDA with mamba-ssm importable (and no initial state: its Mamba-1 kernel takes none), "chunked"
-    on other CUDA runs, "loop" on CPU (where it is the fastest: one chunk stays in cache)."""
+                has_initial_state: bool = False, kernel_dtype: bool = True) -> str:
+    """The scan backend. The forced one, else the device's: "loop" on CPU (where it is the fastest:
+    one chunk stays in cache), on CUDA "fused" with mamba-ssm importable, else "chunked". "fused"
+    is replaced by the device's exact algorithm ("loop" on CPU, "chunked" on CUDA) when an exact
+    hook is active (the kernel builds no state), with an initial state (Mamba-1's kernel takes none)
+    or a dtype the kernels do not take (kernel_dtype=False: float64). "loop" and "chunked" both
+    build every state: an exact hook keeps them, on CUDA too (the chunked one in few launches)."""
     if forced is not None and forced not in SCANS:
         raise ValueError(f"scan backend must be one of {SCANS}, got {forced!r}")
-    if exact:
-        return "loop"
-    if forced is not None:
-        return forced
-    if not on_cuda:
-        return "loop"
-    return "fused" if fused_importable and not has_initial_state else "chunked"
+    exact_default = "chunked" if on_cuda else "loop"
+    choice = forced or ("fused" if on_cuda and fused_importable else exact_default)
+    if choice == "fused" and (exact or has_initial_state or not kernel_dtype):
+        return exact_default
+    return choice
 
 
 def choose_attention(*, exact: bool, forced: str | None = None, softcap: bool = False,

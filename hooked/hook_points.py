@@ -36,6 +36,12 @@ Glossary
                    "wide" (at least float32, whatever the model's dtype) or "int64" (indices).
     HookedRootModule  the model's root: `hook_dict`, `add_hook`, `run_with_hooks`, `run_with_cache`, `hooks()`.
 
+    hook-free      no HookPoint of the process has a model hook, a scoped hook in any thread or task, or
+                   a recording in progress: `__call__` and `is_active` then return at once, reading
+                   two attributes and no context variable, so `torch.compile` traces a hook-free
+                   forward without a graph break; its guards on those counters see a hook added later
+                   (recompiled then, the hook fires).
+
 Scoped hooks are removed on exit, also when the forward or a hook raises (KeyboardInterrupt included).
 Model hooks stay until `reset_hooks()`. Caveat of context variables: a generator that yields inside
 `with model.hooks(...)` lends its hooks to whoever iterates it, until it resumes and leaves the block.
@@ -47,6 +53,7 @@ import contextlib
 import contextvars
 import difflib
 import re
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
@@ -88,6 +95,47 @@ _SCOPED: contextvars.ContextVar[_ScopedHooks] = contextvars.ContextVar("hooked_s
 # activation as it fires.
 _RECORDING: contextvars.ContextVar[Callable[[str, Tensor], None] | None] = contextvars.ContextVar(
     "hooked_recording", default=None)
+# Process-wide counts that let a HookPoint skip the context variables when nothing can listen: the
+# scoped hooks attached to each point in any context (HookPoint._n_scoped) and the recordings in
+# progress. They only over-count while a scope is open, so a hook is never skipped.
+_COUNT_LOCK = threading.Lock()
+_recordings = 0
+_attached = 0  # model and scoped hooks attached to any HookPoint
+
+
+def hook_free() -> bool:
+    """No HookPoint of the process has a hook (model or scoped, any thread) and nothing records: a forward
+    may then skip what only hooks read (the forward's context variables), and compile without a break."""
+    return not (_attached or _recordings)
+
+
+def _count_attached(step: int) -> None:
+    global _attached
+    with _COUNT_LOCK:
+        _attached += step
+
+
+def _count_scoped(points: Sequence["HookPoint"], step: int) -> None:
+    global _attached
+    with _COUNT_LOCK:
+        for point in points:
+            point._n_scoped += step
+        _attached += step * len(points)
+
+
+@contextlib.contextmanager
+def recording(on_fire: Callable[[str, Tensor], None]) -> Iterator[None]:
+    """While inside, every HookPoint this caller runs calls `on_fire(name, activation)` and no hook."""
+    global _recordings
+    with _COUNT_LOCK:
+        _recordings += 1
+    token = _RECORDING.set(on_fire)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+        with _COUNT_LOCK:
+            _recordings -= 1
 
 
 @contextlib.contextmanager
@@ -104,6 +152,7 @@ def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Ite
     for point, hook, prepend in mine:
         front, back = state.get(point, ((), ()))
         state[point] = ((hook, *front), back) if prepend else (front, (*back, hook))
+    _count_scoped([point for point, _, _ in mine], +1)
     _SCOPED.set(state)
     try:
         yield [hook for _, hook, _ in mine]
@@ -119,6 +168,7 @@ def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Ite
             else:
                 state.pop(point, None)
         _SCOPED.set(state)
+        _count_scoped([point for point, _, _ in mine], -1)
         for _, hook, _ in mine:
             hook.detach()
 
@@ -129,6 +179,8 @@ ELEMENTS = ("model", "wide", "int64")
 
 class HookPoint(nn.Module):
     """Identity module with TransformerLens-style hooks `fn(tensor, hook)`, and its declared axes."""
+
+    _n_scoped = 0  # also for HookPoints unpickled from before the count existed
 
     def __init__(self, axes: str = "batch pos d_model", lazy: bool = False, element: str = "model") -> None:
         super().__init__()
@@ -142,6 +194,7 @@ class HookPoint(nn.Module):
         self.name: str | None = None
         self._hooks: list[Hook] = []  # model hooks (every caller); scoped hooks live in _SCOPED
         self._permanent: list[Hook] = []  # model hooks that survive reset_hooks()
+        self._n_scoped = 0  # scoped hooks attached here in any thread / task (module glossary: hook-free)
         self.lazy = lazy  # built only when hooked; a bare run_with_cache() leaves it out (cache_budget.py)
         self.ctx: dict[Any, Any] = {}  # scratch space for hook functions (TL's hook.ctx), cleared by reset_hooks()
 
@@ -185,11 +238,13 @@ class HookPoint(nn.Module):
     @property
     def has_hooks(self) -> bool:
         """True when a hook is visible to this caller (the model's or its own scoped ones)."""
-        return bool(self._hooks) or self in _SCOPED.get()
+        return bool(self._hooks) or (self._n_scoped > 0 and self in _SCOPED.get())
 
     @property
     def is_active(self) -> bool:
         """True when something listens here; lazy quantities are computed only then."""
+        if not (self._hooks or self._n_scoped or _recordings):
+            return False
         return bool(self._hooks) or self in _SCOPED.get() or _RECORDING.get() is not None
 
     def add_hook(self, fn: HookFn, prepend: bool = False) -> Callable[[], None]:
@@ -201,11 +256,13 @@ class HookPoint(nn.Module):
             self._hooks.insert(0, hook)
         else:
             self._hooks.append(hook)
+        _count_attached(1)
 
         def remove() -> None:
             for i, h in enumerate(self._hooks):
                 if h is hook:
                     del self._hooks[i]
+                    _count_attached(-1)
                     hook.detach()
                     return
 
@@ -216,10 +273,13 @@ class HookPoint(nn.Module):
         keep = [] if including_permanent else [h for h in self._hooks if any(h is p for p in self._permanent)]
         removed = [h for h in self._hooks if not any(h is k for k in keep)]
         self._hooks[:], self._permanent[:] = keep, keep
+        _count_attached(-len(removed))
         for hook in removed:
             hook.detach()
 
     def __call__(self, x: Tensor) -> Tensor:  # skips nn.Module's call machinery: this is the hot path
+        if not (self._hooks or self._n_scoped or _recordings):  # hook-free: no context variable read
+            return x
         on_fire = _RECORDING.get()
         if on_fire is not None:  # recording the forward order: no hook runs
             on_fire(self.name, x)
@@ -318,12 +378,8 @@ class HookedRootModule(nn.Module):
         """Hook names in the order they fire, from a batch-1 run of 2 tokens with every hook active
         and none running (only this caller's HookPoints record)."""
         order: dict[str, None] = {}
-        token = _RECORDING.set(lambda name, x: order.setdefault(name))
-        try:
-            with torch.no_grad():
-                self(self._example_input())
-        finally:
-            _RECORDING.reset(token)
+        with recording(lambda name, x: order.setdefault(name)), torch.no_grad():
+            self(self._example_input())
         return list(order)
 
     def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:

@@ -21,7 +21,15 @@ def test_needs_exact(names, want):
 
 
 @pytest.mark.parametrize("kw, want", [
-    (dict(exact=True, forced="fused", on_cuda=True, fused_importable=True), "loop"),
+    (dict(exact=True, forced="fused", on_cuda=True, fused_importable=True), "chunked"),
+    (dict(exact=True, forced="fused"), "loop"),
+    (dict(exact=True), "loop"),
+    (dict(exact=True, on_cuda=True, fused_importable=True), "chunked"),  # states in few launches
+    (dict(exact=True, forced="chunked"), "chunked"),  # hook_h on the two-level scan
+    (dict(exact=True, forced="loop", on_cuda=True), "loop"),
+    (dict(exact=False, forced="fused", kernel_dtype=False), "loop"),  # float64: the kernels take none
+    (dict(exact=False, on_cuda=True, fused_importable=True, kernel_dtype=False), "chunked"),
+    (dict(exact=False, forced="fused", has_initial_state=True, on_cuda=True), "chunked"),
     (dict(exact=False), "loop"),
     (dict(exact=False, forced="chunked"), "chunked"),
     (dict(exact=False, forced="fused"), "fused"),  # on CPU: the caller passes the stand-ins

@@ -15,18 +15,14 @@ import torch
 from tiny_families import FAMILIES, tiny
 
 from hooked.cache_budget import estimate_cache_bytes
-from hooked.hook_points import _RECORDING
+from hooked.hook_points import recording
 
 
 def fired(model, batch: int, pos: int) -> dict[str, torch.Tensor]:
     """Every hook's activation from one forward with every hook active (lazy ones built)."""
     out: dict[str, torch.Tensor] = {}
-    token = _RECORDING.set(lambda name, x: out.setdefault(name, x))
-    try:
-        with torch.no_grad():
-            model(torch.randint(1, model.cfg.d_vocab, (batch, pos), generator=torch.Generator().manual_seed(pos)))
-    finally:
-        _RECORDING.reset(token)
+    with recording(lambda name, x: out.setdefault(name, x)), torch.no_grad():
+        model(torch.randint(1, model.cfg.d_vocab, (batch, pos), generator=torch.Generator().manual_seed(pos)))
     return out
 
 

@@ -14,6 +14,8 @@ import copy
 
 import pytest
 import torch
+
+from hooked import backends
 import transformers
 from conftest import build_tiny_hf, rel_close
 from torch import Tensor
@@ -115,7 +117,8 @@ def test_every_hook_exists_in_forward_order_and_fires_once_with_its_shape(pair, 
 
 def test_identity_hooks_and_full_cache_leave_logits_bit_identical(pair, batch) -> None:
     _, _, model = pair
-    plain = model(*batch)
+    with backends.use(attention="eager"):  # the hooks below put every layer on the exact path
+        plain = model(*batch)
     hooked = model.run_with_hooks(*batch, fwd_hooks=[(lambda n: True, lambda x, hook: x)])
     cached, cache = model.run_with_cache(*batch, incl_lazy=True)
     assert torch.equal(plain, hooked) and torch.equal(plain, cached)
@@ -217,7 +220,7 @@ def test_knockout_outside_the_window_changes_nothing(pair, mode: str) -> None:
     full = [l for l, b in enumerate(model.blocks) if b.attn.window is None]
     assert sliding, "the case must have sliding layers"
     toks = tokens()
-    with torch.no_grad():
+    with torch.no_grad(), backends.use(attention="eager"):  # knockout's layers run eager: so does clean
         clean = model(toks)
         with knockout(model, [source], [j], sliding, attention=mode):
             assert torch.equal(model(toks), clean)

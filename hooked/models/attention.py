@@ -38,8 +38,13 @@ visible key (a left-padding query) finite: its pattern is uniform, never NaN. Pa
 meaningless; compare real positions only.
 
 Numerics follow HF eager: scores and the pattern-weighted sum in the activations' dtype, the
-softmax in float32 (float64 for float64 models). There is no SDPA fast path: the pattern must
-exist to be hooked.
+softmax in float32 (float64 for float64 models).
+
+Backends (hooked/backends.py). With no hook on the scores, the pattern or the soft-cap active (nor a
+hook marked exact), z comes from torch's scaled_dot_product_attention (ops/sdpa.py: same mask, same
+finfo.min for masked keys, no [batch n_heads q_pos k_pos] tensor) and hook_attn_scores / hook_pattern
+do not fire; otherwise, for a soft-capped layer and for a selected state's shared past, z comes
+through the hooked scores and pattern ("eager"). `backends.use(attention="eager")` forces the latter.
 
 Selected states. In a state expanded by `DecodeState.select` (many rows continuing one prefix), the
 past keys and values are a `SharedKV` (shared_kv.py): the scores against them and their part of z
@@ -57,17 +62,21 @@ hook on hook_result sees d loss / d result.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import einsum, rearrange
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from hooked import backends
 from hooked.hook_points import HookPoint
 from hooked.models.base import Context
 from hooked.models.protocol import AttentionCut, Heads, TokenMixer
 from hooked.models.softcap import SoftCap
 from hooked.ops.rotary import Rotary, apply_rotary
+from hooked.ops.sdpa import sdpa_attention
 from hooked.weights import AttentionWeights
 
 
@@ -126,7 +135,9 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # hooked as q_norm.hook_normalized, k_norm.hook_normalized
         if self.rotary is not None:
-            cos, sin = self.rotary(ctx.position_ids, q.dtype)
+            # a bound on the position ids known on the host: the table is sized without reading the device
+            past = ctx.state.length if ctx.state is not None else 0
+            cos, sin = self.rotary(ctx.position_ids, q.dtype, max_position=past + q.shape[1] - 1)
             rot_q = apply_rotary(q, cos, sin)
             rot_q = self.hook_rot_q(rot_q)
             rot_k = apply_rotary(k, cos, sin)
@@ -135,8 +146,28 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         shared = None  # a selected state's shared past (shared_kv.py): its keys come first, read in place
         if ctx.state is not None:  # incremental decoding: the past keys and values come from the state
             shared, k, v = ctx.state.extend_kv(self, k, v)
-        k, v = self.repeat_kv(k), self.repeat_kv(v)  # [batch k_pos n_heads d_head]
+        if backends.attention_backend(self, softcap=self.softcap is not None, shared_past=shared is not None) == "sdpa":
+            z = sdpa_attention(q, k, v, self.scale, window=self.window, key_mask=ctx.keys_mask())
+        else:
+            z = self._eager_z(q, k, v, shared, ctx)
+        z = self.hook_z(z)
+        z = self.gate_heads(z, x)
 
+        flat_z = rearrange(z, "batch pos n_heads d_head -> batch pos (n_heads d_head)")
+        if not self.hook_result.is_active:
+            return self.o_proj(flat_z)
+        result = self.head_results(z)  # lazy: [batch pos n_heads d_out] only when someone asks
+        written = result.detach().sum(dim=2)  # before the hooks, which may edit `result` in place
+        result = self.hook_result(result)
+        # the value of o_proj(z) (bit-identical when nothing is edited), the gradient through the results
+        unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
+        return unedited + (result.sum(dim=2) - written)
+
+    def _eager_z(self, q: Float[Tensor, "batch q_pos n_heads d_head"], k: Float[Tensor, "batch k_pos n_kv_heads d_head"],
+                 v: Float[Tensor, "batch k_pos n_kv_heads d_head"], shared: Any, ctx: Context
+                 ) -> Float[Tensor, "batch q_pos n_heads d_head"]:
+        """z through the scores and the pattern, each hooked (the exact path)."""
+        k, v = self.repeat_kv(k), self.repeat_kv(v)  # [batch k_pos n_heads d_head]
         scores = einsum(q, k, "batch q_pos n_heads d_head, batch k_pos n_heads d_head -> batch n_heads q_pos k_pos")
         if shared is not None:
             scores = torch.cat([shared.scores(q), scores], dim=-1)
@@ -150,23 +181,10 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         pattern = attn_scores.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
         pattern = self.hook_pattern(pattern)
         if shared is None:
-            z = einsum(pattern, v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
-        else:
-            p0 = shared.shared_positions
-            z = shared.mix(pattern[..., :p0]) + einsum(
-                pattern[..., p0:], v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
-        z = self.hook_z(z)
-        z = self.gate_heads(z, x)
-
-        flat_z = rearrange(z, "batch pos n_heads d_head -> batch pos (n_heads d_head)")
-        if not self.hook_result.is_active:
-            return self.o_proj(flat_z)
-        result = self.head_results(z)  # lazy: [batch pos n_heads d_out] only when someone asks
-        written = result.detach().sum(dim=2)  # before the hooks, which may edit `result` in place
-        result = self.hook_result(result)
-        # the value of o_proj(z) (bit-identical when nothing is edited), the gradient through the results
-        unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
-        return unedited + (result.sum(dim=2) - written)
+            return einsum(pattern, v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
+        p0 = shared.shared_positions
+        return shared.mix(pattern[..., :p0]) + einsum(
+            pattern[..., p0:], v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
 
     def gate_heads(self, z: Float[Tensor, "batch pos n_heads d_head"],
                    x: Float[Tensor, "batch pos d_in"]) -> Float[Tensor, "batch pos n_heads d_head"]:

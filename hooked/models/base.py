@@ -24,7 +24,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from hooked.hook_points import HookedRootModule
+from hooked.hook_points import HookedRootModule, hook_free
 from hooked.models.decode_state import DecodeState, stepping
 from hooked.tl_config import attach
 from hooked.validate import AnyOf, Flag, Instance, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
@@ -167,9 +167,13 @@ class HookedModel(ModelWeights, HookedRootModule):
                 tokens = self.check_tokens(tokens)
             ctx = self.make_context(input.shape[:2], attention_mask, tokens, input.device, state)
             resid = input
-        with stepping(state):  # hooks indexing positions (knockout) read the past length from the state
+        if state is None and hook_free():  # nothing reads the forward's marks (and compiling sees no context)
             for block in self.blocks[start:stop]:
                 resid = block(resid, ctx)
+        else:
+            with stepping(state):  # hooks indexing positions (knockout) read the past length from the state
+                for block in self.blocks[start:stop]:
+                    resid = block(resid, ctx)
         if state is not None:
             state.advance(ctx.attention_mask, *resid.shape[:2], resid.device)
         if stop_at_layer is not None:

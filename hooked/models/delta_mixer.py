@@ -51,12 +51,13 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
-from hooked.models.protocol import CutHooks, Heads, Masks, TokenMixer
+from hooked.models.decode_state import stepping_state
+from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import delta_rule_chunked, delta_rule_propagate, l2norm
 from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
                                           delta_rule_knockout)
-from hooked.ops.edge_cut import conv_cut, edge_pairs
+from hooked.ops.edge_cut import edge_pairs
 from hooked.ops.norms import rms_norm_gated
 from hooked.weights import MixerWeights
 
@@ -127,7 +128,7 @@ class HeadGatedNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, gate={self.gate_fn}"
 
 
-class DeltaMixer(TokenMixer, MixerWeights, nn.Module):
+class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
     """The gated delta rule mixer of a `DeltaSpec`; a family subclass defines its projections, `project` and
     `input_linears`."""
 
@@ -191,6 +192,8 @@ class DeltaMixer(TokenMixer, MixerWeights, nn.Module):
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
         seen: dict[str, Tensor] = {}
+        spec = ("ssm", None if channels is None else tuple(channels.tolist()), cut_conv)
+        chunk = self.spec.chunk_size
 
         def keep(key: str) -> Callable[[Tensor, Any], None]:
             def fn(x: Tensor, hook: Any) -> None:
@@ -199,28 +202,28 @@ class DeltaMixer(TokenMixer, MixerWeights, nn.Module):
 
         def on_y(y: Tensor, hook: Any) -> Tensor | None:
             q, k, v, beta, alpha = (seen.pop(n) for n in ("q", "k", "v", "beta", "alpha"))
+            q = q * self.spec.d_k**-0.5
+            step = stepping_state()
+            if step is not None:  # the rule is linear in (v, S0): the cut sources' part runs on from h_cut
+                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
+                self._check_overlap(hook.name, t, s, channels)
+                return self._cut_step(
+                    step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y,
+                    lambda only, h0: delta_rule_chunked(q, k, v * only[..., None, None].to(v.dtype), beta, alpha, h0,
+                                                        chunk_size=chunk))
             t, s = masks(y.shape[0], y.shape[1], y.device)
+            self._check_overlap(hook.name, t, s, channels)
             row, j, i = edge_pairs(t, s)
             if not len(row) or (channels is not None and not channels.any()):
                 return None  # nothing to cut: the tensor itself goes on
             heads = None if channels is None else channels.to(y.device).nonzero()[:, 0]
-            return delta_rule_knockout(y, q * self.spec.d_k**-0.5, k, v, beta, alpha, row, j, i, heads,
-                                       chunk_size=self.spec.chunk_size)
+            return delta_rule_knockout(y, q, k, v, beta, alpha, row, j, i, heads, chunk_size=chunk)
 
         hooks: CutHooks = [(self.hook_q, keep("q")), (self.hook_k, keep("k")), (self.hook_v, keep("v")),
                            (self.hook_beta, keep("beta")), (self.hook_alpha, keep("alpha")), (self.hook_y, on_y)]
         if not cut_conv:
             return hooks
-        conv_chan = self.conv_channels(channels)
-
-        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
-            t, s = masks(conv.shape[0], conv.shape[1], conv.device)
-            conv_in = seen.pop("in")
-            if not (t.any() and s.any()) or (conv_chan is not None and not conv_chan.any()):
-                return None
-            return conv - conv_cut(conv_in, self.conv_weight, t, s, conv_chan)
-
-        return [(self.hook_in, keep("in")), (self.hook_conv, on_conv)] + hooks
+        return self._conv_hooks(masks, self.conv_channels(channels)) + hooks
 
     def kernel_slices(self, positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
                       axis: str = "rows") -> CutHooks:

@@ -23,6 +23,13 @@ Mixer hooks, under blocks.{l}.mixer., in forward order (DESIGN.md sections 3 and
 A_bar, B_bar, h, kernel and head_out are lazy: built only when their HookPoint is active. Without
 them the scan is `selective_scan`, which never holds a [b l d_inner d_state] tensor.
 
+Backends, per forward (hooked/backends.py): "loop" (selective_scan, linear_scan: one step per
+position, the CPU's default), "chunked" (their two-level versions, ops/scan_chunked.py: O(L / Q + Q)
+ops, the lazy hooks too) or "fused" (mamba-ssm's selective_scan_fn and causal_conv1d_fn, or
+stand-ins with their semantics; no lazy hook can be active then). Every backend is fed the hooked
+tensors: hook_in, hook_conv, hook_ssm_in, hook_dt, hook_B, hook_C fire before it and their edits
+propagate; hook_y and after fire on its output.
+
 Edits propagate. dt, B, C feed everything after them. Edited A_bar / B_bar are what the scan
 uses (`linear_scan` on the discrete tensors). An edit of h with difference e = h' - h gives the
 states h + linear_scan(A_bar, e): the recurrence continued from the edited state; y is recomputed
@@ -49,6 +56,7 @@ from einops import einsum
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from hooked import backends
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.decode_state import DecodeState
@@ -58,6 +66,8 @@ from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
 from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
 from hooked.ops.conv import causal_conv1d
+from hooked.ops.fused import causal_conv1d_fused, selective_scan_fused
+from hooked.ops.scan_chunked import linear_scan_chunked, selective_scan_chunked
 from hooked.ops.selective_kernel import mamba1_kernel_chunked, mamba1_kernel_cols, mamba1_kernel_rows
 from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, mamba1_kernel_pairs, selective_scan
 from hooked.weights import MixerWeights
@@ -203,7 +213,11 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             in_ = in_ * keep  # a padded position feeds the conv zeros, as causal padding does
         in_ = self.hook_in(in_)
         gate = self.hook_gate(gate)
-        if ctx.state is None:
+        backend = self.choose_backend(x.device, ctx)
+        if ctx.state is None and backend == "fused":
+            conv = causal_conv1d_fused(in_, self.conv_weight, self.conv_bias, kernels=backends.fused_kernels(x.device))
+            conv = conv.contiguous()
+        elif ctx.state is None:
             conv = causal_conv1d(in_, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
         else:  # decoding: the conv also reads the previous d_conv - 1 inputs
             window = ctx.state.conv_window(self, in_, self.spec.d_conv)
@@ -211,7 +225,8 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         conv = self.hook_conv(conv)
         ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
         ssm_in = self.hook_ssm_in(ssm_in)
-        dt_in, B, C = self.x_proj(ssm_in).split([self.spec.dt_rank, self.spec.d_state, self.spec.d_state], dim=-1)
+        # dt_proj.in_features is dt_rank, a derived field: its descriptor, instrumented under pytest, trips dynamo
+        dt_in, B, C = self.x_proj(ssm_in).split([self.dt_proj.in_features, self.spec.d_state, self.spec.d_state], dim=-1)
         if self.spec.mixer_rms_eps is not None:  # FalconMamba; Jamba with weights
             dt_in, B, C = (_weightless_rms_norm(t, self.spec.mixer_rms_eps) for t in (dt_in, B, C))
             if self.spec.mixer_norm_weights:
@@ -220,7 +235,10 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         dt = self.hook_dt(dt)
         B = self.hook_B(B)
         C = self.hook_C(C)
-        y = self.scan(ssm_in, dt, B, C) if ctx.state is None else self.scan_from_state(ssm_in, dt, B, C, ctx.state)
+        if ctx.state is None:
+            y = self.scan(ssm_in, dt, B, C, backend)
+        else:
+            y = self.scan_from_state(ssm_in, dt, B, C, ctx.state, backend)
         y = self.hook_y(y)
         ssm_out = y + self.D.to(y.dtype) * ssm_in
         ssm_out = self.hook_ssm_out(ssm_out)
@@ -228,12 +246,25 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         gated = self.hook_gated(gated)
         return self.write_out(gated)
 
+    def choose_backend(self, device: torch.device, ctx: Context) -> str:
+        """This forward's scan backend (hooked/backends.py): "loop", "chunked" or "fused"."""
+        initial = ctx.state is not None and ctx.state.ssm_state(self) is not None
+        dtype = torch.promote_types(self.A_log.dtype, torch.float32)
+        return backends.scan_backend(self, device, dtype, has_initial_state=initial)
+
     def scan(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
-             B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"]) -> Float[Tensor, "batch pos d_inner"]:
-        """y = C·h with the lazy hooks A_bar, B_bar, h, kernel; at least float32 inside (as HF)."""
+             B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
+             backend: str = "loop") -> Float[Tensor, "batch pos d_inner"]:
+        """y = C·h with the lazy hooks A_bar, B_bar, h, kernel; at least float32 inside (as HF).
+
+        backend: "loop" (sequential scans), "chunked" (two-level scans, states too) or "fused"
+        (mamba-ssm's selective scan, or its stand-in; never with a lazy hook active)."""
         dtype = u.dtype
         A = self.A()
         u, dt, B, C = (t.to(A.dtype) for t in (u, dt, B, C))
+        if backend == "fused":
+            return selective_scan_fused(u, dt, A, B, C, kernels=backends.fused_kernels(u.device))[0].to(dtype)
+        linear = linear_scan_chunked if backend == "chunked" else linear_scan
         y = None
         A_bar = B_bar = None
         discrete_edited = False
@@ -244,16 +275,16 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             B_bar, B_bar_was = through_hook(self.hook_B_bar, B_bar)
             discrete_edited = A_bar_was is not None or B_bar_was is not None
         if self.hook_h.is_active or discrete_edited:
-            h = linear_scan(A_bar, B_bar * u[..., None])
+            h = linear(A_bar, B_bar * u[..., None])
             if discrete_edited:
                 y = einsum(h, C, "b l d n, b l n -> b l d")
             if self.hook_h.is_active:
-                h, h_orig = through_hook(self.hook_h, h, lambda: linear_scan(A_bar, B_bar * u[..., None]))
+                h, h_orig = through_hook(self.hook_h, h, lambda: linear(A_bar, B_bar * u[..., None]))
                 if h_orig is not None:  # the recurrence continued from the edited states: scan the difference
-                    h = h_orig + linear_scan(A_bar, h - h_orig)
+                    h = h_orig + linear(A_bar, h - h_orig)
                     y = einsum(h, C, "b l d n, b l n -> b l d")
         if y is None:
-            y, _ = selective_scan(u, dt, A, B, C)
+            y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
         if self.hook_kernel.is_active:
             if discrete_edited:
                 build = lambda: mamba1_kernel_discrete(A_bar, B_bar, C)  # noqa: E731
@@ -270,19 +301,26 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
 
     def scan_from_state(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
                         B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
-                        state: DecodeState) -> Float[Tensor, "batch pos d_inner"]:
-        """The scan continued from the state the previous positions left (incremental decoding)."""
+                        state: DecodeState, backend: str = "loop") -> Float[Tensor, "batch pos d_inner"]:
+        """The scan continued from the state the previous positions left (incremental decoding).
+        backend: as `scan` ("fused" only from a zero state: the kernel takes no initial state)."""
         state.refuse_lazy(self, [self.hook_A_bar, self.hook_B_bar, self.hook_h, self.hook_kernel])
-        y, h = self.state_scan(u, dt, B, C, state.ssm_state(self))
+        y, h = self.state_scan(u, dt, B, C, state.ssm_state(self), backend)
         state.set_ssm_state(self, h)
         return y.to(u.dtype)
 
     def state_scan(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
                    B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
-                   h0: Float[Tensor, "batch d_inner d_state"] | None) -> tuple[Tensor, Tensor]:
-        """(y, h_last) of the recurrence from h0 (None: zero), at least float32 (the state's dtype)."""
+                   h0: Float[Tensor, "batch d_inner d_state"] | None,
+                   backend: str = "loop") -> tuple[Tensor, Tensor]:
+        """(y, h_last) of the recurrence from h0 (None: zero), at least float32 (the state's dtype).
+        backend: "loop" (the sequential scan), "chunked" or "fused" (mamba-ssm's kernel or its stand-in)."""
         A = self.A()
-        return selective_scan(*(t.to(A.dtype) for t in (u, dt)), A, B.to(A.dtype), C.to(A.dtype), h0=h0)
+        u32, dt32, B32, C32 = (t.to(A.dtype) for t in (u, dt, B, C))
+        if backend == "fused":
+            return selective_scan_fused(u32, dt32, A, B32, C32, h0, kernels=backends.fused_kernels(u.device))
+        scan = selective_scan_chunked if backend == "chunked" else selective_scan
+        return scan(u32, dt32, A, B32, C32, h0=h0)
 
     def write_out(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
         """out_proj(gated); with hook_head_out active, the sum of the per-channel writes."""

@@ -29,6 +29,10 @@ Hooks under blocks.{l}.mixer., in forward order (DESIGN.md sections 3 and 4):
     hook_gated [b l d_inner], hook_head_out [b l h d_model].
 A_bar, B_bar, h, kernel and head_out are lazy: built only when their hook is active (or, for
 A_bar and B_bar, when h needs them). With no hooks the forward is the chunked SSD alone.
+Backends, per forward (hooked/backends.py): y is the chunked SSD for "loop" and "chunked", whose
+states (hook_h, edits) come from the sequential and the two-level scan respectively; "fused" is
+mamba-ssm's mamba_chunk_scan_combined (and causal_conv1d_fn), or stand-ins with their semantics,
+fed the hooked u, dt, B, C; no lazy hook is active then.
 Edits propagate: dt, B, C feed everything after them; an edited A_bar or B_bar is what the scan
 uses; an edit e = h' - h scans forward (h + linear_scan_heads(A_bar, e)) into y; an edited kernel
 adds (K' - K) u to y; an edited head_out is summed into the mixer output. A lazy quantity whose
@@ -47,6 +51,7 @@ from einops import einsum, rearrange, repeat
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from hooked import backends
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.block import ResidualBlock, Sublayer
@@ -56,6 +61,8 @@ from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
 from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
 from hooked.ops.conv import causal_conv1d
+from hooked.ops.fused import causal_conv1d_fused, ssd_fused
+from hooked.ops.scan_chunked import linear_scan_chunked
 from hooked.ops.ssd import linear_scan_heads, mamba2_kernel_pairs, ssd_chunked
 from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_cols, mamba2_kernel_discrete, mamba2_kernel_rows
 from hooked.weights import MixerWeights
@@ -173,6 +180,16 @@ def _heads(BC: Float[Tensor, "batch pos n_groups d_state"], n_heads: int) -> Flo
     return repeat(BC, "b l g n -> b l (g r) n", r=n_heads // BC.shape[2])
 
 
+def _linear_scan_heads_chunked(
+    A_bar: Float[Tensor, "batch pos n_heads"], X: Float[Tensor, "batch pos n_heads d_head d_state"]
+) -> Float[Tensor, "batch pos n_heads d_head d_state"]:
+    """linear_scan_heads by the two-level scan (ops/scan_chunked.py), heads and head channels as one axis."""
+    batch, pos, n_heads, d_head, d_state = X.shape
+    flat = (batch, pos, n_heads * d_head, d_state)
+    A_bar = A_bar[..., None, None].expand_as(X).reshape(flat)
+    return linear_scan_chunked(A_bar, X.reshape(flat)).view(X.shape)
+
+
 class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
     """The Mamba-2 mixer of a `Mamba2Spec` (its docstring lists the options). Its units are the SSM heads."""
 
@@ -245,14 +262,18 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             xBC = xBC * mask
         xBC = self.hook_in(xBC)
         gate = self.hook_gate(gate)
-        if ctx.state is None:
+        ssm_dtype = torch.promote_types(x.dtype, torch.float32)
+        backend = backends.scan_backend(self, x.device, ssm_dtype, op="mamba_chunk_scan_combined")
+        if ctx.state is None and backend == "fused":
+            conv = causal_conv1d_fused(xBC, self.conv_weight, self.conv_bias, kernels=backends.fused_kernels(x.device))
+            conv = conv.contiguous()
+        elif ctx.state is None:
             conv = causal_conv1d(xBC, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
         else:  # decoding: the conv also reads the previous d_conv - 1 inputs
             window = ctx.state.conv_window(self, xBC, self.conv_weight.shape[1])
             conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - xBC.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
         xBC = F.silu(conv) if mask is None else F.silu(conv) * mask
-        ssm_dtype = torch.promote_types(x.dtype, torch.float32)
         u, B, C = xBC.to(ssm_dtype).split([self.d_inner, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
         ssm_in = rearrange(u, "b l (h p) -> b l h p", p=self.d_head)
         ssm_in = self.hook_ssm_in(ssm_in)
@@ -263,10 +284,10 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         C = rearrange(C, "b l (g n) -> b l g n", g=self.n_groups)
         C = self.hook_C(C)
         if ctx.state is None:
-            y = self._scan(ssm_in, dt, self.A().to(ssm_dtype), B, C)
+            y = self._scan(ssm_in, dt, self.A().to(ssm_dtype), B, C, backend)
         else:  # decoding: continue from the state the previous positions left
             ctx.state.refuse_lazy(self, [self.hook_A_bar, self.hook_B_bar, self.hook_h, self.hook_kernel])
-            y, h = self.state_scan(ssm_in, dt, B, C, ctx.state.ssm_state(self))
+            y, h = self.state_scan(ssm_in, dt, B, C, ctx.state.ssm_state(self), backend)
             ctx.state.set_ssm_state(self, h)
         y = self.hook_y(y)
         ssm_out = y + self.D.to(ssm_dtype)[:, None] * ssm_in
@@ -277,9 +298,14 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
 
     def state_scan(self, u: Float[Tensor, "batch pos n_heads d_head"], dt: Float[Tensor, "batch pos n_heads"],
                    B: Float[Tensor, "batch pos n_groups d_state"], C: Float[Tensor, "batch pos n_groups d_state"],
-                   h0: Float[Tensor, "batch n_heads d_head d_state"] | None) -> tuple[Tensor, Tensor]:
-        """(y, h_last) of the recurrence from h0 (None: zero), chunked SSD in u's dtype (the scan's)."""
-        return ssd_chunked(u, dt, self.A().to(u.dtype), B, C, min(self.chunk_size, u.shape[1]), h0=h0)
+                   h0: Float[Tensor, "batch n_heads d_head d_state"] | None,
+                   backend: str = "loop") -> tuple[Tensor, Tensor]:
+        """(y, h_last) of the recurrence from h0 (None: zero), chunked SSD in u's dtype (the scan's);
+        backend "fused": mamba-ssm's kernel or its stand-in."""
+        chunk, A = min(self.chunk_size, u.shape[1]), self.A().to(u.dtype)
+        if backend == "fused":
+            return ssd_fused(u, dt, A, B, C, chunk, h0=h0, kernels=backends.fused_kernels(u.device))
+        return ssd_chunked(u, dt, A, B, C, chunk, h0=h0)
 
     def _scan(
         self,
@@ -288,8 +314,15 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         A: Float[Tensor, "n_heads"],
         B: Float[Tensor, "batch pos n_groups d_state"],
         C: Float[Tensor, "batch pos n_groups d_state"],
+        backend: str = "loop",
     ) -> Float[Tensor, "batch pos n_heads d_head"]:
-        """y = C . h (no D skip) through the lazy hooks hook_A_bar, hook_B_bar, hook_h, hook_kernel."""
+        """y = C . h (no D skip) through the lazy hooks hook_A_bar, hook_B_bar, hook_h, hook_kernel.
+
+        backend: "loop" (states by the sequential scan), "chunked" (by the two-level one) or "fused"
+        (y by mamba-ssm's mamba_chunk_scan_combined or its stand-in; no lazy hook is active then)."""
+        if backend == "fused":
+            return ssd_fused(u, dt, A, B, C, self.chunk_size, kernels=backends.fused_kernels(u.device))[0]
+        linear = _linear_scan_heads_chunked if backend == "chunked" else linear_scan_heads
         need_states = self.hook_h.is_active
         discrete_edited = False
         if need_states or self.hook_A_bar.is_active or self.hook_B_bar.is_active:
@@ -299,7 +332,7 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             discrete_edited = A_bar_was is not None or B_bar_was is not None
 
             def states_fn() -> Tensor:
-                return linear_scan_heads(A_bar, einsum(u, B_bar, "b l h p, b l h n -> b l h p n"))
+                return linear(A_bar, einsum(u, B_bar, "b l h p, b l h n -> b l h p n"))
 
         C_heads = _heads(C, self.n_heads)
         if discrete_edited:  # the recurrence on the edited discrete tensors
@@ -311,7 +344,7 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         if need_states:
             h, h_was = through_hook(self.hook_h, states if states is not None else states_fn(), states_fn)
             if h_was is not None:  # the recurrence is linear in h: scan the edit forward
-                y = y + einsum(linear_scan_heads(A_bar, h - h_was), C_heads, "b l h p n, b l h n -> b l h p")
+                y = y + einsum(linear(A_bar, h - h_was), C_heads, "b l h p n, b l h n -> b l h p")
         if self.hook_kernel.is_active:
             if discrete_edited:
                 kernel_fn = lambda: mamba2_kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731

@@ -42,6 +42,9 @@ from hooked.hook_points import HookPoint
 from hooked.models.mlp import activation
 from hooked.models.protocol import ExpertMixture
 
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.8
+_CPU_ANY_ADDRESS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
+
 
 class SoftmaxTopK(nn.Module):
     """Top-k by logit; weights softmax(logits)[chosen], or (renormalise) softmax(logits[chosen])."""
@@ -143,6 +146,64 @@ class MoE(ExpertMixture, nn.Module):
         hidden = self.act(up) if self.gate_proj is None else self.act(F.linear(x, self.gate_proj[e])) * up
         return F.linear(hidden, self.down_proj[e])
 
+    def expert_outputs(self, x: Float[Tensor, "n d_model"], chosen: Int[Tensor, "n k"]) -> Float[Tensor, "n k d_model"]:
+        """Each slot's expert on its token: the slots sorted by expert, each expert run on its run of rows.
+
+        Grouped matrix multiplies (no host read) where they apply; while compiling where they do not,
+        every expert on every token (n_experts / k times the flops, no host read); else one read of
+        the counts per call.
+        """
+        n, k = chosen.shape
+        if torch.compiler.is_compiling() and not self._grouped_mm_applies(x):
+            return self._every_expert(x).gather(1, chosen[..., None].expand(n, k, x.shape[-1]))
+        ids = chosen.reshape(-1)
+        order = ids.argsort(stable=True)  # slots grouped by expert
+        rows = x[order // k]  # [n*k d_model], each slot's token
+        if self._grouped_mm_applies(rows):
+            ends = torch.searchsorted(ids[order], torch.arange(self.n_experts, device=ids.device), right=True)
+            out = self._grouped_experts(rows, ends.to(torch.int32))
+        else:
+            counts = torch.bincount(ids, minlength=self.n_experts).tolist()
+            out = torch.cat([self.expert(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]])
+        return out[order.argsort()].view(n, k, -1)  # back to slot order
+
+    def _grouped_experts(self, rows: Float[Tensor, "m d_model"],
+                         ends: Int[Tensor, "n_experts"]) -> Float[Tensor, "m d_model"]:
+        """Every expert on its run of rows (expert e: rows ends[e-1]..ends[e]) in three grouped multiplies."""
+        def linear(a: Tensor, weight: Tensor) -> Tensor:  # per group: a @ weight[e].T
+            return _GROUPED_MM(a, weight.transpose(1, 2), offs=ends)
+
+        up = linear(rows, self.up_proj)
+        hidden = self.act(up) if self.gate_proj is None else self.act(linear(rows, self.gate_proj)) * up
+        return linear(hidden, self.down_proj)
+
+    def _every_expert(self, x: Float[Tensor, "n d_model"]) -> Float[Tensor, "n n_experts d_model"]:
+        up = einsum(x, self.up_proj, "n m, e f m -> n e f")
+        hidden = self.act(up) if self.gate_proj is None else self.act(einsum(x, self.gate_proj, "n m, e f m -> n e f")) * up
+        return einsum(hidden, self.down_proj, "n e f, e m f -> n e m")
+
+    def _grouped_mm_applies(self, rows: Tensor) -> bool:
+        """torch's grouped multiply takes this call: no autograd (its CPU backward refuses broadcast
+        gradients), float32 / bfloat16 / float16 on CPU and bfloat16 on CUDA (sm80+), 16-byte rows,
+        16-byte aligned weights (on CUDA, or torch < 2.11); while compiling bfloat16 only (its meta
+        function refuses the others)."""
+        weights = [w for w in (self.gate_proj, self.up_proj, self.down_proj) if w is not None]
+        if _GROUPED_MM is None or any(w.dtype != rows.dtype or w.device != rows.device for w in weights):
+            return False
+        if torch.is_grad_enabled() and (rows.requires_grad or any(w.requires_grad for w in weights)):
+            return False
+        if torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
+            return False
+        if rows.device.type == "cuda":
+            ok_device = rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (8, 0)
+        else:
+            ok_device = rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        size = rows.element_size()
+        # torch >= 2.11 takes any address on CPU (a memory-mapped checkpoint's); the address is not traceable
+        aligned = (torch.compiler.is_compiling() or (rows.device.type == "cpu" and _CPU_ANY_ADDRESS)
+                   or all(w.data_ptr() % 16 == 0 for w in weights))
+        return ok_device and aligned and all(w.shape[-1] * size % 16 == 0 for w in weights)
+
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         batch, _, d_model = x.shape
         router_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -151,14 +212,10 @@ class MoE(ExpertMixture, nn.Module):
         chosen, weights = self.select(rearrange(router_logits, "b l e -> (b l) e"))
         chosen = self.hook_chosen(rearrange(chosen, "(b l) k -> b l k", b=batch))
         routing_weights = self.hook_routing_weights(rearrange(weights, "(b l) k -> b l k", b=batch).to(x.dtype))
-        if chosen.dtype != torch.long or ((chosen < 0) | (chosen >= self.n_experts)).any():
+        # the router's choice is in range by construction: only a hook's edit is checked (a host read)
+        if self.hook_chosen.has_hooks and (chosen.dtype != torch.long or ((chosen < 0) | (chosen >= self.n_experts)).any()):
             raise ValueError(f"{self.hook_chosen.name}: chosen experts must be int64 ids in [0, {self.n_experts})")
-        flat_x = rearrange(x, "b l m -> (b l) m")
-        flat_chosen = rearrange(chosen, "b l k -> (b l) k")
-        outs = flat_x.new_zeros(flat_x.shape[0], self.top_k, d_model)
-        for e in torch.unique(flat_chosen).tolist():
-            rows, slots = torch.where(flat_chosen == e)
-            outs[rows, slots] = self.expert(e, flat_x[rows])
+        outs = self.expert_outputs(rearrange(x, "b l m -> (b l) m"), rearrange(chosen, "b l k -> (b l) k"))
         expert_out = self.hook_expert_out(rearrange(outs, "(b l) k m -> b l k m", b=batch))
         routed_out = einsum(routing_weights, expert_out, "b l k, b l k m -> b l m")
         routed_out = self.hook_routed_out(routed_out)

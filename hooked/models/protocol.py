@@ -46,7 +46,13 @@ Masks = Callable[..., tuple[Tensor, Tensor]]  # (batch, pos, device, open_end=Fa
 Index = Callable[[int, torch.device], Tensor]  # (pos, device) -> long positions
 HookPoint = Any  # hooked.hook_points.HookPoint: not imported, the hook engine's cache reads this module
 CutHooks = list[tuple[HookPoint, Callable[[Tensor, Any], Any]]]
+SourceScan = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]]  # (only_sources, h0) -> (y_cut, h_cut)
 ATTENTION_MODES = ("scores", "pattern")
+
+
+def _along(mask: Tensor, x: Tensor) -> Tensor:
+    """A bool [batch pos] mask as x's dtype, broadcastable against x [batch pos ...]."""
+    return mask.reshape(mask.shape + (1,) * (x.ndim - 2)).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,102 @@ class AttentionCut:
         return hooks
 
 
-class StateSpaceMixer:
+class RecurrentCut:
+    """What the recurrent mixers' cuts share (SSM, delta rule, short conv): refusing two knockouts that
+    cut one edge twice, the cut continued across decoding steps (h_cut), and the conv window over the
+    past inputs the state keeps. A subclass gives `conv_weight` [conv channels, width] and hook_in,
+    hook_conv (the conv's input and output)."""
+
+    conv_weight: Tensor
+    hook_in: HookPoint
+    hook_conv: HookPoint
+
+    def _check_overlap(self, name: str, t: Tensor, s: Tensor, channels: Tensor | None) -> None:
+        """Refuse a second knockout of this forward cutting an edge (on a channel) another one already cut:
+        each SSM cut subtracts its edges' terms, so an edge cut twice would be removed twice."""
+        notes = forward_notes()
+        if notes is None:
+            return
+        earlier = notes.setdefault(("ssm cuts", id(self)), [])
+        for t0, s0, c0 in earlier:
+            shared_channels = c0 is None or channels is None or bool((c0 & channels.to(c0.device)).any())
+            reached = (s0 & s).long().cumsum(-1) > 0  # a source of both at or before each position
+            if shared_channels and t0.shape == t.shape and bool((t0 & t & reached).any()):
+                j = int((t0 & t & reached).nonzero()[0, 1])
+                raise ValueError(
+                    f"knockout: {name.rsplit('.', 1)[0]} is cut by two active knockouts that share edges (target {j} "
+                    f"among them) on shared channels; an SSM cut subtracts each edge's term, so a shared edge would be "
+                    "removed twice. Merge them into one knockout (bool masks [batch pos] give per-row sets), or give "
+                    "them disjoint positions or channels")
+        earlier.append((t, s, channels))
+
+    def _cut_step(self, step: DecodeState, where: str, spec: tuple, t: Tensor, s: Tensor, channels: Tensor | None,
+                  y: Tensor, scan_sources: SourceScan) -> Tensor | None:
+        """The cut while decoding (t, s: the masks over past and new positions): y_j -= (the part of y_j from
+        cut sources) at new targets j; h_cut (cut_record.py), that part of the state, carried in the state from
+        the step before and advanced over the new positions' sources by `scan_sources(only_sources, h0)`: the
+        mixer's recurrence on this step's inputs with the non-source positions' writes zeroed (bool [batch
+        new]), from h0, returning (y_cut, h_cut) (the recurrence is linear in its writes and its state)."""
+        offset = step.length
+        parent = resume_cut(step, self, where, spec, t, s, needs_h=True)
+        h0 = None if parent is None else parent.h_cut
+        t_new, s_new = t[:, offset:], s[:, offset:]
+        if h0 is None and not s_new.any():  # no cut source read yet: nothing to carry, nothing to cut
+            step.add_cut(self, CutRecord(spec, t, s, None, parent))
+            return None
+        y_cut, h_cut = scan_sources(s_new, h0)
+        step.add_cut(self, CutRecord(spec, t, s, h_cut, parent))
+        if not t_new.any() or (channels is not None and not channels.any()):
+            return None
+        keep_at = t_new.reshape(t_new.shape + (1,) * (y.ndim - 2)).to(y_cut.dtype)
+        if channels is not None:
+            keep_at = keep_at * channels.to(y.device).reshape((-1,) + (1,) * (y.ndim - 3)).to(y_cut.dtype)
+        return y - (y_cut * keep_at).to(y.dtype)
+
+    def _conv_hooks(self, masks: Masks, conv_chan: Tensor | None, spec: tuple | None = None) -> CutHooks:
+        """Hooks removing the conv taps (j <- i) from hook_conv (the mixer's hook_in is the conv's input) on
+        the channels conv_chan (None: all); while decoding, taps from the past inputs in the state's window
+        too. spec: the conv is the mixer's only cut, so it keeps its own record across steps (cut_record.py);
+        otherwise the mixer's state cut (whose spec says cut_conv) keeps it."""
+        seen: dict[str, Tensor] = {}
+
+        def keep(x: Tensor, hook: Any) -> None:
+            seen["in"] = x
+
+        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
+            conv_in = seen.pop("in")
+            step = stepping_state()
+            if step is None:
+                t, s = masks(conv.shape[0], conv.shape[1], conv.device)
+            else:  # the window's past inputs are in the state: cut from them too
+                if spec is not None:
+                    t, s = masks(conv.shape[0], step.length + conv.shape[1], conv.device, open_end=True)
+                    parent = resume_cut(step, self, hook.name.rsplit(".", 1)[0], spec, t, s, needs_h=False)
+                    step.add_cut(self, CutRecord(spec, t, s, None, parent))
+                conv_in, t, s = self._conv_window(step, masks, conv_in)
+            if not (t.any() and s.any()) or (conv_chan is not None and not conv_chan.any()):
+                return None
+            delta = conv_cut(conv_in, self.conv_weight, t, s, conv_chan)  # read now: real when offloaded
+            return conv - delta[:, delta.shape[1] - conv.shape[1]:]
+
+        return [(self.hook_in, keep), (self.hook_conv, on_conv)]
+
+    def _conv_window(self, step: DecodeState, masks: Masks, conv_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(the conv input with the previous width - 1 inputs in front, target, source over those
+        positions): positions before the sequence's start are zeros and neither target nor source."""
+        lead = self.conv_weight.shape[1] - 1
+        offset, (batch, pos) = step.length, conv_in.shape[:2]
+        past = step.conv_past(self)
+        if past is None:
+            past = conv_in.new_zeros(batch, lead, conv_in.shape[2])
+        t, s = masks(batch, offset + pos, conv_in.device, open_end=True)
+        missing = max(0, lead - offset)  # window slots before position 0
+        pad = t.new_zeros(batch, missing)
+        t, s = (torch.cat([pad, m[:, offset + missing - lead:]], dim=1) for m in (t, s))
+        return torch.cat([past, conv_in], dim=1), t, s
+
+
+class StateSpaceMixer(RecurrentCut):
     """`cut_edges` and `decay_norms` for the selective-scan mixers (Mamba-1, Mamba-2).
 
     y_j -= sum_{i cut} K[j, i] u_i at hook_y on the cut units, with u, dt, B, C read from this very
@@ -186,87 +287,21 @@ class StateSpaceMixer:
             if step is not None:
                 t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
                 self._check_overlap(hook.name, t, s, channels)
-                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y, u, dt, B, C)
+                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y,
+                                      lambda only, h0: self.state_scan(u * _along(only, u), dt, B, C, h0))
             t, s = masks(y.shape[0], y.shape[1], y.device)
             self._check_overlap(hook.name, t, s, channels)
             if not (t.any() and s.any()) or (channels is not None and not channels.any()):
                 return None  # nothing to cut: the tensor itself goes on
             return y - kernel_cut(pairs, u, dt, B, C, self.A(), t, s, channels)  # A read now: real when offloaded
 
+        on_y.needs_exact = True  # hooked.backends.exact_hook: y from the exact path (no fused kernel)
+
         hooks: CutHooks = [(self.hook_ssm_in, keep("u")), (self.hook_dt, keep("dt")), (self.hook_B, keep("B")),
                            (self.hook_C, keep("C")), (self.hook_y, on_y)]
         if not cut_conv:
             return hooks
-        conv_chan = conv_channels(channels, self.conv_weight.shape[0], self.d_inner)
-
-        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
-            conv_in = seen.pop("in")
-            step = stepping_state()
-            if step is None:
-                t, s = masks(conv.shape[0], conv.shape[1], conv.device)
-            else:  # the window's past inputs are in the state: cut from them too
-                conv_in, t, s = self._conv_window(step, masks, conv_in)
-            if not (t.any() and s.any()) or (conv_chan is not None and not conv_chan.any()):
-                return None
-            delta = conv_cut(conv_in, self.conv_weight, t, s, conv_chan)  # read now: real when offloaded
-            return conv - delta[:, delta.shape[1] - conv.shape[1]:]
-
-        return [(self.hook_in, keep("in")), (self.hook_conv, on_conv)] + hooks
-
-    def _check_overlap(self, name: str, t: Tensor, s: Tensor, channels: Tensor | None) -> None:
-        """Refuse a second knockout of this forward cutting an edge (on a channel) another one already cut:
-        each SSM cut subtracts its edges' terms, so an edge cut twice would be removed twice."""
-        notes = forward_notes()
-        if notes is None:
-            return
-        earlier = notes.setdefault(("ssm cuts", id(self)), [])
-        for t0, s0, c0 in earlier:
-            shared_channels = c0 is None or channels is None or bool((c0 & channels.to(c0.device)).any())
-            reached = (s0 & s).long().cumsum(-1) > 0  # a source of both at or before each position
-            if shared_channels and t0.shape == t.shape and bool((t0 & t & reached).any()):
-                j = int((t0 & t & reached).nonzero()[0, 1])
-                raise ValueError(
-                    f"knockout: {name.rsplit('.', 1)[0]} is cut by two active knockouts that share edges (target {j} "
-                    f"among them) on shared channels; an SSM cut subtracts each edge's term, so a shared edge would be "
-                    "removed twice. Merge them into one knockout (bool masks [batch pos] give per-row sets), or give "
-                    "them disjoint positions or channels")
-        earlier.append((t, s, channels))
-
-    def _cut_step(self, step: DecodeState, where: str, spec: tuple, t: Tensor, s: Tensor, channels: Tensor | None,
-                  y: Tensor, u: Tensor, dt: Tensor, B: Tensor, C: Tensor) -> Tensor | None:
-        """The cut while decoding (t, s: the masks over past and new positions): y_j -= C_j . h_cut_j at new
-        targets j, h_cut (cut_record.py) carried in the state from the step before and advanced over the
-        new positions' sources."""
-        offset = step.length
-        parent = resume_cut(step, self, where, spec, t, s, needs_h=True)
-        h0 = None if parent is None else parent.h_cut
-        t_new, s_new = t[:, offset:], s[:, offset:]
-        if h0 is None and not s_new.any():  # no cut source read yet: nothing to carry, nothing to cut
-            step.add_cut(self, CutRecord(spec, t, s, None, parent))
-            return None
-        only_sources = s_new.reshape(s_new.shape + (1,) * (u.ndim - 2)).to(u.dtype)
-        y_cut, h_cut = self.state_scan(u * only_sources, dt, B, C, h0)
-        step.add_cut(self, CutRecord(spec, t, s, h_cut, parent))
-        if not t_new.any() or (channels is not None and not channels.any()):
-            return None
-        keep_at = t_new.reshape(t_new.shape + (1,) * (y.ndim - 2)).to(y_cut.dtype)
-        if channels is not None:
-            keep_at = keep_at * channels.to(y.device).reshape((-1,) + (1,) * (y.ndim - 3)).to(y_cut.dtype)
-        return y - (y_cut * keep_at).to(y.dtype)
-
-    def _conv_window(self, step: DecodeState, masks: Masks, conv_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(the conv input with the previous width - 1 inputs in front, target, source over those
-        positions): positions before the sequence's start are zeros and neither target nor source."""
-        lead = self.conv_weight.shape[1] - 1
-        offset, (batch, pos) = step.length, conv_in.shape[:2]
-        past = step.conv_past(self)
-        if past is None:
-            past = conv_in.new_zeros(batch, lead, conv_in.shape[2])
-        t, s = masks(batch, offset + pos, conv_in.device, open_end=True)
-        missing = max(0, lead - offset)  # window slots before position 0
-        pad = t.new_zeros(batch, missing)
-        t, s = (torch.cat([pad, m[:, offset + missing - lead:]], dim=1) for m in (t, s))
-        return torch.cat([past, conv_in], dim=1), t, s
+        return self._conv_hooks(masks, conv_channels(channels, self.conv_weight.shape[0], self.d_inner)) + hooks
 
     def kernel_slices(self, index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> CutHooks:
         if axis not in ("rows", "cols"):

@@ -30,13 +30,12 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
-from hooked.models.protocol import CutHooks, Heads, Masks, TokenMixer
+from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.conv_kernel import conv_kernel, conv_kernel_cols, conv_kernel_rows
-from hooked.ops.edge_cut import conv_cut
 
 
-class GatedShortConv(TokenMixer, nn.Module):
+class GatedShortConv(RecurrentCut, TokenMixer, nn.Module):
     """Mixer protocol (protocol.py): the units are the channels (width 1), cut at hook_gated; an edge
     (target j <- source i, j - i < width) is a conv tap, removed from hook_conv whatever `cut_conv` says
     (the conv is the only path between positions); the conv bias is never cut. No state, so no decay_norms."""
@@ -72,19 +71,7 @@ class GatedShortConv(TokenMixer, nn.Module):
 
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
-        seen: dict[str, Tensor] = {}
-
-        def keep(x: Tensor, hook: Any) -> None:
-            seen["in"] = x
-
-        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
-            t, s = masks(conv.shape[0], conv.shape[1], conv.device)
-            conv_in = seen.pop("in")
-            if not (t.any() and s.any()) or (channels is not None and not channels.any()):
-                return None
-            return conv - conv_cut(conv_in, self.conv_weight, t, s, channels)
-
-        return [(self.hook_in, keep), (self.hook_conv, on_conv)]
+        return self._conv_hooks(masks, channels, spec=("conv", None if channels is None else tuple(channels.tolist())))
 
     def kernel_slices(self, positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
                       axis: str = "rows") -> CutHooks:
