@@ -20,6 +20,10 @@ Glossary
     active         a HookPoint with at least one visible hook (or while this caller records the
                    forward order). Models build costly quantities (states, kernels, per-head writes)
                    only for active HookPoints: `if self.hook_h.is_active: ...`.
+    tap            a module that runs on a HookPoint's activation after its hooks, registered as the
+                   point's child (so its own HookPoints are named under it): an SAE splice
+                   (`{hook}.sae.hook_sae_acts_post`, hooked/sae/splice.py) or a view
+                   (`{hook}.hook_heads`). A tap has `is_active`; the point counts as active while one is.
     lazy           `HookPoint(lazy=True)` marks such a costly quantity. A bare `run_with_cache()`
                    leaves lazy hooks out; a filter that selects them (or `incl_lazy=True`) takes them,
                    after the size check of `hooked.cache_budget`.
@@ -60,12 +64,14 @@ HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 
 
 class Hook:
-    """One attachment of `fn`: a handle, equal only to itself (two adds of one fn are two Hooks)."""
+    """One attachment of `fn`: a handle, equal only to itself (two adds of one fn are two Hooks).
+    `dir` is "fwd", or "bwd" for a wrapped backward hook (TL's `remove_hooks(dir=)` selects by it)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "dir")
 
-    def __init__(self, fn: HookFn) -> None:
+    def __init__(self, fn: HookFn, dir: str = "fwd") -> None:
         self.fn = fn
+        self.dir = dir
 
     def __repr__(self) -> str:
         return f"Hook({getattr(self.fn, '__qualname__', self.fn)!r})"
@@ -142,6 +148,7 @@ class HookPoint(nn.Module):
         self._permanent: list[Hook] = []  # model hooks that survive reset_hooks()
         self.lazy = lazy  # built only when hooked; a bare run_with_cache() leaves it out (cache_budget.py)
         self.ctx: dict[Any, Any] = {}  # scratch space for hook functions (TL's hook.ctx), cleared by reset_hooks()
+        self._taps: tuple[nn.Module, ...] = ()  # run after the hooks, in order (SAE splices, views)
 
     def shape(self, batch: int, pos: int) -> tuple[int, ...]:
         """The activation's shape for a [batch, pos] input of a full forward (no decoding state)."""
@@ -182,23 +189,45 @@ class HookPoint(nn.Module):
 
     @property
     def has_hooks(self) -> bool:
-        """True when a hook is visible to this caller (the model's or its own scoped ones)."""
-        return bool(self._hooks) or self in _SCOPED.get()
+        """True when a hook is visible to this caller (the model's or its own scoped ones), or a tap is active."""
+        return bool(self._hooks) or self in _SCOPED.get() or any(t.is_active for t in self._taps)
 
     @property
     def is_active(self) -> bool:
         """True when something listens here; lazy quantities are computed only then."""
-        return bool(self._hooks) or self in _SCOPED.get() or _RECORDING.get() is not None
+        return self.has_hooks or _RECORDING.get() is not None
 
-    def add_hook(self, fn: HookFn, prepend: bool = False) -> Callable[[], None]:
-        """Add a model hook `fn` (seen by every caller); returns a function that removes exactly this one."""
+    def add_tap(self, name: str, tap: nn.Module) -> None:
+        """Run `tap(x)` after this point's hooks, registered as child `name` (the root's setup() names its points)."""
+        if name in self._modules:
+            raise ValueError(f"{self.name!r} already has a tap named {name!r}")
+        self._modules[name] = tap
+        self._taps = (*self._taps, tap)
+
+    def remove_tap(self, name: str) -> nn.Module:
+        """Detach and return the tap registered as `name`."""
+        tap = self._modules.pop(name)
+        self._taps = tuple(t for t in self._taps if t is not tap)
+        return tap
+
+    def add_hook(self, fn: HookFn, prepend: bool = False, dir: str = "fwd", is_permanent: bool = False,
+                 level: Any = None) -> Callable[[], None]:
+        """Add a model hook `fn` (seen by every caller); returns a function that removes exactly this one.
+        TransformerLens's keywords: dir="bwd" runs `fn(grad, hook)` on the activation's gradient;
+        is_permanent=True survives `reset_hooks()`; `level` (TL's context level) is refused when set."""
+        if dir not in ("fwd", "bwd"):
+            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
+        if level is not None:
+            raise ValueError("level= (TransformerLens's hook context levels) is not supported: use model.hooks() scopes")
         if not callable(fn):
             raise TypeError(f"hook for {self.name!r} must be callable, got {type(fn).__name__}")
-        hook = Hook(fn)
+        hook = Hook(_as_backward_hook(fn) if dir == "bwd" else fn, dir)
         if prepend:
             self._hooks.insert(0, hook)
         else:
             self._hooks.append(hook)
+        if is_permanent:
+            self._permanent.append(hook)
 
         def remove() -> None:
             for i, h in enumerate(self._hooks):
@@ -209,34 +238,50 @@ class HookPoint(nn.Module):
 
         return remove
 
-    def remove_hooks(self, including_permanent: bool = True) -> None:
-        """Remove this point's model hooks, the permanent ones only when asked (scoped hooks belong to their scopes)."""
-        keep = [] if including_permanent else [h for h in self._hooks if any(h is p for p in self._permanent)]
-        removed = [h for h in self._hooks if not any(h is k for k in keep)]
-        self._hooks[:], self._permanent[:] = keep, keep
+    def remove_hooks(self, dir: str = "both", including_permanent: bool = True, level: Any = None) -> None:
+        """Remove this point's model hooks of direction `dir` ("fwd", "bwd", "both"), the permanent
+        ones only when asked (scoped hooks belong to their scopes; taps stay)."""
+        if dir not in ("fwd", "bwd", "both"):
+            raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', got {dir!r}")
+
+        def kept(h: Hook) -> bool:
+            return (dir != "both" and h.dir != dir) or (not including_permanent and any(h is p for p in self._permanent))
+
+        keep = [h for h in self._hooks if kept(h)]
+        removed = [h for h in self._hooks if not kept(h)]
+        self._hooks[:] = keep
+        self._permanent[:] = [p for p in self._permanent if any(p is k for k in keep)]
         for hook in removed:
             hook.detach()
 
     def __call__(self, x: Tensor) -> Tensor:  # skips nn.Module's call machinery: this is the hot path
         on_fire = _RECORDING.get()
-        if on_fire is not None:  # recording the forward order: no hook runs
+        if on_fire is not None:  # recording the forward order: no hook runs (taps do, so that theirs record)
             on_fire(self.name, x)
+            for tap in self._taps:
+                x = tap(x)
             return x
-        if not self._hooks and self not in _SCOPED.get():
+        if not self._hooks and not self._taps and self not in _SCOPED.get():
             return x
         for hook in self.visible_hooks():
-            out = hook.fn(x, self)
-            if out is None:
-                continue
-            if not isinstance(out, Tensor):
-                raise TypeError(f"hook on {self.name!r} returned {type(out).__name__}, expected a Tensor or None")
-            if out.shape != x.shape or out.dtype != x.dtype:
-                raise ValueError(
-                    f"hook on {self.name!r} returned shape {tuple(out.shape)} dtype {out.dtype}; "
-                    f"the activation has shape {tuple(x.shape)} dtype {x.dtype}"
-                )
-            x = out
+            x = self._checked(hook.fn(x, self), x, "hook")
+        for tap in self._taps:
+            if tap.is_active:
+                x = self._checked(tap(x), x, type(tap).__name__)
         return x
+
+    def _checked(self, out: Any, x: Tensor, what: str) -> Tensor:
+        """`out` when it may replace `x` (same shape and dtype), `x` for None; otherwise an error naming the hook."""
+        if out is None:
+            return x
+        if not isinstance(out, Tensor):
+            raise TypeError(f"{what} on {self.name!r} returned {type(out).__name__}, expected a Tensor or None")
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(
+                f"{what} on {self.name!r} returned shape {tuple(out.shape)} dtype {out.dtype}; "
+                f"the activation has shape {tuple(x.shape)} dtype {x.dtype}"
+            )
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         return self(x)
@@ -353,14 +398,7 @@ class HookedRootModule(nn.Module):
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         points = self._resolve(name)
-        if dir == "bwd":
-            fn = _as_backward_hook(fn)
-        removers = []
-        for p in points:
-            removers.append(p.add_hook(fn, prepend=prepend))
-            if is_permanent:
-                p._permanent.append(p._hooks[0] if prepend else p._hooks[-1])
-        return removers
+        return [p.add_hook(fn, prepend=prepend, dir=dir, is_permanent=is_permanent) for p in points]
 
     def reset_hooks(self, including_permanent: bool = False, clear_contexts: bool = True) -> None:
         """Remove the model hooks (permanent ones too when `including_permanent`); scoped hooks belong
