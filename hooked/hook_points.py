@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import math
 import re
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -127,6 +128,11 @@ def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Ite
             hook.detach()
 
 
+def recording() -> bool:
+    """True while this caller records the forward order (hook_dict): taps skip input-dependent checks then."""
+    return _RECORDING.get() is not None
+
+
 POSITION_AXES = ("pos", "q_pos", "k_pos")  # sized by the input's length
 ELEMENTS = ("model", "wide", "int64")
 
@@ -160,6 +166,8 @@ class HookPoint(nn.Module):
                 out.append(pos)
             elif axis.isdigit():
                 out.append(int(axis))
+            elif "*" in axis and all(w in self.sizes for w in axis.split("*")):  # a flattened group (views)
+                out.append(math.prod(self.sizes[w] for w in axis.split("*")))
             elif axis in self.sizes:
                 out.append(self.sizes[axis])
             else:
@@ -376,6 +384,11 @@ class HookedRootModule(nn.Module):
             raise TypeError(f"a hook name must be a str or a callable filter, got {type(name).__name__}")
         if name in points:
             return [points[name]]
+        from hooked.sae.views import heads_view
+
+        view = heads_view(self, name)
+        if view is not None:
+            return [view]
         close = difflib.get_close_matches(name, list(points), n=5, cutoff=0.6)
         hint = f"; close matches: {', '.join(close)}" if close else ""
         raise KeyError(f"unknown hook name {name!r}{hint}")

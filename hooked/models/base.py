@@ -26,6 +26,7 @@ from torch import Tensor
 
 from hooked.hook_points import HookedRootModule
 from hooked.models.decode_state import DecodeState
+from hooked.sae.methods import SAEMethods
 from hooked.tl_config import attach
 from hooked.tl_keywords import refuse_tl_keywords
 from hooked.weights import ModelWeights
@@ -68,7 +69,7 @@ def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "bat
     return -log_probs if per_token else -log_probs.sum() / n
 
 
-class HookedModel(ModelWeights, HookedRootModule):
+class HookedModel(SAEMethods, ModelWeights, HookedRootModule):
     """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`.
 
     BOS and padding of text (TransformerLens's switches): `default_prepend_bos` None (hooked's default)
