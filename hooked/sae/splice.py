@@ -16,7 +16,7 @@ Hook points, under `{hook}.sae.` (a tap of the hook point: hook_points.py):
     hook_sae_acts_post  [*lead d_sae]     the features (edit them to ablate or steer a feature)
     hook_sae_recons     x's axes          decode(acts)
     hook_sae_error      x's axes          x - recons (only with use_error_term=True)
-    hook_sae_output     x's axes          what replaces x: recons, or recons + error
+    hook_sae_output     x's axes          what replaces x: recons, or recons + error (x outside `positions` / `head`)
 
 use_error_term=False replaces x by the reconstruction (the model runs through the SAE; gradients
 go through the SAE). use_error_term=True keeps the model exact: with no edit at the SAE's hook
@@ -157,7 +157,7 @@ class SAESplice(nn.Module):
         acts, acts_was = through_hook(self.hook_sae_acts_post, acts, lambda: self._encode(sae_in, x.shape))
         recons, recons_was = through_hook(self.hook_sae_recons, self._decode(acts, x), lambda: self._decode(acts, x))
         if not self.use_error_term:
-            return self._keep_outside(self.hook_sae_output(recons), x)
+            return self.hook_sae_output(self._keep_outside(recons, x))
         edited = in_was is not None or acts_was is not None or recons_was is not None
         with torch.no_grad():
             clean = self._decode(self._encode(flat, x.shape), x) if edited else recons.detach()
@@ -166,7 +166,7 @@ class SAESplice(nn.Module):
             out = x if not acts.requires_grad else x + (recons - recons.detach())  # exactly x; the features get gradients
         else:
             out = recons + error
-        return self._keep_outside(self.hook_sae_output(out), x)
+        return self.hook_sae_output(self._keep_outside(out, x))
 
     def _keep_outside(self, out: Tensor, x: Tensor) -> Tensor:
         """x where the splice does not apply (other positions, other heads); `out` elsewhere."""
