@@ -327,6 +327,10 @@ class HookedRootModule(nn.Module):
         sizes.update(getattr(module, "dims", None) or {})
         return sizes
 
+    def _gated(self, name: str) -> bool:
+        """True for a hook that filters skip until a switch turns it on (hooked.tl_switches); none here."""
+        return False
+
     def hook_shape(self, name: str, batch: int = 1, pos: int = 1) -> tuple[int, ...]:
         """Shape of hook `name`'s activation for a [batch, pos] input, from its axes (no forward)."""
         return self._resolve(name)[0].shape(batch, pos)
@@ -379,7 +383,7 @@ class HookedRootModule(nn.Module):
     def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:
         points = self._module_hooks()
         if callable(name):
-            return [p for n, p in self.hook_dict.items() if name(n)]
+            return [p for n, p in self.hook_dict.items() if name(n) and not self._gated(n)]
         if not isinstance(name, str):
             raise TypeError(f"a hook name must be a str or a callable filter, got {type(name).__name__}")
         if name in points:
@@ -396,11 +400,11 @@ class HookedRootModule(nn.Module):
     def names_matching(self, names_filter: NamesFilter) -> list[str]:
         """Hook names selected by a filter: None (all), a name, a list of names, or a predicate."""
         if names_filter is None:
-            return list(self.hook_dict)
+            return [n for n in self.hook_dict if not self._gated(n)]
         if isinstance(names_filter, str):
             return [p.name for p in self._resolve(names_filter)]
         if callable(names_filter):
-            return [n for n in self.hook_dict if names_filter(n)]
+            return [n for n in self.hook_dict if names_filter(n) and not self._gated(n)]
         return [p.name for n in names_filter for p in self._resolve(n)]
 
     # ------------------------------------------------------------------------------ add / remove

@@ -8,7 +8,8 @@ Glossary
                                                when every norm has weight 1 and no bias, i.e.
                                                after fold_ln, as TL names them)
                   positional_embedding_type    "standard" (learned), "rotary", or "none" (SSMs)
-                  default_prepend_bos          whether the tokenizer adds BOS (False without one)
+                  default_prepend_bos          the model's switch when set, else whether the tokenizer
+                                               adds BOS (False without one)
                   n_key_value_heads            TL's name of n_kv_heads (None without GQA, as TL)
                   d_vocab_out, original_architecture, model_name
                   A field of the family's config with one of these names wins.
@@ -56,6 +57,9 @@ def _positional(cfg: Any) -> str:
 
 
 def _prepend_bos(cfg: Any) -> bool:
+    switch = getattr(_model(cfg), "default_prepend_bos", None)  # the model's switch (base.py), when set
+    if switch is not None:
+        return bool(switch)
     tok = _model(cfg).tokenizer
     if tok is None or tok.bos_token_id is None:
         return False

@@ -247,22 +247,6 @@ class ModelWeights:
             total = torch.zeros(self.cfg.d_model, dtype=weight.dtype, device="cpu" if dispatched else weight.device)
         return total
 
-    def set_use_attn_result(self, use: bool) -> None:
-        """TL's switch for caching hook_result: here it makes hook_result part of a bare
-        run_with_cache() (True) or a lazy, opt-in hook again (False). The hook always exists."""
-        for name, point in self.hook_dict.items():
-            if name.endswith("attn.hook_result"):
-                point.lazy = not use
-
-    def set_use_split_qkv_input(self, use: bool) -> None:
-        """TL's switch; a no-op here (the attention input is always hooked: blocks.{l}.hook_attn_in)."""
-
-    def set_use_hook_mlp_in(self, use: bool) -> None:
-        """TL's switch; a no-op here (blocks.{l}.hook_mlp_in always exists)."""
-
-    def set_use_attn_in(self, use: bool) -> None:
-        """TL's switch; a no-op here (blocks.{l}.hook_attn_in always exists, shared by the heads)."""
-
     def to_single_str_token(self, int_token: int) -> str:
         """The string of one token id (TL's)."""
         return self.tokenizer.decode([int(int_token)])

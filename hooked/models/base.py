@@ -29,6 +29,7 @@ from hooked.models.decode_state import DecodeState
 from hooked.sae.methods import SAEMethods
 from hooked.tl_config import attach
 from hooked.tl_keywords import refuse_tl_keywords
+from hooked.tl_switches import TLSwitches
 from hooked.weights import ModelWeights
 
 
@@ -69,7 +70,7 @@ def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "bat
     return -log_probs if per_token else -log_probs.sum() / n
 
 
-class HookedModel(SAEMethods, ModelWeights, HookedRootModule):
+class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
     """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`.
 
     BOS and padding of text (TransformerLens's switches): `default_prepend_bos` None (hooked's default)
@@ -352,6 +353,12 @@ class HookedModel(SAEMethods, ModelWeights, HookedRootModule):
             raise ValueError(f"token {token} ({self._need_tokenizer().decode([token])!r}) is not in the input")
         return int(where[0] if mode == "first" else where[-1])
 
-    def to_string(self, tokens: Tensor) -> str | list[str]:
+    def to_string(self, tokens: Tensor | int | list | Any) -> str | list[str]:
+        """Text of tokens (TL's): an int, a 0-d or 1-D tensor, list or array gives a str; [batch pos] a list."""
         tok = self._need_tokenizer()
-        return tok.decode(tokens.tolist()) if tokens.ndim == 1 else [tok.decode(t.tolist()) for t in tokens]
+        tokens = torch.as_tensor(tokens)
+        if tokens.ndim > 2:
+            raise ValueError(f"to_string takes an id, [pos] or [batch pos], got shape {tuple(tokens.shape)}")
+        if tokens.ndim == 2:
+            return [tok.decode(t.tolist(), clean_up_tokenization_spaces=False) for t in tokens]
+        return tok.decode(tokens.reshape(-1).tolist(), clean_up_tokenization_spaces=False)
