@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from hooked.devices import onloaded
+from hooked.models.protocol import token_mixers, unit_tags
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
@@ -69,14 +70,18 @@ class ResidualStreamMethods:
         return layer
 
     def _norm_at(self, layer: int, mlp_input: bool) -> tuple[Any, str]:
-        """The norm reading the residual at `layer` and its hook-name prefix."""
+        """The norm reading the residual at `layer` (the block's first step, or its MLP's with
+        mlp_input) and its hook-name prefix."""
         if layer == self.n_layers:
             return self.model.ln_final, "ln_final"
-        which = "ln2" if mlp_input else "ln1"
-        block = self.model.blocks[layer]
-        if not hasattr(block, which):
-            raise ValueError(f"block {layer} has no {which} (mlp_input={mlp_input})")
-        return getattr(block, which), f"blocks.{layer}.{which}"
+        writers = list(self.model.blocks[layer].writers())
+        if mlp_input:
+            mlps = [w for w in writers if w.kind == "mlp"]
+            if not mlps or writers[0].kind == "mlp":
+                raise ValueError(f"block {layer} has no MLP after another sublayer (mlp_input={mlp_input})")
+            writers = mlps
+        norm = writers[0].norm
+        return norm, norm.hook_scale.name.rsplit(".", 1)[0]
 
     # ----------------------------------------------------------------------------- layer norm
     def apply_ln_to_stack(self, residual_stack: Tensor, layer: int | None = None, mlp_input: bool = False,
@@ -137,15 +142,13 @@ class ResidualStreamMethods:
                 if key in self.cache_dict:
                     parts.append(self.cache_dict[key])
                     labels.append(key[len("hook_"):])
-        writers = getattr(self.model, "resid_writers", lambda l: [])
-        wanted = lambda name: mode == "all" or name.endswith("hook_mlp_out") == (mode == "mlp")  # noqa: E731
         for l in range(layer + (1 if mlp_input else 0)):
-            for name in writers(l):
-                if l == layer and not name.endswith("hook_attn_out"):
-                    continue  # mlp_input: only the attention output of block `layer`
-                if wanted(name):
-                    parts.append(self.cache_dict[name])
-                    labels.append(f"{l}_{name.split('hook_')[-1]}")
+            for w in self.model.blocks[l].writers():  # what each block adds, hooked (block.py)
+                if l == layer and w.kind == "mlp":
+                    continue  # mlp_input: block `layer`'s writers before its MLP
+                if mode == "all" or (w.kind == "mlp") == (mode == "mlp"):
+                    parts.append(self.cache_dict[w.out_hook.name])
+                    labels.append(f"{l}_{w.kind}_out")
         like = slice_pos(self["embed"], pos_slice)
         stack = _stack([slice_pos(p, pos_slice) for p in parts]) if parts else like.new_zeros((0, *like.shape))
         if apply_ln:
@@ -158,47 +161,75 @@ class ResidualStreamMethods:
         return _stack([self[(activation_name, l, sublayer_type)] for l in range(layer)])
 
     # ------------------------------------------------------------------------------- heads
-    def _head_sites(self, l: int, incl_shared: bool) -> list[tuple[str, str]]:
-        sites = [(f"blocks.{l}.attn.hook_result", "H"), (f"blocks.{l}.mixer.hook_head_out", "H")]
-        if incl_shared:
-            sites.insert(1, (f"blocks.{l}.shared.attn.hook_result", "SH"))
-        return sites
+    def _to_resid(self, w: Any, stack: Tensor) -> Tensor:
+        """Part of writer `w`'s module output [.., pos, d_model] as it reaches the residual: through the
+        post-norm with its cached (frozen) scale, then times the block's output scale. Linear, so the
+        parts of an output sum to what the block adds (hook_{kind}_out)."""
+        if w.post_norm is not None:
+            key = w.post_norm.hook_scale.name
+            if key not in self.cache_dict:
+                raise KeyError(f"a post-normed sublayer's parts need {key!r} in the cache")
+            with onloaded(self.model, w.post_norm):
+                scale = self.cache_dict[key]
+                device = w.post_norm.weight.device
+                stack = w.post_norm.normalize_with_scale(stack.to(device), scale.to(device)).to(stack.device)
+        return stack if w.scale == 1.0 else stack * w.scale
+
+    def _head_parts(self, l: int, incl_shared: bool) -> list[tuple[Tensor, list[str]]]:
+        """Block l's per-unit writes [units, .., pos, d_model] in the residual (biases left out), with labels."""
+        tags = unit_tags(self.model)
+        block = self.model.blocks[l]
+        writers = {id(w.module): w for w in block.writers()}
+        out = []
+        for name, mixer in token_mixers(block):
+            w = writers.get(id(mixer))
+            if w is None and not incl_shared:
+                continue  # writes into a side input (Zamba2's shared block), not the residual
+            key = mixer.heads().result_hook.name
+            if key not in self.cache_dict:
+                continue
+            res = self.cache_dict[key].movedim(-2, 0)  # [units .. pos d]
+            if w is not None:
+                res = self._to_resid(w, res)
+            tag = tags[f"blocks.{l}.{name}"]
+            out.append((res, [f"L{l}{tag}{h}" for h in range(res.shape[0])]))
+        return out
 
     def compute_head_results(self) -> None:
-        """Add each head's write (`attn.hook_result`, `mixer.hook_head_out`) to the cache where it is
-        missing, from `hook_z` (attention) or `hook_gated` (SSM mixers), as TL does from hook_z."""
-        for name in list(self.model.hook_dict):
-            if name in self.cache_dict:
-                continue
-            module_path, _, hook = name.rpartition(".")
-            source = {"hook_result": "hook_z", "hook_head_out": "hook_gated"}.get(hook)
-            if source is None or f"{module_path}.{source}" not in self.cache_dict:
-                continue
-            module = self.model.get_submodule(module_path)
-            with onloaded(self.model, module):
-                x = self.cache_dict[f"{module_path}.{source}"]
-                device = next(module.parameters()).device
-                self.cache_dict[name] = module.head_writes(x.to(device)).to(x.device)
+        """Add each unit's write (the mixers' result hooks: `attn.hook_result`, `mixer.hook_head_out`)
+        to the cache where it is missing, from the write hook (hook_z, hook_gated), as TL does."""
+        for block in self.model.blocks:
+            for _, mixer in token_mixers(block):
+                heads = mixer.heads()
+                name, source = heads.result_hook.name, heads.write_hook.name
+                if name in self.cache_dict or source not in self.cache_dict:
+                    continue
+                with onloaded(self.model, mixer):
+                    x = self.cache_dict[source]
+                    device = next(mixer.parameters()).device
+                    self.cache_dict[name] = mixer.head_writes(x.to(device)).to(x.device)
 
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: SliceInput = None, apply_ln: bool = False, incl_shared: bool = False):
-        """Each head's write for blocks < layer (-1: all): [head, (batch,) pos, d_model], labels "L{l}H{h}".
+        """Each unit's write to the residual for blocks < layer (-1: all): [unit, (batch,) pos, d_model],
+        labels "L{l}{tag}{h}" (hooked.models.protocol.unit_tags: H, M beside attention, SH shared).
 
-        Attention heads from `attn.hook_result`, SSM heads (Mamba-2 heads, Mamba-1 channels) from
+        Attention heads from `attn.hook_result`, SSM units (Mamba-2 heads, Mamba-1 channels) from
         `mixer.hook_head_out`; where those were not cached they are computed from hook_z / hook_gated
-        (compute_head_results). Zamba2's shared-attention heads ("L{l}SH{h}") write into the shared
-        block, not the residual stream, so they are left out unless `incl_shared=True`.
+        (compute_head_results). Each is taken as it reaches the residual: times the block's output scale
+        (Granite's residual multiplier, Falcon-H1's branch multipliers) and through a post-norm with its
+        cached scale (Gemma 2/3), so heads plus biases sum to the block's output exactly. Zamba2's
+        shared-attention heads ("L{l}SH{h}") write into the shared block, not the residual stream, so
+        they are left out unless `incl_shared=True` (then as they are, unscaled).
         `incl_remainder` adds resid_post[layer - 1] minus the heads' sum ("remainder").
         """
         layer = self._final_layer(layer)
         self.compute_head_results()
         parts, labels = [], []
         for l in range(layer):
-            for key, tag in self._head_sites(l, incl_shared):
-                if key in self.cache_dict:
-                    res = slice_pos(self.cache_dict[key], pos_slice, dim=-3)  # [.. pos heads d_model]
-                    parts.append(res.movedim(-2, 0))
-                    labels += [f"L{l}{tag}{h}" for h in range(res.shape[-2])]
+            for res, names in self._head_parts(l, incl_shared):
+                parts.append(slice_pos(res, pos_slice))
+                labels += names
         if not parts and layer > 0 and not incl_remainder:
             raise KeyError("no per-head results and no hook_z / hook_gated in the cache to compute them from")
         like = slice_pos(self["embed"], pos_slice) if not parts or (incl_remainder and layer == 0) else None
@@ -213,27 +244,33 @@ class ResidualStreamMethods:
 
     # ----------------------------------------------------------------------------- neurons
     def get_neuron_results(self, layer: int, neuron_slice: SliceInput = None, pos_slice: SliceInput = None) -> Tensor:
-        """Each neuron's write [(batch,) pos, d_mlp, d_model]: post * W_out (bias left out)."""
+        """Each neuron's write out of the MLP [(batch,) pos, d_mlp, d_model]: post * W_out (times the
+        MLP's own output multiplier, Falcon-H1's; bias left out)."""
         post = slice_pos(self[("post", layer, "mlp")], pos_slice)
         mlp = self.model.blocks[layer].mlp
         with onloaded(self.model, mlp):
             W_out = mlp.down_proj.weight.T.to(post.device)  # [d_mlp d_model]
+            W_out = W_out * getattr(mlp, "out_multiplier", 1.0)
         if neuron_slice is not None:
             post = slice_pos(post, neuron_slice, dim=-1)
             W_out = slice_pos(W_out, neuron_slice, dim=0)
         return post[..., None] * W_out
 
+    def _mlp_writer(self, l: int) -> Any:
+        return next((w for w in self.model.blocks[l].writers() if w.kind == "mlp"), None)
+
     def stack_neuron_results(self, layer: int, pos_slice: SliceInput = None, neuron_slice: SliceInput = None,
                              return_labels: bool = False, incl_remainder: bool = False, apply_ln: bool = False):
-        """Each MLP neuron's write for blocks < layer: [neuron, (batch,) pos, d_model], labels "L{l}N{i}"."""
+        """Each MLP neuron's write to the residual for blocks < layer: [neuron, (batch,) pos, d_model],
+        labels "L{l}N{i}" (times the block's output scale, through a post-norm's cached scale)."""
         layer = self._final_layer(layer)
         parts, labels = [], []
         for l in range(layer):
             if f"blocks.{l}.mlp.hook_post" not in self.cache_dict:
                 continue
-            res = self.get_neuron_results(l, neuron_slice, pos_slice)
-            parts.append(res.movedim(-2, 0))
-            ids = slice_pos(torch.arange(res.shape[-2] if neuron_slice is None else self.model.cfg.d_mlp),
+            res = self._to_resid(self._mlp_writer(l), self.get_neuron_results(l, neuron_slice).movedim(-2, 0))
+            parts.append(slice_pos(res, pos_slice))
+            ids = slice_pos(torch.arange(self.model.cfg.d_mlp if neuron_slice is not None else res.shape[0]),
                             neuron_slice, dim=0)
             labels += [f"L{l}N{int(i)}" for i in ids.reshape(-1)]
         like = slice_pos(self["embed"], pos_slice) if not parts or (incl_remainder and layer == 0) else None
@@ -246,29 +283,69 @@ class ResidualStreamMethods:
             stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack
 
+    def _expert_parts(self, l: int, w: Any) -> tuple[list[Tensor], list[str]]:
+        """A mixture of experts' output split by expert (routing weight times expert output, summed over
+        the slots that chose it; "L{l}E{e}"), plus its always-on shared MLP whole ("L{l}shared")."""
+        p = w.out_hook.name.rsplit(".", 1)[0] + ".mlp."
+        chosen, weights = self.cache_dict[p + "hook_chosen"], self.cache_dict[p + "hook_routing_weights"]
+        out = self.cache_dict[p + "hook_expert_out"]  # [.. pos top_k d_model]
+        n = w.module.n_experts
+        onehot = torch.nn.functional.one_hot(chosen, n).to(out.dtype)  # [.. pos k E]
+        per_expert = torch.einsum("...ke,...k,...kd->e...d", onehot, weights.to(out.dtype), out)
+        parts, labels = [self._to_resid(w, per_expert)], [f"L{l}E{e}" for e in range(n)]
+        if w.module.shared is not None:
+            parts.append(self._to_resid(w, self.cache_dict[p + "hook_shared_out"][None]))
+            labels.append(f"L{l}shared")
+        return parts, labels
+
     # ------------------------------------------------------------------------- attribution
     def get_full_resid_decomposition(self, layer: int | None = None, mlp_input: bool = False,
                                      expand_neurons: bool = True, apply_ln: bool = False,
                                      pos_slice: SliceInput = None, return_labels: bool = False):
-        """Heads, then neurons (or mlp_out), embed, pos_embed and the biases: sums to the residual at `layer`."""
+        """Every unit's write, then each MLP's neurons (a mixture of experts: each expert and its shared
+        MLP; or each block's whole mlp_out with expand_neurons=False), embed, pos_embed and the biases:
+        components that sum to the residual at `layer` exactly, on every family (block output scales,
+        post-norms with their cached scales, MoE routing included). The bias component is one vector
+        broadcast over positions, or per position where a post-norm scales it."""
         layer = self._final_layer(layer)
-        heads, labels = self.stack_head_results(layer + (1 if mlp_input else 0), pos_slice=pos_slice,
-                                                return_labels=True)
-        parts = [heads]
-        if layer > 0:
-            if expand_neurons:
-                neurons, n_labels = self.stack_neuron_results(layer, pos_slice=pos_slice, return_labels=True)
-            else:
-                neurons, n_labels = self.decompose_resid(layer, mode="mlp", pos_slice=pos_slice,
-                                                         incl_embeds=False, return_labels=True)
-            parts.append(neurons)
-            labels = labels + n_labels
+        stop = layer + (1 if mlp_input else 0)
+        heads, labels = self.stack_head_results(stop, pos_slice=pos_slice, return_labels=True)
+        parts, mlp_labels, bias = [heads], [], None
+        for l in range(stop):
+            for w in self.model.blocks[l].writers():
+                if w.kind == "mlp" and l == layer:
+                    continue  # mlp_input: block `layer`'s writers before its MLP
+                with_bias = w.kind != "mlp"  # heads leave their projection's bias out
+                if w.kind == "mlp" and not expand_neurons:
+                    parts.append(slice_pos(self.cache_dict[w.out_hook.name], pos_slice)[None])
+                    mlp_labels.append(f"{l}_mlp_out")
+                elif w.kind == "mlp" and hasattr(w.module, "n_experts"):
+                    expert_parts, names = self._expert_parts(l, w)
+                    parts += [slice_pos(p, pos_slice) for p in expert_parts]
+                    mlp_labels += names
+                elif w.kind == "mlp":
+                    neurons, names = self.stack_neuron_results(l + 1, pos_slice=pos_slice, return_labels=True)
+                    keep = [i for i, n in enumerate(names) if n.startswith(f"L{l}N")]
+                    parts.append(neurons[keep])
+                    mlp_labels += [names[i] for i in keep]
+                    with_bias = True
+                if with_bias:
+                    with onloaded(self.model, w.module):
+                        b = w.module.output_bias()
+                        b = None if b is None else b.detach().to(heads.device)
+                    if b is not None:
+                        b = self._to_resid(w, b)
+                        bias = b if bias is None else bias + b
+        labels = labels + mlp_labels
         for key in ("hook_embed", "hook_pos_embed"):
             if key in self.cache_dict:
                 parts.append(slice_pos(self.cache_dict[key], pos_slice)[None])
                 labels.append(key[len("hook_"):])
-        bias = self.model.accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons).to(heads)
-        parts.append(bias.expand((1, *heads.shape[1:])))
+        if bias is None:
+            bias = heads.new_zeros(heads.shape[-1])
+        elif bias.ndim > 1:  # per position (post-normed biases)
+            bias = slice_pos(bias, pos_slice)
+        parts.append(bias.to(heads).expand((1, *heads.shape[1:])))
         labels.append("bias")
         stack = _stack([p.to(heads.device) for p in parts], cat=True)
         if apply_ln:
@@ -279,7 +356,10 @@ class ResidualStreamMethods:
                     pos_slice: SliceInput = None, batch_slice: SliceInput = None,
                     has_batch_dim: bool = True) -> Tensor:
         """Each component's contribution to the logit of `tokens` (minus `incorrect_tokens`), after the
-        final norm's scale: [component, ...]. Tokens: an id, a str (one token), or a tensor of ids."""
+        final norm's scale and the logit multiplier (Granite's 1 / logits_scaling, Falcon-H1's
+        lm_head_multiplier): [component, ...]; they sum to the logit before a final soft-cap (Gemma 2's,
+        not linear) minus the final LayerNorm's bias term (GPT-2's ln_final.bias · W_U[token]: no
+        component's). Tokens: an id, a str (one token), or a tensor of ids."""
         directions = self._token_directions(tokens)
         if incorrect_tokens is not None:
             wrong = self._token_directions(incorrect_tokens)
@@ -289,7 +369,7 @@ class ResidualStreamMethods:
             directions = directions - wrong
         scaled = self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
                                         has_batch_dim=has_batch_dim)
-        return (scaled * directions).sum(-1)
+        return (scaled * directions).sum(-1) * self.model.unembed.scale
 
     def _token_directions(self, tokens: Any) -> Tensor:
         if isinstance(tokens, str):

@@ -88,14 +88,9 @@ def _readers(model: Any) -> list[tuple[nn.Module, list[nn.Module]]]:
             for lin in _matrices(r):
                 found[id(lin)] = lin
 
-    for module in model.modules():
-        if hasattr(module, "ln1") and hasattr(module, "attn"):
-            add(module.ln1, [module.attn.q_proj, module.attn.k_proj, module.attn.v_proj])
-        if hasattr(module, "ln2") and hasattr(module, "mlp"):
-            names = ("gate_proj", "up_proj", "gate_up_proj")
-            add(module.ln2, [getattr(module.mlp, n) for n in names if hasattr(module.mlp, n)])
-        if hasattr(module, "ln1") and hasattr(module, "mixer"):
-            add(module.ln1, [module.mixer.in_proj])
+    for block in model.blocks:
+        for norm, readers in block.norm_readers():  # the block protocol (hooked/models/block.py)
+            add(norm, readers)
     add(model.ln_final, [model.unembed])
     for norm, readers in pairs.values():
         if not readers:

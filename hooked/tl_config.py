@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from hooked.models.norms import LayerNorm, RMSNorm
+
 _VIEWS: dict[type, type] = {}
 
 
@@ -34,12 +36,12 @@ def _model(cfg: Any) -> Any:
 
 
 def _norms(model: Any) -> list[Any]:
-    return [m for m in model.modules() if type(m).__name__ in ("LayerNorm", "RMSNorm")]
+    return [m for m in model.modules() if type(m) in (LayerNorm, RMSNorm)]  # Gemma's (1 + w) norms are not TL's
 
 
 def _normalization_type(cfg: Any) -> str:
     norms = _norms(_model(cfg))
-    kind = "LN" if norms and all(type(m).__name__ == "LayerNorm" for m in norms) else "RMS"
+    kind = "LN" if norms and all(isinstance(m, LayerNorm) for m in norms) else "RMS"
     return kind + ("Pre" if norms and all(_unit(m) for m in norms) else "")
 
 

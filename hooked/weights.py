@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
+from hooked.models.protocol import token_mixers
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
@@ -221,26 +222,26 @@ class ModelWeights:
         return self.unembed.weight[ids]
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
-        """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj) every block before
-        `layer` writes, plus block `layer`'s attention bias when `mlp_input` (TL's): [d_model].
+        """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj: each sublayer's
+        `output_bias()`, times its block's output scale) every block before `layer` writes, plus block
+        `layer`'s writers before its MLP when `mlp_input` (TL's): [d_model]. A post-normed sublayer's
+        bias (Gemma's) is not a constant direction: it is left to the decomposition (cache_resid.py).
         On a dispatched model each bias is read through `onloaded` and summed on the CPU."""
         from hooked.devices import onloaded
 
         dispatched = getattr(self, "hf_device_map", None) is not None
         total = None
         for l in range(layer + (1 if mlp_input else 0)):
-            block = self.blocks[l]
-            for path in ("attn.o_proj", "mlp.down_proj", "mixer.out_proj"):
-                if (l == layer and path != "attn.o_proj") or (path == "mlp.down_proj" and not include_mlp_biases):
+            for w in self.blocks[l].writers():
+                if (l == layer and w.kind == "mlp") or (w.kind == "mlp" and not include_mlp_biases):
                     continue
-                try:
-                    linear = block.get_submodule(path)
-                except AttributeError:
+                if w.post_norm is not None:
                     continue
-                with onloaded(self, linear):
-                    bias = linear.bias
+                with onloaded(self, w.module):
+                    bias = w.module.output_bias()
                     if bias is not None:
                         bias = bias.detach().to("cpu") if dispatched else bias
+                        bias = bias if w.scale == 1.0 else bias * w.scale
                         total = bias if total is None else total + bias.to(total.device)
         if total is None:
             weight = self.unembed.weight
@@ -254,11 +255,11 @@ class ModelWeights:
     def stacked_weight(self, name: str) -> Tensor:
         """`name` of every block's attn / mlp / mixer, stacked: [n_layers, ...]."""
         module = _MODULE_OF[name]
-        missing = [l for l, b in enumerate(self.blocks) if not hasattr(b, module)]
+        missing = [l for l, b in enumerate(self.blocks) if b.sublayer(module) is None]
         if missing:
             raise AttributeError(f"{name}: blocks {missing} have no {module!r} module; "
                                  f"read model.blocks[l].{module}.{name} (or a shared block's) instead")
-        return torch.stack([self._read(getattr(b, module), lambda m: getattr(m, name)) for b in self.blocks])
+        return torch.stack([self._read(b.sublayer(module), lambda m: getattr(m, name)) for b in self.blocks])
 
     def __getattr__(self, name: str) -> Any:
         if name in _MODULE_OF:

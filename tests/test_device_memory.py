@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import hooked.device_memory as dm
-from hooked.cache_budget import CACHE_BUDGET_FRACTION, CacheBudgetError, default_budget, size_laws
-from hooked.models.mamba import HookedMamba, MambaConfig
+from hooked.cache_budget import CACHE_BUDGET_FRACTION, CacheBudgetError, default_budget
+from hooked.models.families import build
+from hooked.models.language_model import LanguageModel
+from hooked.models.mamba import MambaConfig
 
 GiB = 2**30
 
@@ -51,13 +53,13 @@ def test_host_memory_is_meminfo_available(monkeypatch):
     assert dm.available_device_bytes(torch.device("cpu")) > 0
 
 
-def _model() -> HookedMamba:
-    return HookedMamba(MambaConfig(n_layers=2, d_model=8, d_vocab=16, d_state=4)).eval()
+def _model() -> LanguageModel:
+    return build(MambaConfig(n_layers=2, d_model=8, d_vocab=16, d_state=4)).eval()
 
 
 def test_budget_follows_the_device_the_cache_goes_to(monkeypatch):
     model = _model()
-    size_laws(model)  # the recording runs (hook order, size laws) happen on the real device first
+    model.hook_dict  # the recording run (hook order) happens on the real device first
     monkeypatch.setattr(model, "_device", lambda: torch.device("cuda", 0))  # as if the model were on a GPU
     fake_cuda(monkeypatch, free=1000, reserved=0, allocated=0)  # the GPU is (nearly) full
     monkeypatch.setattr(dm, "host_available_bytes", lambda: 64 * GiB)

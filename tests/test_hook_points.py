@@ -10,6 +10,7 @@ from torch import nn
 
 from hooked.hook_points import HookPoint
 from hooked.models.base import HookedModel
+from hooked.models.block import Writer
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class ToyBlock(nn.Module):
             self.calls += 1
             self.hook_lazy(out * 2)
         return self.hook_resid_post(x + out)
+
+    def writers(self):  # the block protocol (hooked/models/block.py): what the block adds
+        yield Writer("mixer", self.lin, self.hook_mixer_out, nn.Identity())
 
 
 class Toy(HookedModel):

@@ -134,10 +134,8 @@ def head_units(model: Any, channel_group: int | None = None) -> list[Unit]:
     units = []
     layout = head_layout(model)
     for m in layout.values():
-        # a layer with attention AND a mixer side by side (Falcon-H1): its SSM heads are "L0M3"
-        tag = "M" if m.kind == "ssm" and f"blocks.{m.layer}.attn" in layout else m.tag
-        if m.width > 1 or m.kind == "attn":
-            units += [Unit(f"L{m.layer}{tag}{h}", m.layer, m.prefix, (h,)) for h in range(m.n_heads)]
+        if m.width > 1 or m.kind == "attn":  # tags: hooked.models.protocol.unit_tags (Falcon-H1's SSM: "M")
+            units += [Unit(f"L{m.layer}{m.tag}{h}", m.layer, m.prefix, (h,)) for h in range(m.n_heads)]
             continue
         size = channel_group or max(1, m.n_heads // 16)
         for a in range(0, m.n_heads, size):

@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import re
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.validate import as_index, layer_index, layer_list
 from hooked.hook_points import scoped_hooks
+from hooked.models.protocol import token_mixers, unit_tags
 
 HeadSpec = tuple[Any, int]  # (layer, h) or (module prefix, h)
 
@@ -46,36 +46,18 @@ class HeadModule:
     n_heads: int
     width: int  # features per head at the write hook (attention: d_head; Mamba-2: d_head; Mamba-1: 1)
     kind: str  # "attn" or "ssm"
-
-    @property
-    def tag(self) -> str:
-        """Label letter: H (a layer's own attention or mixer), SH (Zamba2 shared attention)."""
-        return "SH" if ".shared." in self.prefix else "H"
-
-
-_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, HeadModule]]" = weakref.WeakKeyDictionary()
+    tag: str  # label letter, "L{layer}{tag}{h}" (hooked.models.protocol.unit_tags): "H", "M" or "SH"
 
 
 def head_layout(model: Any) -> dict[str, HeadModule]:
-    """Every head module of the model, in forward order (shapes read once from a 2-token run)."""
-    if model in _LAYOUTS:
-        return _LAYOUTS[model]
-    names = [n for n in model.hook_dict if n.endswith(("attn.hook_z", "mixer.hook_dt", "mixer.hook_gated"))]
-    tokens = torch.zeros(1, 2, dtype=torch.long, device=model.device)
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=names)
-    layout = {}
-    for name in names:
-        prefix, hook = name.rsplit(".", 1)
-        layer = int(name.split(".")[1])
-        if hook == "hook_z":
-            n, width = cache[name].shape[2], cache[name].shape[3]
-            layout[prefix] = HeadModule(prefix, layer, name, n, width, "attn")
-        elif hook == "hook_gated":
-            n = cache[f"{prefix}.hook_dt"].shape[-1]  # Mamba-1: d_inner channels; Mamba-2: n_heads
-            d_inner = cache[name].shape[-1]
-            layout[prefix] = HeadModule(prefix, layer, name, n, d_inner // n, "ssm")
-    _LAYOUTS[model] = layout
+    """Every head module of the model, in forward order, from the mixer protocol (nothing runs)."""
+    layout, tags = {}, unit_tags(model)
+    for layer, block in enumerate(model.blocks):
+        for name, mixer in token_mixers(block):
+            heads = mixer.heads()
+            prefix = f"blocks.{layer}.{name}"
+            layout[prefix] = HeadModule(prefix, layer, heads.write_hook.name, heads.n, heads.width, heads.kind,
+                                        tags[prefix])
     return layout
 
 

@@ -65,12 +65,13 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
 from hooked.models.base import Context
+from hooked.models.protocol import AttentionCut, Heads, TokenMixer
 from hooked.models.softcap import SoftCap
 from hooked.ops.rotary import Rotary, apply_rotary
 from hooked.weights import AttentionWeights
 
 
-class Attention(AttentionWeights, nn.Module):
+class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
     """Causal multi-head attention with GQA; q/k/v/o projections are plain attributes a caller may wrap.
 
     q_proj, k_proj, v_proj may be replaced by any module mapping [.. d_in] to the same width (Zamba2
@@ -165,6 +166,16 @@ class Attention(AttentionWeights, nn.Module):
         # the value of o_proj(z) (bit-identical when nothing is edited), the gradient through the results
         unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
         return unedited + (result.sum(dim=2) - written)
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.o_proj.bias
+
+    def heads(self) -> Heads:
+        """Query heads, cut at hook_z (before o_proj)."""
+        return Heads(self.n_heads, self.d_head, self.hook_z, "attn", self.hook_result)
 
     def repeat_kv(self, t: Float[Tensor, "batch pos n_kv_heads d_head"]) -> Float[Tensor, "batch pos n_heads d_head"]:
         """Each kv head serves `group` consecutive query heads."""

@@ -149,6 +149,15 @@ class ResidualBlock(nn.Module):
                 yield Writer(step.kind, getattr(self, step.kind), getattr(self, f"hook_{step.kind}_out"), norm,
                              1.0, step.scale, getattr(self, f"ln{i}_post"))
 
+    def norm_readers(self) -> list[tuple[nn.Module, list[nn.Module]]]:
+        """(norm, the linear maps reading its output) of every norm in the block that reads the stream or
+        a side input (weight processing folds each norm into its readers)."""
+        pairs = [(w.norm, w.module.input_linears()) for w in self.writers()]
+        for how, _, step in self._plan:
+            if how == "serial" and step.side is not None:
+                pairs += getattr(self, step.side.name).norm_readers()
+        return pairs
+
     @property
     def kind(self) -> str:
         """The kind of the block's first sublayer: what the layer is ("attn", "mixer" or "mlp")."""

@@ -56,9 +56,10 @@ from hooked.models.block import ResidualBlock, Sublayer
 from hooked.models.config import derived
 from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
+from hooked.models.protocol import Heads, StateSpaceCut, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.selective_kernel import mamba1_kernel_chunked
-from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, selective_scan
+from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, mamba1_kernel_pairs, selective_scan
 from hooked.weights import MixerWeights
 
 HEAD_OUT_BUDGET_BYTES = 2 * 1024**3  # hook_head_out is refused above this size (it is b*l*d_inner*d_model)
@@ -123,8 +124,12 @@ class MambaConfig:
         return 1
 
 
-class MambaMixer(MixerWeights, nn.Module):
-    """in_proj -> causal conv -> selective scan -> gate -> out_proj, all hooked."""
+class MambaMixer(StateSpaceCut, TokenMixer, MixerWeights, nn.Module):
+    """in_proj -> causal conv -> selective scan -> gate -> out_proj, all hooked. Its units are the
+    d_inner channels (a Mamba-1 "head" is one channel)."""
+
+    unit_tag = "M"
+    kernel_pairs = staticmethod(mamba1_kernel_pairs)
 
     def __init__(self, spec: MambaSpec) -> None:
         super().__init__()
@@ -143,6 +148,7 @@ class MambaMixer(MixerWeights, nn.Module):
             self.B_norm_weight = nn.Parameter(torch.ones(n))
             self.C_norm_weight = nn.Parameter(torch.ones(n))
         self.reset_parameters()
+        self.d_inner, self.d_state = d, n
         self.dims = {"d_inner": d, "d_state": n}
 
         self.hook_in = HookPoint("batch pos d_inner")
@@ -171,6 +177,16 @@ class MambaMixer(MixerWeights, nn.Module):
         nn.init.kaiming_uniform_(self.conv_weight, a=math.sqrt(5))
         dt = torch.exp(torch.rand(d) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
         self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.in_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.out_proj.bias
+
+    def heads(self) -> Heads:
+        """The d_inner channels, cut at hook_gated (before out_proj)."""
+        return Heads(self.d_inner, 1, self.hook_gated, "ssm", self.hook_head_out)
 
     def A(self) -> Float[Tensor, "d_inner d_state"]:
         """The continuous-time A = -exp(A_log), at least float32 (as HF computes it)."""

@@ -53,8 +53,9 @@ from hooked.models.config import derived
 from hooked.models.gated_norm import GatedRMSNorm, NormThenGate, SiluGate
 from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
+from hooked.models.protocol import Heads, StateSpaceCut, TokenMixer
 from hooked.ops.conv import causal_conv1d
-from hooked.ops.ssd import linear_scan_heads, ssd_chunked
+from hooked.ops.ssd import linear_scan_heads, mamba2_kernel_pairs, ssd_chunked
 from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_discrete
 from hooked.weights import MixerWeights
 
@@ -164,8 +165,11 @@ def _heads(BC: Float[Tensor, "batch pos n_groups d_state"], n_heads: int) -> Flo
     return repeat(BC, "b l g n -> b l (g r) n", r=n_heads // BC.shape[2])
 
 
-class Mamba2Mixer(MixerWeights, nn.Module):
-    """The Mamba-2 mixer of a `Mamba2Spec` (its docstring lists the options)."""
+class Mamba2Mixer(StateSpaceCut, TokenMixer, MixerWeights, nn.Module):
+    """The Mamba-2 mixer of a `Mamba2Spec` (its docstring lists the options). Its units are the SSM heads."""
+
+    unit_tag = "M"
+    kernel_pairs = staticmethod(mamba2_kernel_pairs)
 
     def __init__(self, spec: Mamba2Spec) -> None:
         super().__init__()
@@ -204,6 +208,16 @@ class Mamba2Mixer(MixerWeights, nn.Module):
         self.hook_ssm_out = HookPoint("batch pos n_heads d_head", element="wide")  # y + D u
         self.hook_gated = HookPoint("batch pos d_inner")  # gated RMSNorm output
         self.hook_head_out = HookPoint("batch pos n_heads d_model", lazy=True)  # each head's write, lazy
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.in_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.out_proj.bias
+
+    def heads(self) -> Heads:
+        """The SSM heads (d_head channels each), cut at hook_gated (before out_proj)."""
+        return Heads(self.n_heads, self.d_head, self.hook_gated, "ssm", self.hook_head_out)
 
     def A(self) -> Float[Tensor, "n_heads"]:
         """A = -exp(A_log), the (negative) continuous decay rate of each head, in float32 or wider."""

@@ -79,6 +79,12 @@ class MLP(MLPWeights, nn.Module):
         post = self.hook_post(post)
         return self.down_proj(post)
 
+    def input_linears(self) -> list[nn.Module]:
+        return [self.up_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.down_proj.bias
+
     def extra_repr(self) -> str:
         return f"act_fn={self.act_fn}"
 
@@ -112,6 +118,13 @@ class GatedMLP(MLPWeights, nn.Module):
         post = self.hook_post(post)
         out = self.down_proj(post)
         return out if self.out_multiplier == 1.0 else out * self.out_multiplier
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.gate_proj, self.up_proj]
+
+    def output_bias(self) -> Tensor | None:
+        b = self.down_proj.bias
+        return b if b is None or self.out_multiplier == 1.0 else b * self.out_multiplier
 
     def extra_repr(self) -> str:
         return f"act_fn={self.act_fn}"

@@ -129,6 +129,13 @@ class MoE(nn.Module):
         if shared is not None:
             self.hook_shared_out = HookPoint("batch pos d_model")
 
+    def input_linears(self) -> list[nn.Module]:
+        raise ValueError("fold_ln cannot fold a norm into a mixture of experts (the router and the experts "
+                         "read it through stacked parameters); leave fold_ln off for this model")
+
+    def output_bias(self) -> Tensor | None:
+        return None if self.shared is None else self.shared.output_bias()
+
     def expert(self, e: int, x: Float[Tensor, "n d_model"]) -> Float[Tensor, "n d_model"]:
         """Expert e on the rows of x."""
         up = F.linear(x, self.up_proj[e])

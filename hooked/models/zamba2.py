@@ -148,6 +148,7 @@ def build(cfg: Zamba2Config) -> LanguageModel:
             block_id = cfg.shared_block_of(layer)
             shared = shared_invocation(cfg.shared_sizes, firsts.get(block_id))
             firsts.setdefault(block_id, shared)
+            shared.attn.unit_tag = "SH"  # labels "L{l}SH{h}": one invocation of a shared head
             side = Side("shared", shared, nn.Linear(cfg.d_model, cfg.d_model, bias=False))
         blocks.append(ResidualBlock([Sublayer("mixer", RMSNorm(cfg.d_model, cfg.eps), Mamba2Mixer(mixer), side=side)]))
     return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps), embed_init_std=None)

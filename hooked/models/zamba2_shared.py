@@ -79,6 +79,12 @@ class FusedGatedMLP(nn.Module):
         self.hook_pre_linear = HookPoint("batch pos d_mlp")
         self.hook_post = HookPoint("batch pos d_mlp")
 
+    def input_linears(self) -> list[nn.Module]:
+        return [self.gate_up_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.down_proj.bias
+
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views; contiguous, the layout a hook's clone has
         pre = self.hook_pre(gate.contiguous())
@@ -102,6 +108,10 @@ class SharedTransformer(nn.Module):
         self.hook_attn_out = HookPoint("batch pos d_model")
         self.hook_mlp_out = HookPoint("batch pos d_model")
         self.hook_out = HookPoint("batch pos d_model")
+
+    def norm_readers(self) -> list[tuple[nn.Module, list[nn.Module]]]:
+        """(norm, the linear maps reading its output) inside this invocation (weight processing)."""
+        return [(self.ln1, self.attn.input_linears()), (self.ln2, self.mlp.input_linears())]
 
     def forward(self, hidden: Float[Tensor, "batch pos d_model"], embedding: Float[Tensor, "batch pos d_model"],
                 ctx: Context) -> Float[Tensor, "batch pos d_model"]:
