@@ -327,6 +327,10 @@ class HookedRootModule(nn.Module):
         sizes.update(getattr(module, "dims", None) or {})
         return sizes
 
+    def _make_view(self, name: str) -> HookPoint | None:
+        """A hook point made on first use under `name` (hooked.sae.views: `{hook}.hook_heads`); none here."""
+        return None
+
     def _gated(self, name: str) -> bool:
         """True for a hook that filters skip until a switch turns it on (hooked.tl_switches); none here."""
         return False
@@ -388,9 +392,7 @@ class HookedRootModule(nn.Module):
             raise TypeError(f"a hook name must be a str or a callable filter, got {type(name).__name__}")
         if name in points:
             return [points[name]]
-        from hooked.sae.views import heads_view
-
-        view = heads_view(self, name)
+        view = self._make_view(name)
         if view is not None:
             return [view]
         close = difflib.get_close_matches(name, list(points), n=5, cutoff=0.6)

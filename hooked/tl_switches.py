@@ -1,5 +1,4 @@
-"""TransformerLens's model switches and small methods: which hooks a name filter selects, weight
-processing in place, the loss.
+"""TransformerLens's model switches: which hooks a name filter selects; weight processing in place.
 
 Glossary
     gated hook     a hook TL fires only behind a switch: blocks.{l}.hook_attn_in (`set_use_attn_in`),
@@ -79,11 +78,3 @@ class TLSwitches:
                              "without changing the function, which hooked's weight names would then not show")
         return process_weights(self, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                                center_unembed=center_unembed, fold_value_biases=fold_value_biases)
-
-    def loss_fn(self, logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
-                per_token: bool = False) -> Tensor:
-        """TL's loss: next-token cross-entropy over positions whose token and next token are real."""
-        from hooked.models.base import lm_loss
-
-        mask = None if attention_mask is None else attention_mask.to(logits.device).bool()
-        return lm_loss(logits, tokens.to(logits.device), mask, per_token)

@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
-from hooked.models.protocol import token_mixers
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:

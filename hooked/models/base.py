@@ -188,6 +188,12 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         loss = lm_loss(logits, tokens, ctx.attention_mask, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
+    def loss_fn(self, logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
+                per_token: bool = False) -> Tensor:
+        """TL's loss: next-token cross-entropy over positions whose token and next token are real."""
+        mask = None if attention_mask is None else attention_mask.to(logits.device).bool()
+        return lm_loss(logits, tokens.to(logits.device), mask, per_token)
+
     def generate(self, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
         """TransformerLens's generate (greedy or sampled; incremental state): hooked/generate.py."""
         from hooked.generate import generate

@@ -23,6 +23,7 @@ from typing import Any
 from torch import Tensor
 
 from hooked.sae.splice import SAESplice, sae_hook_name
+from hooked.sae.views import heads_view
 
 TAP = "sae"
 
@@ -50,6 +51,10 @@ class SAEMethods:
         point.add_tap(TAP, splice)
         self.setup()
         return point.name
+
+    def _make_view(self, name: str) -> Any:
+        """`{hook}.hook_heads` views (views.py), made the first time they are named."""
+        return heads_view(self, name)
 
     @property
     def acts_to_saes(self) -> dict[str, Any]:
