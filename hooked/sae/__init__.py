@@ -10,5 +10,3 @@
 """
 
 from hooked.sae.splice import SAESplice, sae_hook_name, sae_sizes
-
-__all__ = ["SAESplice", "sae_hook_name", "sae_sizes"]
