@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hooked.models.protocol import token_mixers
+
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_PROMPTS = ["The capital of France is", "The Eiffel Tower is located in the city of",
                    "Memorize the following dictionary:\nlantern:42\norchid:7\nThe value of the key 'orchid' is"]
@@ -219,15 +221,16 @@ def plot_mixing(model: Any, tokens: Tensor, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n in model.hook_dict if n.endswith("attn.hook_pattern")]  # hybrids: the attention
-    names = names or [n for n in model.hook_dict if n.endswith("mixer.hook_kernel")]
-    if not names:
+    mixers = [m for block in model.blocks for _, m in token_mixers(block)]  # hybrids: the attention
+    chosen = [m for m in mixers if m.heads().kind == "attn"] or [m for m in mixers if m.heads().kind == "ssm"]
+    if not chosen:
         raise ValueError("the model has no attention pattern or SSM kernel hook to plot")
-    name = names[len(names) // 2]
+    mixer = chosen[len(chosen) // 2]
+    kind = "head" if mixer.heads().kind == "attn" else "channel"
+    name = (mixer.hook_pattern if kind == "head" else mixer.hook_kernel).name
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=[name])
     m = cache[name][0, 0].float()  # [q_pos k_pos]
-    kind = "head" if name.endswith("hook_pattern") else "channel"
     if kind == "channel":
         causal = torch.ones_like(m, dtype=torch.bool).tril()
         lo, hi = m[causal].min(), m[causal].max()

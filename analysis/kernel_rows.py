@@ -1,8 +1,8 @@
 """Rows and columns of the SSM kernel without the pos x pos matrix (DESIGN.md section 4).
 
 Glossary
-    site     an SSM mixer: a module with hook_dt, hook_B, hook_C and A() (blocks.{l}.mixer of
-             Mamba-1 / Mamba-2, Zamba2's Mamba layers), found through the hook names
+    site     a mixer with a kernel to slice (hooked/models/protocol.py: `kernel_slices`): the SSM
+             mixers (blocks.{l}.mixer of Mamba-1 / Mamba-2, Zamba2's Mamba layers, the hybrids')
     c        the kernel's channel axis: d_inner (Mamba-1 channels) or n_heads (Mamba-2 heads)
     rows     target positions j: kernel[:, :, rows, :], what each target reads from every source
     cols     source positions i: kernel[:, :, :, cols], where each source is read
@@ -27,19 +27,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hooked.ops import mamba1_kernel_cols, mamba1_kernel_rows, mamba2_kernel_cols, mamba2_kernel_rows
-
-# by the rank of A: [d_inner d_state] (Mamba-1) or [n_heads] (Mamba-2)
-_ROWS = {2: mamba1_kernel_rows, 1: mamba2_kernel_rows}
-_COLS = {2: mamba1_kernel_cols, 1: mamba2_kernel_cols}
+from hooked.models.protocol import token_mixers
 
 
 def ssm_sites(model: Any) -> list[str]:
-    """Every SSM mixer of the model, in forward order (modules with hook_dt, hook_B, hook_C and A())."""
-    names = set(model.hook_dict)
-    sites = [n[: -len(".hook_kernel")] for n in model.hook_dict if n.endswith(".hook_kernel")]
-    return [s for s in sites if {f"{s}.hook_dt", f"{s}.hook_B", f"{s}.hook_C"} <= names
-            and callable(getattr(model.get_submodule(s), "A", None))]
+    """Every mixer whose kernel can be sliced (state-space mixers), in forward order, by the protocol."""
+    return [f"blocks.{l}.{name}" for l, block in enumerate(model.blocks) for name, m in token_mixers(block)
+            if m.heads().kind == "ssm"]
+
+
+def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, on_slice: Callable[[Tensor], None],
+                axis: str = "rows") -> list[tuple[str, Callable]]:
+    """Forward hooks (name, fn) that call on_slice(kernel[:, :, positions, :]) (axis="rows") or
+    on_slice(kernel[:, :, :, positions]) (axis="cols") of `site` (the mixer's `kernel_slices`)."""
+    hooks = model.get_submodule(site).kernel_slices(lambda pos, device: _positions(positions, pos, axis, device),
+                                                    on_slice, axis)
+    return [(point.name, fn) for point, fn in hooks]
 
 
 def _positions(positions: int | Sequence[int] | Tensor, pos: int, what: str, device: torch.device) -> Tensor:
@@ -52,38 +55,6 @@ def _positions(positions: int | Sequence[int] | Tensor, pos: int, what: str, dev
     if len(bad):
         raise IndexError(f"{what} {bad.tolist()} outside the sequence of {pos} positions")
     return (idx % pos).to(device)
-
-
-def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, on_slice: Callable[[Tensor], None],
-                axis: str = "rows") -> list[tuple[str, Callable]]:
-    """Forward hooks that call on_slice(kernel[:, :, positions, :]) (axis="rows") or
-    on_slice(kernel[:, :, :, positions]) (axis="cols") of `site` once its dt, B, C are known."""
-    if axis not in ("rows", "cols"):
-        raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
-    mixer = model.get_submodule(site)
-    seen: dict[str, Tensor] = {}
-    points = model.hook_dict
-    if any(points[f"{site}.hook_{n}"].has_hooks for n in ("A_bar", "B_bar", "kernel") if f"{site}.hook_{n}" in points):
-
-        def on_kernel(kernel: Tensor, hook: Any) -> None:  # the kernel others asked for, edits included
-            idx = _positions(positions, kernel.shape[-1], axis, kernel.device)
-            on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
-
-        return [(f"{site}.hook_kernel", on_kernel)]
-
-    def keep(key: str) -> Callable:
-        def hook(x: Tensor, hook: Any) -> None:
-            seen[key] = x
-        return hook
-
-    def on_C(C: Tensor, hook: Any) -> None:
-        A = mixer.A()
-        dt, B, C = (t.to(A.dtype) for t in (seen.pop("dt"), seen.pop("B"), C))
-        idx = _positions(positions, dt.shape[1], axis, dt.device)
-        fn = (_ROWS if axis == "rows" else _COLS)[A.ndim]
-        on_slice(fn(dt, A, B, C, idx))
-
-    return [(f"{site}.hook_dt", keep("dt")), (f"{site}.hook_B", keep("B")), (f"{site}.hook_C", on_C)]
 
 
 def kernel_rows(model: Any, tokens: Tensor, rows: int | Sequence[int] | Tensor, sites: Sequence[str] | None = None,
@@ -106,7 +77,7 @@ def _slices(model: Any, tokens: Tensor, positions: Any, sites: Sequence[str] | N
     if unknown:
         raise ValueError(f"not SSM mixers: {unknown}; the model's are {known}")
     if not sites:
-        raise ValueError("the model has no SSM mixer (no hook_kernel with hook_dt, hook_B, hook_C)")
+        raise ValueError("the model has no state-space mixer (no kernel to slice)")
     out: dict[str, Tensor] = {}
     hooks = [h for s in sites for h in slice_hooks(model, s, positions, lambda x, s=s: out.__setitem__(s, x), axis)]
     stop = max(int(s.split(".")[1]) for s in sites) + 1  # sites live under blocks.{l}.

@@ -95,7 +95,7 @@ def check_cache_budget(model: Any, names: list[str], batch: int, pos: int, max_b
     msg = [f"run_with_cache on [{batch}, {pos}] tokens would cache {_gib(total)} in {len(sizes)} hooks, "
            f"over the budget of {_gib(budget)} ({where}). Largest hooks (count x each = total):", *lines]
     msg.append(_fitting_filter(sizes, budget))
-    if any(n.endswith("hook_kernel") for n in sizes):
+    if any(points[n].lazy and "k_pos" in points[n].axes for n in sizes):
         msg.append("hook_kernel is [batch, channels, pos, pos]: for a few target (or source) positions, compute "
                    "kernel rows or columns instead, memory linear in pos: analysis.kernel_rows.kernel_rows(model, "
                    "tokens, rows=[-1]) / kernel_cols (hooked.ops selective_kernel / ssd_kernel underneath).")

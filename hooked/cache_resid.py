@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from hooked.devices import onloaded
-from hooked.models.protocol import token_mixers, unit_tags
+from hooked.models.protocol import ExpertMixture, token_mixers, unit_tags
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
@@ -319,7 +319,7 @@ class ResidualStreamMethods:
                 if w.kind == "mlp" and not expand_neurons:
                     parts.append(slice_pos(self.cache_dict[w.out_hook.name], pos_slice)[None])
                     mlp_labels.append(f"{l}_mlp_out")
-                elif w.kind == "mlp" and hasattr(w.module, "n_experts"):
+                elif w.kind == "mlp" and isinstance(w.module, ExpertMixture):
                     expert_parts, names = self._expert_parts(l, w)
                     parts += [slice_pos(p, pos_slice) for p in expert_parts]
                     mlp_labels += names

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from analysis.interventions.ablation import ablate_heads_rows, attached
 from analysis.interventions.experts import ablate_experts
+from hooked.models.protocol import token_mixers
 
 
 class _Stop(Exception):
@@ -39,13 +40,9 @@ class _Stop(Exception):
 
 
 def pattern_sites(model: Any) -> list[tuple[int, str]]:
-    """(block, pattern hook name) of every attention module, in forward order."""
-    out = []
-    for name in model.hook_dict:
-        parts = name.split(".")
-        if name.endswith("attn.hook_pattern") and parts[0] == "blocks":
-            out.append((int(parts[1]), name))
-    return out
+    """(block, pattern hook name) of every attention module, in forward order (the mixer protocol)."""
+    return [(l, m.hook_pattern.name) for l, block in enumerate(model.blocks) for _, m in token_mixers(block)
+            if m.heads().kind == "attn"]
 
 
 def resid_hooks(model: Any) -> list[str]:

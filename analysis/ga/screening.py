@@ -82,6 +82,7 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
     if experts and mode != "zero":
         raise ValueError(f"expert units are zero-ablated only, got mode={mode!r}")
     mods = [layout[p] for p in modules if p in layout]
+    routing = {f"{p}.hook_routing_weights": p for p in experts}
     acts: dict[str, list[Tensor]] = {m.hook: [] for m in mods}
     acts.update({f"{p}.hook_routing_weights": [] for p in experts})
     acts.update({name: [] for name in extra})
@@ -131,8 +132,8 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
                                   **{key: list(g[i:i + count]) for key, g in grads.items()}}
             i += count
             continue
-        if name.endswith(".hook_routing_weights"):
-            prefix = name[: -len(".hook_routing_weights")]
+        if name in routing:
+            prefix = routing[name]
             width, fill, picks = moes[prefix], torch.zeros((), dtype=torch.float64), seen[f"{prefix}.hook_chosen"]
         else:
             m = next(m for m in mods if m.hook == name)

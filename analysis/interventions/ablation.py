@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from analysis.validate import as_index, layer_index, layer_list
 from hooked.hook_points import scoped_hooks
+from hooked.models.base import HookedModel
 from hooked.models.protocol import token_mixers, unit_tags
 
 HeadSpec = tuple[Any, int]  # (layer, h) or (module prefix, h)
@@ -254,7 +255,7 @@ def replace_block(model: Any, layer: int, donor: Any, donor_layer: int | None = 
     layer do not fire.
     """
     layer = layer_index(layer, model.cfg.n_layers)
-    if hasattr(donor, "blocks"):
+    if isinstance(donor, HookedModel):
         if donor.cfg.d_model != model.cfg.d_model:
             raise ValueError(f"widths differ: model d_model={model.cfg.d_model}, donor d_model={donor.cfg.d_model}")
         donor_layer = layer_index(layer if donor_layer is None else donor_layer, donor.cfg.n_layers, "donor_layer")

@@ -23,17 +23,18 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import attached
+from hooked.models.protocol import ExpertMixture
 
 ExpertSpec = tuple[Any, int]
 
 
 def moe_layout(model: Any) -> dict[str, int]:
-    """{"blocks.{l}.mlp": n_experts} for every MoE (a module with hook_chosen and hook_routing_weights)."""
+    """{"blocks.{l}.mlp": n_experts} for every mixture of experts (an MLP sublayer that is a MoE)."""
     out = {}
-    for name in model.hook_dict:
-        if name.endswith(".hook_routing_weights"):
-            prefix = name[: -len(".hook_routing_weights")]
-            out[prefix] = int(model.get_submodule(prefix).n_experts)
+    for l, block in enumerate(model.blocks):
+        for w in block.writers():
+            if isinstance(w.module, ExpertMixture):
+                out[f"blocks.{l}.{w.kind}"] = int(w.module.n_experts)
     return out
 
 

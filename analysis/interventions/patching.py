@@ -108,7 +108,7 @@ def index_tuple(point: Any, index: dict[str, Any] | tuple | int | None,
 
 
 def _scalar(i: Any) -> bool:
-    return not isinstance(i, (list, tuple, range, str, bytes)) and not (hasattr(i, "ndim") and i.ndim)
+    return not isinstance(i, (list, tuple, range, str, bytes)) and not getattr(i, "ndim", 0)
 
 
 def _checked(i: Any, n: int, what: str) -> Any:

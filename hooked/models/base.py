@@ -103,9 +103,8 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         raise NotImplementedError
 
     def resid_writers(self, layer: int) -> list[str]:
-        """Hook names of the outputs block `layer` adds to the residual stream (decompose_resid)."""
-        names = [f"blocks.{layer}.hook_attn_out", f"blocks.{layer}.hook_mlp_out", f"blocks.{layer}.hook_mixer_out"]
-        return [n for n in names if n in self._module_hooks()]
+        """Hook names of the outputs block `layer` adds to the residual stream (its `writers()`)."""
+        return [w.out_hook.name for w in self.blocks[layer].writers()]
 
     # --------------------------------------------------------------------------------- forward
     def forward(

@@ -56,9 +56,9 @@ from hooked.models.block import ResidualBlock, Sublayer
 from hooked.models.config import derived
 from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
-from hooked.models.protocol import Heads, StateSpaceCut, TokenMixer
+from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
 from hooked.ops.conv import causal_conv1d
-from hooked.ops.selective_kernel import mamba1_kernel_chunked
+from hooked.ops.selective_kernel import mamba1_kernel_chunked, mamba1_kernel_cols, mamba1_kernel_rows
 from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, mamba1_kernel_pairs, selective_scan
 from hooked.weights import MixerWeights
 
@@ -124,12 +124,14 @@ class MambaConfig:
         return 1
 
 
-class MambaMixer(StateSpaceCut, TokenMixer, MixerWeights, nn.Module):
+class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
     """in_proj -> causal conv -> selective scan -> gate -> out_proj, all hooked. Its units are the
     d_inner channels (a Mamba-1 "head" is one channel)."""
 
     unit_tag = "M"
     kernel_pairs = staticmethod(mamba1_kernel_pairs)
+    kernel_rows = staticmethod(mamba1_kernel_rows)
+    kernel_cols = staticmethod(mamba1_kernel_cols)
 
     def __init__(self, spec: MambaSpec) -> None:
         super().__init__()

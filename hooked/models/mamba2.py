@@ -53,10 +53,10 @@ from hooked.models.config import derived
 from hooked.models.gated_norm import GatedRMSNorm, NormThenGate, SiluGate
 from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
-from hooked.models.protocol import Heads, StateSpaceCut, TokenMixer
+from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.ssd import linear_scan_heads, mamba2_kernel_pairs, ssd_chunked
-from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_discrete
+from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_cols, mamba2_kernel_discrete, mamba2_kernel_rows
 from hooked.weights import MixerWeights
 
 
@@ -165,11 +165,13 @@ def _heads(BC: Float[Tensor, "batch pos n_groups d_state"], n_heads: int) -> Flo
     return repeat(BC, "b l g n -> b l (g r) n", r=n_heads // BC.shape[2])
 
 
-class Mamba2Mixer(StateSpaceCut, TokenMixer, MixerWeights, nn.Module):
+class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
     """The Mamba-2 mixer of a `Mamba2Spec` (its docstring lists the options). Its units are the SSM heads."""
 
     unit_tag = "M"
     kernel_pairs = staticmethod(mamba2_kernel_pairs)
+    kernel_rows = staticmethod(mamba2_kernel_rows)
+    kernel_cols = staticmethod(mamba2_kernel_cols)
 
     def __init__(self, spec: Mamba2Spec) -> None:
         super().__init__()

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
 from hooked.models.mlp import activation
+from hooked.models.protocol import ExpertMixture
 
 
 class SoftmaxTopK(nn.Module):
@@ -94,7 +95,7 @@ class SigmoidTopK(nn.Module):
                 f"renormalise={self.renormalise}, scaling={self.scaling:g}")
 
 
-class MoE(nn.Module):
+class MoE(ExpertMixture, nn.Module):
     """Router, rule, stacked experts and an optional shared MLP, every routing quantity hooked.
 
     Args:

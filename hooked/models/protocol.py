@@ -37,6 +37,7 @@ from torch import Tensor
 from hooked.ops.edge_cut import attention_cut, conv_channels, conv_cut, kernel_cut
 
 Masks = Callable[[int, int, torch.device], tuple[Tensor, Tensor]]
+Index = Callable[[int, torch.device], Tensor]  # (pos, device) -> long positions
 HookPoint = Any  # hooked.hook_points.HookPoint: not imported, the hook engine's cache reads this module
 CutHooks = list[tuple[HookPoint, Callable[[Tensor, Any], Any]]]
 ATTENTION_MODES = ("scores", "pattern")
@@ -66,6 +67,12 @@ class TokenMixer:
     def decay_norms(self) -> Tensor:
         """||exp(A)||_1 over d_state at dt = 1 per unit: large = slow decay (long memory)."""
         raise TypeError(f"{type(self).__name__} has no state decay (decay_norms is for state-space mixers)")
+
+    def kernel_slices(self, index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> CutHooks:
+        """Hooks that call on_slice(kernel[:, :, idx, :]) (axis "rows") or on_slice(kernel[..., idx])
+        ("cols") of this mixer's kernel in a forward, idx = index(pos, device), without the pos x pos
+        matrix; from hook_kernel itself when something already listens there (edits seen)."""
+        raise TypeError(f"{type(self).__name__} has no kernel to slice (kernel rows are for state-space mixers)")
 
 
 class AttentionCut:
@@ -107,17 +114,19 @@ class AttentionCut:
         return hooks
 
 
-class StateSpaceCut:
+class StateSpaceMixer:
     """`cut_edges` and `decay_norms` for the selective-scan mixers (Mamba-1, Mamba-2).
 
     y_j -= sum_{i cut} K[j, i] u_i at hook_y on the cut units, with u, dt, B, C read from this very
     forward (hook_ssm_in, hook_dt, hook_B, hook_C) and the kernel entries from `kernel_pairs`; with
     cut_conv, hook_conv[j] -= weight[:, w-1-(j-i)] * hook_in[i] too (the conv channels of the cut
     units; channels every unit shares, Mamba-2's B and C, only when every unit is cut).
-    A subclass gives `kernel_pairs` (hooked.ops's pairwise kernel of its family), `A()`,
-    `conv_weight` [conv channels, width] and the hooks named above."""
+    A subclass gives `kernel_pairs`, `kernel_rows`, `kernel_cols` (hooked.ops's kernel functions of
+    its family), `A()`, `conv_weight` [conv channels, width] and the hooks named above."""
 
     kernel_pairs: ClassVar[Callable[..., Tensor]]
+    kernel_rows: ClassVar[Callable[..., Tensor]]
+    kernel_cols: ClassVar[Callable[..., Tensor]]
     conv_weight: Tensor
     d_inner: int
     d_state: int
@@ -128,6 +137,9 @@ class StateSpaceCut:
     hook_B: HookPoint
     hook_C: HookPoint
     hook_y: HookPoint
+    hook_A_bar: HookPoint
+    hook_B_bar: HookPoint
+    hook_kernel: HookPoint
 
     def A(self) -> Tensor:
         raise NotImplementedError
@@ -167,6 +179,38 @@ class StateSpaceCut:
             return conv - conv_cut(conv_in, self.conv_weight, t, s, conv_chan)  # read now: real when offloaded
 
         return [(self.hook_in, keep("in")), (self.hook_conv, on_conv)] + hooks
+
+    def kernel_slices(self, index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> CutHooks:
+        if axis not in ("rows", "cols"):
+            raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
+        if any(p.has_hooks for p in (self.hook_A_bar, self.hook_B_bar, self.hook_kernel)):
+
+            def on_kernel(kernel: Tensor, hook: Any) -> None:  # the kernel others asked for, edits included
+                idx = index(kernel.shape[-1], kernel.device)
+                on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
+
+            return [(self.hook_kernel, on_kernel)]
+        seen: dict[str, Tensor] = {}
+        fn = type(self).kernel_rows if axis == "rows" else type(self).kernel_cols
+
+        def keep(key: str) -> Callable[[Tensor, Any], None]:
+            def hook(x: Tensor, hook: Any) -> None:
+                seen[key] = x
+            return hook
+
+        def on_C(C: Tensor, hook: Any) -> None:
+            A = self.A()
+            dt, B, C = (t.to(A.dtype) for t in (seen.pop("dt"), seen.pop("B"), C))
+            on_slice(fn(dt, A, B, C, index(dt.shape[1], dt.device)))
+
+        return [(self.hook_dt, keep("dt")), (self.hook_B, keep("B")), (self.hook_C, on_C)]
+
+
+class ExpertMixture:
+    """Base class of the mixtures of experts (moe.py): `n_experts`, `shared` (the always-on MLP or
+    None) and the hooks hook_chosen, hook_routing_weights, hook_expert_out, hook_shared_out."""
+
+    n_experts: int
 
 
 def unit_tags(model: Any) -> dict[str, str]:
