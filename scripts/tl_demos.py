@@ -51,7 +51,8 @@ def cells(path: Path) -> list[str]:
     for cell in nb["cells"]:
         if cell["cell_type"] != "code":
             continue
-        lines = [l for l in "".join(cell["source"]).splitlines() if not l.lstrip().startswith(("!", "%"))]
+        lines = [l[:len(l) - len(l.lstrip())] + "pass" if l.lstrip().startswith(("!", "%")) else l
+                 for l in "".join(cell["source"]).splitlines()]  # a shell or magic line becomes `pass`
         out.append("\n".join(lines))
     return out
 
@@ -130,10 +131,10 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def run(src: str, ns: dict) -> tuple[bool, Any, str]:
-    tree = ast.parse(src) if src.strip() else ast.Module([], [])
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     buf = io.StringIO()
     try:
+        tree = ast.parse(src) if src.strip() else ast.Module([], [])
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         with contextlib.redirect_stdout(buf):
             exec(compile(tree, "<cell>", "exec"), ns)
             shown = eval(compile(ast.Expression(last.value), "<cell>", "eval"), ns) if last is not None else None
