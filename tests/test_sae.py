@@ -243,3 +243,24 @@ def test_bad_saes_are_refused_by_name(mamba2) -> None:
     mamba2.add_sae(TinySAE(64, 8), "blocks.0.hook_resid_post", positions=[40])
     with pytest.raises(ValueError, match="outside the input's 12 positions"):
         mamba2(tokens(mamba2))
+
+
+def test_attribution_patching_on_features_is_the_first_order_term(mamba2) -> None:
+    from analysis.interventions import attribution_patch, logit_diff
+
+    feature = "blocks.0.hook_resid_post.sae.hook_sae_acts_post"
+    sae = TinySAE(64, 16).requires_grad_(False)
+    clean_x, corrupt_x = tokens(mamba2, seed=1), tokens(mamba2, seed=2)
+    mamba2.add_sae(sae, "blocks.0.hook_resid_post", use_error_term=True)
+    metric = logit_diff(3, 4)
+    with torch.no_grad():
+        _, clean = mamba2.run_with_cache(clean_x, names_filter=feature)
+        _, base = mamba2.run_with_cache(corrupt_x, names_filter=feature)
+        base_metric = metric(mamba2(corrupt_x))
+    estimate = attribution_patch(mamba2, corrupt_x, clean, metric, feature, over=("pos",))
+    grads = {}
+    with mamba2.hooks(bwd_hooks=[(feature, lambda g, hook: grads.setdefault("g", g))]):
+        metric(mamba2(corrupt_x)).backward()
+    mamba2.zero_grad()
+    by_hand = base_metric + ((clean[feature] - base[feature]) * grads["g"]).sum(-1).sum(0)
+    torch.testing.assert_close(estimate.float(), by_hand, rtol=1e-4, atol=1e-5)
