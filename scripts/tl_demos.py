@@ -14,6 +14,8 @@ namespace per side; shell and magic lines (`!pip`, `%...`) are dropped; every
     hooked  loaders.tl.HookedTransformer.from_pretrained("smollm2-135m", ...) with the call's keywords;
             `from transformer_lens import utils` (and `transformer_lens.utils`) read hooked.utils,
             ActivationCache / FactoredMatrix / patching read hooked's (`--keep-tl-imports`: TL's)
+The model line's `refactor_factored_attn_matrices=True` (GPT-2 only: TL refuses it on rotary models
+such as SmolLM2) is dropped on both sides; its other keywords are kept.
 A cell is "equal" when it ran on both sides and every tensor, array or number it bound or showed
 (its last expression, new or rebound names) agrees within 1e-4 of the TL value's magnitude; "differs"
 otherwise (the names are listed); "fails in hooked only" / "fails in TL only" / "fails in both".
@@ -45,6 +47,48 @@ IMPORTS = [(r"from transformer_lens import utils\b", "from hooked import utils")
            (r"from transformer_lens import FactoredMatrix", "from hooked.factored_matrix import FactoredMatrix")]
 
 
+class _Anything:
+    """Stands in for a display-only module that is not installed (circuitsvis, IPython): every
+    attribute and call gives another stand-in, so cells that only display run on both sides."""
+
+    def __getattr__(self, name: str) -> "_Anything":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Anything":
+        return _Anything()
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def install_stubs() -> list[str]:
+    """Stand-ins for the notebooks' display dependencies when they are missing; fancy_einsum's
+    einsum(equation, *tensors) as einops'. Returns the names stubbed (the report lists them)."""
+    import importlib
+    import types
+
+    stubbed = []
+    for name in ("IPython", "IPython.display", "circuitsvis", "circuitsvis.attention", "circuitsvis.activations",
+                 "fancy_einsum"):
+        try:
+            importlib.import_module(name)
+            continue
+        except ImportError:
+            pass
+        module = types.ModuleType(name)
+        if name == "fancy_einsum":
+            import einops
+
+            module.einsum = lambda equation, *tensors: einops.einsum(*tensors, equation)
+        else:
+            module.__getattr__ = lambda attr: _Anything()
+        sys.modules[name] = module
+        stubbed.append(name)
+    return stubbed
+
+
 def cells(path: Path) -> list[str]:
     nb = json.loads(path.read_text())
     out = []
@@ -69,7 +113,8 @@ def tl_loader():
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
     def load(*_: Any, fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,
-             fold_value_biases: bool = True, _no_processing: bool = False, **__: Any):
+             fold_value_biases: bool = True, _no_processing: bool = False, refactor_factored_attn_matrices: bool = False,
+             **__: Any):
         flags = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                      fold_value_biases=fold_value_biases)
         model = tl_model("llama_gqa", hf, tok, **({k: False for k in flags} if _no_processing else flags))
@@ -178,6 +223,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("tl_demos.md"))
     ap.add_argument("--keep-tl-imports", action="store_true")
     args = ap.parse_args()
+    stubbed = install_stubs()
     names = [n for n in args.only.split(",") if n]
     paths = [p for p in sorted(args.dir.glob("*.ipynb")) if not names or p.stem in names]
     lines, totals = [], {}
@@ -189,6 +235,8 @@ def main() -> None:
             totals[r["status"]] = totals.get(r["status"], 0) + 1
         print(path.stem, {s: sum(r["status"] == s for r in rows) for s in {r["status"] for r in rows}}, flush=True)
     summary = f"cells run: {sum(totals.values())}; " + "; ".join(f"{k}: {v}" for k, v in sorted(totals.items()))
+    if stubbed:
+        summary += f"\n\nstand-ins for missing display modules: {', '.join(stubbed)}"
     args.out.write_text("# TL demos: TL 3.9 vs hooked on SmolLM2\n\n" + summary + "\n\n" + "\n".join(lines))
     print(summary)
 

@@ -135,3 +135,30 @@ def test_tl_keywords_sae_lens_passes_are_taken_or_refused_by_name(organism) -> N
     on_cpu = model.to_tokens(text, move_to_device=False, truncate=False, prepend_bos=False)
     assert on_cpu.device.type == "cpu" and on_cpu[0, 0] != model.tokenizer.bos_token_id
     assert model.to_tokens(text, prepend_bos=True)[0, 0] == model.tokenizer.bos_token_id
+
+
+def test_sae_lens_hook_z_sae_splices_as_sae_lens_computes_it(organism) -> None:
+    """SAELens's hook_z SAEs flatten [n_heads d_head] themselves (reshape_activations="hook_z")."""
+    from sae_lens import StandardSAE, StandardSAEConfig
+    from sae_lens.saes.sae import SAEMetadata
+
+    model = organism("llama-kv")
+    hook = "blocks.0.attn.hook_z"
+    d_in = model.cfg.n_heads * model.cfg.d_head
+    sae = StandardSAE(StandardSAEConfig(d_in=d_in, d_sae=32, reshape_activations="hook_z",
+                                        metadata=SAEMetadata(hook_name=hook)))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in sae.parameters():
+            p.normal_(0, 0.3)
+    tokens = torch.randint(4, model.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            plain, clean = model.run_with_cache(tokens, names_filter=hook)
+            model.add_sae(sae, use_error_term=True)
+            logits, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith(hook + ".sae"))
+            assert torch.equal(logits, plain)
+            torch.testing.assert_close(cache[hook + ".sae.hook_sae_recons"], sae.decode(sae.encode(clean[hook])))
+            assert cache[hook + ".sae.hook_sae_acts_post"].shape == (2, 10, 32)
+    finally:
+        model.reset_saes()
