@@ -458,7 +458,7 @@ class HookedRootModule(nn.Module):
     def run_with_cache(self, *args: Any, names_filter: NamesFilter = None, device: str | torch.device | None = None,
                        remove_batch_dim: bool = False, detach: bool = True, incl_lazy: bool = False,
                        max_cache_bytes: int | None = None, incl_bwd: bool = False, pos_slice: Any = None,
-                       **kwargs: Any):
+                       return_cache_object: bool = True, **kwargs: Any):
         """Run the forward and return (output, ActivationCache) of the selected hooks.
 
         names_filter=None takes every hook except the lazy ones (states, kernels, per-head writes,
@@ -469,7 +469,8 @@ class HookedRootModule(nn.Module):
         `pos_slice` (TransformerLens's Slice input; an int keeps the axis, as TL's run_with_cache)
         keeps only those positions of each activation (the query positions of [batch heads q_pos
         k_pos] quantities). `incl_bwd=True` calls `backward()` on the output (a scalar, e.g.
-        return_type="loss") and caches each gradient under "<name>_grad".
+        return_type="loss") and caches each gradient under "<name>_grad". `return_cache_object=False`
+        (TL's) returns a plain dict instead of the ActivationCache.
         The caching hooks are scoped to this call: a concurrent caller neither sees nor fills them.
         """
         from hooked.cache import ActivationCache
@@ -506,7 +507,7 @@ class HookedRootModule(nn.Module):
         cache = ActivationCache({k: store[k] for k in order if k in store}, self)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
-        return out, cache
+        return out, (cache if return_cache_object else dict(cache.cache_dict))
 
     def _batch_pos(self, args: tuple, kwargs: dict) -> tuple[int, int] | None:
         """(batch, pos) of a forward's input, for the cache's size check; None when unknown."""

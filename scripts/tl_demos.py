@@ -83,8 +83,18 @@ def install_stubs() -> list[str]:
 
             module.einsum = lambda equation, *tensors: einops.einsum(*tensors, equation)
         else:
-            module.__getattr__ = lambda attr: _Anything()
+            module.__path__ = []  # a package: its submodules are looked up (and stubbed) by name
+
+            def anything(attr: str) -> _Anything:
+                if attr.startswith("__"):
+                    raise AttributeError(attr)
+                return _Anything()
+
+            module.__getattr__ = anything
         sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, module)
         stubbed.append(name)
     return stubbed
 

@@ -123,6 +123,9 @@ def test_tl_keywords_sae_lens_passes_are_taken_or_refused_by_name(organism) -> N
         _, cache = model.run_with_cache(tokens, names_filter=["blocks.0.hook_resid_post"], stop_at_layer=1,
                                         prepend_bos=False, padding_side="right")
         assert list(cache.keys()) == ["blocks.0.hook_resid_post"]
+        _, plain_dict = model.run_with_cache(tokens, names_filter="hook_embed",
+                                             return_cache_object=False)
+        assert type(plain_dict) is dict and list(plain_dict) == ["hook_embed"]
         assert torch.equal(model(tokens, prepend_bos=True, padding_side="left"), plain)  # tokens: ignored, as TL
         assert torch.equal(model(tokens, past_kv_cache=None, shortformer_pos_embed=None), plain)
         with pytest.raises(ValueError, match="past_kv_cache= is not supported.*DecodeState"):
