@@ -250,7 +250,7 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
             "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
     heatmap(ranking.matrix("logprob_drop", n_layers), out / "logprob_drop_heatmap.png",
             f"answer log-prob drop, n={sizes[0]}", "head (Mamba-1: channel group)", "layer", centered=True)
-    if method == "screened":
+    if ranking.method == "screened":  # a screen of few units ranks exhaustively (rank_heads)
         heatmap(ranking.matrix("est_logprob_drop", n_layers), out / "est_logprob_drop_heatmap.png",
                 f"estimated answer log-prob drop (attribution), n={sizes[0]}", "head (Mamba-1: channel group)",
                 "layer", centered=True)
@@ -354,7 +354,9 @@ def run_ga(args: Any) -> int:
               f"logprob drop {row['logprob_drop']:+.3f} [{row['logprob_drop_lo']:+.3f}, {row['logprob_drop_hi']:+.3f}]  "
               f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
     print(summary["separability_statement"])
-    if summary["screen"]:
+    if summary["screen"].get("exhaustive"):
+        print(f"exhaustive instead of screened: {summary['screen']['exhaustive']}")
+    elif summary["screen"]:
         sc = summary["screen"]
         staged = (f"; {sc['n_stage1']} candidates first on prompts {sc['stage_prompts']}" if sc.get("n_stage1") else "")
         print(f"screened: {sc['n_verified']} of {sc['n_units']} units ablated exactly on every prompt ({sc['n_control']} "
