@@ -264,3 +264,19 @@ def test_attribution_patching_on_features_is_the_first_order_term(mamba2) -> Non
     mamba2.zero_grad()
     by_hand = base_metric + ((clean[feature] - base[feature]) * grads["g"]).sum(-1).sum(0)
     torch.testing.assert_close(estimate.float(), by_hand, rtol=1e-4, atol=1e-5)
+
+
+def test_mamba1_state_splice_at_t_changes_every_later_position(organism) -> None:
+    model = organism("mamba-kv")
+    hook, t = "blocks.1.mixer.hook_h", 5
+    d_state = model.hook_shape(hook)[-1]
+    x = tokens(model)
+    try:
+        with torch.no_grad():
+            plain = model(x)
+            model.add_sae(TinySAE(d_state, 8), hook, positions=[t])  # one SAE per channel's state
+            got = model(x)
+    finally:
+        model.reset_saes()
+    assert torch.equal(got[:, :t], plain[:, :t])
+    assert ((got[:, t:] - plain[:, t:]).abs().amax(-1) > 1e-5).all()
