@@ -223,6 +223,7 @@ def compare(path: Path, keep_tl_imports: bool) -> list[dict]:
         else:
             status, note = "fails in both", e_h
         rows.append({"cell": i, "status": status, "note": note})
+        print(f"  {path.stem} cell {i}: {status} {note[:100]}", file=sys.stderr, flush=True)
     return rows
 
 
