@@ -4,8 +4,12 @@ Glossary
     MODEL       anything `loaders.from_pretrained` reads: an alias ("smollm2-135m"), a .gguf file, a
                 checkpoint directory (config.json + safetensors), a hub repo id (from the cache)
     command     a function `run(args) -> int` registered with `@command(name, help, *arguments)`,
-                where each `arg(...)` takes argparse's `add_argument` parameters. Adding a
-                subcommand is one function and its decorator; `main` builds the parser from COMMANDS
+                where each `arg(...)` takes argparse's `add_argument` parameters and a `rule`
+                (hooked.validate) for its value. Adding a subcommand is one function and its
+                decorator; `main` builds the parser from COMMANDS, the one command table
+    options     checked against their rules after parsing and before the command runs, so a bad
+                value is refused before any model is loaded; an output directory (`WritableDir`)
+                is created and proven writable last, once every other option passed
     parity row  one compared quantity: "embed", "resid_post {l}", "ln_final" (our
                 ln_final.hook_normalized against HF's last hidden state, which is taken after the
                 final norm), "logits". HF's hidden_states come in two layouts: attention models give
@@ -15,7 +19,7 @@ Glossary
     top-1       the argmax token; "agreement" counts positions where ours and HF's are the same
 
 Exit status: 0 on success; `parity` returns 1 when a row exceeds --tol or a next token differs;
-2 for a model that cannot be loaded (the error is printed).
+2 for a bad option or a model that cannot be loaded (the error is printed).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import torch
 from torch import Tensor
 
 from hooked.models.protocol import token_mixers
+from analysis.validate import CommaInts, ExistingFile, WritableDir
+from hooked.validate import Integer, Number, Rule, Seq, Text
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_PROMPTS = ["The capital of France is", "The Eiffel Tower is located in the city of",
@@ -38,15 +44,16 @@ DEFAULT_PROMPTS = ["The capital of France is", "The Eiffel Tower is located in t
 POST_BLOCK_HIDDEN_STATES = ("mamba", "falcon_mamba", "mamba2")  # HF model_types (transformers 5.24)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-COMMANDS: dict[str, tuple[str, tuple[tuple[tuple[str, ...], dict[str, Any]], ...], Callable[[Any], int]]] = {}
+Arg = tuple[tuple[str, ...], dict[str, Any], Rule | None]
+COMMANDS: dict[str, tuple[str, tuple[Arg, ...], Callable[[Any], int]]] = {}
 
 
-def arg(*flags: str, **kwargs: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """One argument of a command, as `parser.add_argument(*flags, **kwargs)` takes it."""
-    return flags, kwargs
+def arg(*flags: str, rule: Rule | None = None, **kwargs: Any) -> Arg:
+    """One argument of a command, as `parser.add_argument(*flags, **kwargs)` takes it, and the rule its value obeys."""
+    return flags, kwargs, rule
 
 
-def command(name: str, help: str, *arguments: tuple[tuple[str, ...], dict[str, Any]]):
+def command(name: str, help: str, *arguments: Arg):
     """Register `run(args) -> int` as the subcommand `name`."""
 
     def register(run: Callable[[Any], int]) -> Callable[[Any], int]:
@@ -61,19 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help, arguments, run) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help, description=help)
-        for flags, kwargs in arguments:
+        for flags, kwargs, _ in arguments:
             sub.add_argument(*flags, **kwargs)
         sub.set_defaults(run=run)
-    from analysis.info_flow import add_knockout_parser  # `hooked knockout`, defined beside info_flow
-    add_knockout_parser(subparsers)
-    from analysis.ga.report import add_ga_parser  # `hooked ga`, defined beside the G&A analysis
-    add_ga_parser(subparsers)
     return parser
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every option of the command against its rule (values normalised in place); output directories last."""
+    arguments = COMMANDS[args.command][1]
+    ordered = sorted((a for a in arguments if a[2] is not None), key=lambda a: isinstance(a[2], WritableDir))
+    for flags, kwargs, rule in ordered:
+        dest = kwargs.get("dest") or flags[-1].lstrip("-").replace("-", "_")
+        setattr(args, dest, rule.check(getattr(args, dest), flags[0]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_options(args)
         with torch.no_grad():  # no command needs gradients; scoped, so in-process callers keep theirs
             return int(args.run(args) or 0)
     except (FileNotFoundError, ValueError) as e:
@@ -82,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------- shared
-MODEL_ARG = arg("model", help="alias (smollm2-135m), .gguf file, checkpoint directory or hub repo id")
+MODEL_ARG = arg("model", rule=Text(), help="alias (smollm2-135m), .gguf file, checkpoint directory or hub repo id")
 
 
 def load(model: str, dtype: str | None = None) -> Any:
@@ -108,7 +121,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 # ------------------------------------------------------------------------------------------ hooks
 @command("hooks", "print every hook name with its shape on a short prompt", MODEL_ARG,
-         arg("--prompt", default=DEFAULT_PROMPT, help="text to run (random ids when the model has no tokenizer)"),
+         arg("--prompt", default=DEFAULT_PROMPT, rule=Text(),
+             help="text to run (random ids when the model has no tokenizer)"),
          arg("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: the checkpoint's)"))
 def hooks_command(args: Any) -> int:
     model = load(args.model, args.dtype)
@@ -132,9 +146,10 @@ def hook_shapes(model: Any, tokens: Tensor) -> list[tuple[str, str, str]]:
 # ----------------------------------------------------------------------------------------- parity
 @command("parity", "compare our logits and every layer's residual with Hugging Face's; save a table and a figure",
          MODEL_ARG,
-         arg("--out", default="out/parity", help="output directory (default: out/parity)"),
-         arg("--prompts", nargs="+", default=DEFAULT_PROMPTS, help="prompts to run, one batch each"),
-         arg("--tol", type=float, default=1e-3, help="largest relative difference that passes (default 1e-3)"),
+         arg("--out", default="out/parity", rule=WritableDir(), help="output directory (default: out/parity)"),
+         arg("--prompts", nargs="+", default=DEFAULT_PROMPTS, rule=Seq(Text()), help="prompts to run, one batch each"),
+         arg("--tol", type=float, default=1e-3, rule=Number(ge=0),
+             help="largest relative difference that passes (default 1e-3)"),
          arg("--revision", default=None, help="hub revision, for a repo id"))
 def parity_command(args: Any) -> int:
     from loaders import from_pretrained
@@ -145,8 +160,7 @@ def parity_command(args: Any) -> int:
     hf = load_hf(source)
     batches = [prompt_tokens(ours, p) for p in args.prompts]
     rows, top1 = compare(ours, hf, batches)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out
     header = ["quantity", "max abs diff", "max abs HF", "rel diff", f"<= {args.tol:g}"]
     table = [[q, f"{a:.3e}", f"{s:.3e}", f"{r:.3e}", "yes" if r <= args.tol else "NO"] for q, a, s, r in rows]
     with open(out / "parity.csv", "w", newline="") as f:
@@ -250,6 +264,122 @@ def plot_mixing(model: Any, tokens: Tensor, out: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# -------------------------------------------------------------------------------------- knockout
+@command("knockout", "information flow to the last token (knockout sweep over windows): analysis.info_flow",
+         MODEL_ARG,
+         arg("--facts", default=None, rule=ExistingFile(none=True),
+             help="known_1000.json-style file (default: the shipped copy)"),
+         arg("--n", type=int, default=None, rule=Integer(ge=1, none=True),
+             help="keep at most N facts (the first N the model gets right)"),
+         arg("--screen", type=int, default=None, rule=Integer(ge=1, none=True),
+             help="consider only the first M facts of the file"),
+         arg("--window", type=int, default=9, rule=Integer(ge=1), help="layers per window (default 9)"),
+         arg("--out", default="out/knockout", rule=WritableDir(), help="output directory (JSON, CSV, markdown, PNG)"),
+         arg("--batch-size", type=int, default=16, rule=Integer(ge=1), help="facts per forward (default 16)"),
+         arg("--attention", choices=("scores", "pattern"), default="scores"),
+         arg("--cut-conv", action="store_true", help="also cut the SSM conv taps (SSM models)"),
+         arg("--relation-excludes-last", action="store_true", help="relation set without the last token"),
+         arg("--all-facts", action="store_true", help="keep facts the model gets wrong too"),
+         arg("--no-progress", action="store_true"))
+def knockout_command(args: Any) -> int:
+    from analysis.info_flow import info_flow, markdown_table
+    from analysis.tasks.known_facts import load_facts
+    from loaders import from_pretrained
+
+    out = args.out
+    model = from_pretrained(args.model)
+    result = info_flow(model, load_facts(args.facts, args.screen), window=args.window, batch_size=args.batch_size,
+                       n=args.n, require_correct=not args.all_facts, attention=args.attention,
+                       cut_conv=args.cut_conv, relation_includes_last=not args.relation_excludes_last,
+                       progress=not args.no_progress)
+    result.settings["model"] = str(args.model)
+    result.to_json(out / "info_flow.json")
+    result.to_csv(out / "info_flow.csv")
+    result.to_csv(out / "info_flow_facts.csv", per_fact=True)
+    table = markdown_table(result)
+    (out / "info_flow.md").write_text(table + "\n")
+    result.plot(out / "info_flow.png", title=f"{args.model}: knockout to the last token, {len(result.facts)} facts")
+    s = result.settings
+    print(f"{s['n_kept']} facts kept of {s['n_screened']} screened ({s['n_skipped']} skipped); window {args.window}")
+    print(table)
+    print(f"wrote {out}/info_flow.{{json,csv,md,png}} and info_flow_facts.csv")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- ga
+@command("ga", "Gather-and-Aggregate: KV-retrieval accuracy and head ranking: analysis.ga.report", MODEL_ARG,
+         arg("--pairs", default="10,20,30", rule=CommaInts(Integer(ge=1)),
+             help="dictionary sizes, comma-separated; the first is ranked"),
+         arg("--n", type=int, default=50, rule=Integer(ge=1), help="prompts per size (default 50)"),
+         arg("--rank-n", type=int, default=None, rule=Integer(ge=1, none=True),
+             help="prompts for the head ranking (default --n)"),
+         arg("--seed", type=int, default=0),
+         arg("--batch-size", type=int, default=16, rule=Integer(ge=1)),
+         arg("--top-k", type=int, default=4, rule=Integer(ge=1), help="top units ablated in pairs (default 4)"),
+         arg("--channel-group", type=int, default=None, rule=Integer(ge=1, none=True),
+             help="Mamba-1 channels per unit (default d_inner/16)"),
+         arg("--random-draws", type=int, default=5, rule=Integer(ge=1), help="random head pairs in the control (default 5)"),
+         arg("--exhaustive", action="store_true", help="ablate every unit exactly (default: screened)"),
+         arg("--verify-top", type=int, default=40, rule=Integer(ge=1),
+             help="screened: candidates verified exactly, by each estimate (default 40: with --stage-n 6 "
+                  "--stage-keep 12, 9/10 of the exhaustive top 10 on SmolLM2-135M, in a replay of every "
+                  "unit's exact per-prompt scores and in the report itself)"),
+         arg("--refine", default="none", choices=["none", "scores", "qk"],
+             help="screened: the estimate's refinement (analysis.ga.screening; default none)"),
+         arg("--controls", type=int, default=10, rule=Integer(ge=0),
+             help="screened: random units verified exactly (default 10)"),
+         arg("--stage-n", type=int, default=6, rule=Integer(ge=1),
+             help="screened: verify the candidates on this many prompts first (those answered right "
+                  "first), then only the --stage-keep best of them on all (default 6)"),
+         arg("--one-stage", action="store_true", help="screened: verify every candidate on every prompt"),
+         arg("--stage-keep", type=int, default=12, rule=Integer(ge=1),
+             help="screened, staged: candidates verified on all prompts (default 12: the top 10 and two "
+                  "more; a control that ranks above the last of them at stage 1 goes on too)"),
+         arg("--replicas", type=int, default=None, rule=Integer(ge=1, none=True),
+             help="units ablated per forward (default: the batching rule)"),
+         arg("--out", default="out/ga", rule=WritableDir(), help="output directory"),
+         arg("--no-progress", action="store_true"))
+def ga_command(args: Any) -> int:
+    from analysis.ga.report import ga_report, task_for
+    from loaders import from_pretrained
+
+    model = from_pretrained(args.model)
+    summary = ga_report(model, args.out, args.pairs, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
+                        args.channel_group, progress=not args.no_progress, task=task_for(args.model),
+                        n_random=args.random_draws, method="exhaustive" if args.exhaustive else "screened",
+                        verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas,
+                        stage_n=None if args.one_stage else args.stage_n, stage_keep=args.stage_keep,
+                        refine=args.refine)
+    print_ga_summary(summary, args.out)
+    return 0
+
+
+def print_ga_summary(summary: dict[str, Any], out: Path) -> None:
+    for row in summary["sizes"]:
+        print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
+    for row in summary["top"][:5]:
+        print(f"{row['unit']:>10}  drop {row['drop']:+.3f} [{row['drop_lo']:+.3f}, {row['drop_hi']:+.3f}]  "
+              f"logprob drop {row['logprob_drop']:+.3f} [{row['logprob_drop_lo']:+.3f}, {row['logprob_drop_hi']:+.3f}]  "
+              f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
+    print(summary["separability_statement"])
+    if summary["screen"].get("exhaustive"):
+        print(f"exhaustive instead of screened: {summary['screen']['exhaustive']}")
+    elif summary["screen"]:
+        sc = summary["screen"]
+        staged = (f"; {sc['n_stage1']} candidates first on prompts {sc['stage_prompts']}" if sc.get("n_stage1") else "")
+        print(f"screened: {sc['n_verified']} of {sc['n_units']} units ablated exactly on every prompt ({sc['n_control']} "
+              f"random controls; beating the screen's 10th unit: {', '.join(sc['control_misses']) or 'none'}{staged})")
+    t = summary["timing"]["total"]
+    print(f"time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU")
+    rho = summary["agreement"]
+    print("Spearman(score, drop): " + ", ".join(f"{k} {'n/a' if v is None else f'{v:+.2f}'}" for k, v in rho.items()))
+    c = summary["control"]
+    r = c["random2"]
+    print(f"top-2 ablated {c['top2']['accuracy']:.3f} vs random-2 {r['mean_accuracy']:.3f} "
+          f"[{r['min_accuracy']:.3f}, {r['max_accuracy']:.3f}] over {len(r['draws'])} draws "
+          f"(baseline {c['baseline']:.3f}); files in {out}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,9 @@ from analysis.tasks.known_facts import SOURCE_SETS, FactPrompt, load_facts, pad_
 from analysis.interventions.batching import tiles_for
 from analysis.interventions.knockout import knockout
 from analysis.tasks.scoring import model_device
-from analysis.validate import NotAnIndex, layer_list, positive_int, writable_dir
+from analysis.intervals import mean_interval
+from analysis.validate import layer_list
+from hooked.validate import Flag, Integer, OneOf, Number, Seq, checked
 
 
 # ----------------------------------------------------------------------------------- results
@@ -124,36 +125,6 @@ def plot_info_flow(result: InfoFlowResult, path: str | Path | None = None, ax: A
     return fig
 
 
-def t_quantile(q: float, df: int) -> float:
-    """Quantile of Student's t distribution (bisection on a Simpson-integrated density)."""
-    if df < 1:
-        return math.nan
-    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x: float, steps: int = 2000) -> float:  # 0.5 + integral_0^x density, x >= 0
-        h = x / steps
-        dens = [math.exp(logc - (df + 1) / 2 * math.log1p((k * h) ** 2 / df)) for k in range(steps + 1)]
-        return 0.5 + h / 3 * (dens[0] + dens[-1] + 4 * sum(dens[1:-1:2]) + 2 * sum(dens[2:-1:2]))
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < q:
-        hi *= 2
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
-    return (lo + hi) / 2
-
-
-def mean_interval(values: Tensor, confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): mean +- t_{(1+confidence)/2, n-1} * std / sqrt(n); NaN bounds for n < 2."""
-    v = values.double()
-    mean = float(v.mean()) if len(v) else math.nan
-    if len(v) < 2:
-        return mean, math.nan, math.nan
-    half = t_quantile((1 + confidence) / 2, len(v) - 1) * float(v.std()) / math.sqrt(len(v))
-    return mean, mean - half, mean + half
-
-
 # --------------------------------------------------------------------------------- forwards
 def _device(model: Any) -> torch.device:
     return model_device(model)
@@ -202,6 +173,9 @@ def screen(model: Any, prompts: Sequence[FactPrompt], n: int | None = None, batc
 
 # ----------------------------------------------------------------------------------- sweep
 @torch.no_grad()
+@checked(window=Integer(ge=1), sources=Seq(OneOf(*SOURCE_SETS)), relation_includes_last=Flag(), batch_size=Integer(ge=1),
+         n=Integer(ge=1, none=True), require_correct=Flag(), attention=OneOf("scores", "pattern"), cut_conv=Flag(),
+         reuse_prefix=Flag(), confidence=Number(gt=0, lt=1), progress=Flag(), replicas=Integer(ge=1, none=True))
 def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = None, window: int = 9,
               sources: Sequence[str] = SOURCE_SETS, relation_includes_last: bool = True, batch_size: int = 16,
               n: int | None = None, require_correct: bool = True, attention: str = "scores",
@@ -218,14 +192,8 @@ def info_flow(model: Any, facts: Iterable[dict[str, Any]] | str | Path | None = 
         reuse_prefix: start each window's forward from the cached clean residual at its first layer.
         starts: window start layers to run (default: every layer).
         replicas: windows per forward (None: the rule `tiles_for`; 1: one window per forward).
+        confidence: of the t-intervals over facts, in (0, 1).
     """
-    window, batch_size = positive_int(window, "window"), positive_int(batch_size, "batch_size")
-    n = None if n is None else positive_int(n, "n")
-    if not isinstance(sources, (list, tuple)):
-        raise NotAnIndex(f"sources must be a list of source-set names from {SOURCE_SETS}, got {sources!r}")
-    unknown = [s for s in sources if s not in SOURCE_SETS]
-    if unknown or not sources:
-        raise ValueError(f"unknown source sets {unknown}; choose from {SOURCE_SETS}")
     n_layers = model.cfg.n_layers
     starts = list(range(n_layers)) if starts is None else layer_list(starts, n_layers, "starts")
     model._need_tokenizer()
@@ -294,54 +262,3 @@ def markdown_table(result: InfoFlowResult) -> str:
                  for s in result.sources]
         lines.append(f"| {start}-{end - 1} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-# -------------------------------------------------------------------------------------- CLI
-def add_knockout_parser(subparsers: Any) -> Any:
-    """`hooked knockout MODEL [--facts PATH] [--n N] [--window W] [--out DIR]`: the info-flow sweep."""
-    p = subparsers.add_parser("knockout", help="information flow to the last token (knockout sweep over windows)",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="hub id, local directory, .gguf file or alias (smollm2-135m)")
-    p.add_argument("--facts", default=None, help="known_1000.json-style file (default: the shipped copy)")
-    p.add_argument("--n", type=int, default=None, help="keep at most N facts (the first N the model gets right)")
-    p.add_argument("--screen", type=int, default=None, help="consider only the first M facts of the file")
-    p.add_argument("--window", type=int, default=9, help="layers per window (default 9)")
-    p.add_argument("--out", default="out/knockout", help="output directory (JSON, CSV, markdown, PNG)")
-    p.add_argument("--batch-size", type=int, default=16, help="facts per forward (default 16)")
-    p.add_argument("--attention", choices=("scores", "pattern"), default="scores")
-    p.add_argument("--cut-conv", action="store_true", help="also cut the SSM conv taps (SSM models)")
-    p.add_argument("--relation-excludes-last", action="store_true", help="relation set without the last token")
-    p.add_argument("--all-facts", action="store_true", help="keep facts the model gets wrong too")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=run_knockout, func=run_knockout)
-    return p
-
-
-def run_knockout(args: Any) -> int:
-    from loaders import from_pretrained
-
-    positive_int(args.window, "--window")
-    positive_int(args.batch_size, "--batch-size")
-    if args.n is not None:
-        positive_int(args.n, "--n")
-    if args.screen is not None:
-        positive_int(args.screen, "--screen")
-    out = writable_dir(args.out)  # before the sweep, not after it
-    model = from_pretrained(args.model)
-    result = info_flow(model, load_facts(args.facts, args.screen), window=args.window, batch_size=args.batch_size,
-                       n=args.n, require_correct=not args.all_facts, attention=args.attention,
-                       cut_conv=args.cut_conv, relation_includes_last=not args.relation_excludes_last,
-                       progress=not args.no_progress)
-    result.settings["model"] = str(args.model)
-    result.to_json(out / "info_flow.json")
-    result.to_csv(out / "info_flow.csv")
-    result.to_csv(out / "info_flow_facts.csv", per_fact=True)
-    table = markdown_table(result)
-    (out / "info_flow.md").write_text(table + "\n")
-    result.plot(out / "info_flow.png", title=f"{args.model}: knockout to the last token, "
-                                              f"{len(result.facts)} facts")
-    s = result.settings
-    print(f"{s['n_kept']} facts kept of {s['n_screened']} screened ({s['n_skipped']} skipped); window {args.window}")
-    print(table)
-    print(f"wrote {out}/info_flow.{{json,csv,md,png}} and info_flow_facts.csv")
-    return 0

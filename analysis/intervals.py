@@ -1,6 +1,8 @@
 """Intervals for small-sample tables: exact binomial for accuracies, paired bootstrap for drops.
 
 Glossary
+    t-interval        mean +- t_{(1+confidence)/2, n-1} * std / sqrt(n), Student's t quantile from
+                      scipy.stats (a mean over facts, prompts, ...; NaN bounds for fewer than 2 values)
     Clopper-Pearson   the exact binomial interval of a proportion k/n: the quantiles of
                       Beta(k, n-k+1) and Beta(k+1, n-k) (coverage >= 1 - alpha for every true p).
     paired bootstrap  a drop is a mean over the same examples with and without an intervention,
@@ -44,6 +46,18 @@ def _beta_cdf(x: float, a: float, b: float) -> float:
         return 1.0
     terms = logc + ks * math.log(x) + (n - ks) * math.log1p(-x)
     return float(terms.exp().sum())
+
+
+def mean_interval(values: Tensor, confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the t-interval of the mean of `values` (glossary)."""
+    from scipy.stats import t
+
+    v = values.double().reshape(-1)
+    mean = float(v.mean()) if len(v) else math.nan
+    if len(v) < 2:
+        return mean, math.nan, math.nan
+    half = float(t.ppf((1 + confidence) / 2, len(v) - 1)) * float(v.std()) / math.sqrt(len(v))
+    return mean, mean - half, mean + half
 
 
 def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:

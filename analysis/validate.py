@@ -1,4 +1,6 @@
-"""One validation layer for the indices analysis functions take: positions, layers, heads, channels.
+"""The analysis side of the validation layer: indices (positions, layers, heads, channels), metric
+values, example lists and output directories. Scalar arguments (counts, probabilities, flags,
+choices) use hooked.validate's rules, whose WrongType NotAnIndex is.
 
 Glossary
     index        a Python int (numpy / 0-d integer tensors too) in [-n, n); a negative one counts from
@@ -8,6 +10,9 @@ Glossary
     mask         a bool tensor (or list of bools) of exactly the axis' length, shape-checked
     what         the argument's name, put in every message with its valid range, e.g.
                  "layers=[9]: 9 is outside [-2, 2) (the model's 2 layers)"
+    metric value one number per run: a metric that returns a value per batch row is refused, not
+                 averaged behind the caller's back
+    WritableDir  an output directory created and written to at the check, before any work
 
 Used by knockout, ablation, patching, info_flow, ga and the CLI, so that each refuses the same
 inputs with the same kind of message. Nothing here wraps around silently: an index outside its
@@ -28,8 +33,10 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
+from hooked.validate import Integer, Rule, WrongType
 
-class NotAnIndex(TypeError, ValueError):
+
+class NotAnIndex(WrongType):
     """A float, bool, string or other non-integer where an index was expected."""
 
 
@@ -130,6 +137,29 @@ def positive_int(value: Any, what: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def metric_value(value: Any, what: str = "metric") -> float:
+    """A metric's result as a float: one number per run (a Python number or a one-element tensor).
+    A value per batch row is refused rather than averaged behind the caller's back."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(f"{what} must return one number per run (a scalar), got a tensor of shape "
+                             f"{tuple(value.shape)}: reduce it over the batch inside the metric (e.g. .mean())")
+        value = value.item()
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise WrongType(f"{what} must return one number per run (a scalar), got {type(value).__name__}")
+    return float(value)
+
+
+def nonempty(items: Any, what: str) -> list[Any]:
+    """`items` as a list, refused by name when empty (there is nothing to average or rank)."""
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise WrongType(f"{what}: expected a list of examples, got {type(items).__name__}")
+    items = list(items)
+    if not items:
+        raise ValueError(f"{what} is empty: pass at least one example")
+    return items
+
+
 def writable_dir(path: Any, what: str = "--out") -> Path:
     """Create `path` if needed and prove it writable now, before a long sweep writes there."""
     out = Path(path)
@@ -140,3 +170,52 @@ def writable_dir(path: Any, what: str = "--out") -> Path:
     except OSError as e:
         raise ValueError(f"{what} {str(out)!r} is not a writable directory ({e.strerror or e})") from None
     return out
+
+
+class WritableDir(Rule):
+    """An output directory, created if needed and proven writable at the check (`writable_dir`)."""
+
+    def allowed(self, args: dict[str, Any]) -> str:
+        return "a writable directory"
+
+    def _check(self, value: Any, name: str, args: dict[str, Any]) -> Path:
+        if not isinstance(value, (str, Path)):
+            raise self.wrong_type(value, name, args)
+        return writable_dir(value, name)
+
+
+class CommaInts(Rule):
+    """Comma-separated integers ("10,20,30") as a non-empty list, each passing `item`."""
+
+    def __init__(self, item: Rule = Integer(ge=1)) -> None:
+        self.item = item
+
+    def allowed(self, args: dict[str, Any]) -> str:
+        return f"comma-separated integers, each {self.item.allowed(args)}"
+
+    def _check(self, value: Any, name: str, args: dict[str, Any]) -> list[int]:
+        try:
+            items = [int(s) for s in str(value).split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"{name} must be comma-separated integers, got {value!r}") from None
+        if not items:
+            raise ValueError(f"{name} needs at least one integer, got {value!r}")
+        return [self.item.check(v, name, args) for v in items]
+
+
+class ExistingFile(Rule):
+    """A path to a file that exists now (an input read after a model is loaded, checked before)."""
+
+    def __init__(self, none: bool = False) -> None:
+        self.none = none
+
+    def allowed(self, args: dict[str, Any]) -> str:
+        return "an existing file"
+
+    def _check(self, value: Any, name: str, args: dict[str, Any]) -> Path:
+        if not isinstance(value, (str, Path)):
+            raise self.wrong_type(value, name, args)
+        if not Path(value).is_file():
+            raise ValueError(f"{name} {str(value)!r}: no such file")
+        return Path(value)
+

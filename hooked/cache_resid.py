@@ -7,7 +7,8 @@ Glossary
                  of ln_final), `n_layers` too. `mlp_input=True` moves the point to the input of
                  block `layer`'s MLP (its ln2).
     pos_slice    TransformerLens's Slice: None (all), an int (drops the axis), a tuple (slice(*t)),
-                 a slice, or a list / tensor of indices
+                 a slice, or a list / tensor of indices; refused by name when it selects no position
+                 or a position outside the axis (hooked.validate.pos_index)
     scale        the cached `hook_scale` of the norm that reads the residual at `layer` (ln1, ln2
                  or ln_final): apply_ln_to_stack divides by it, so the map stays linear
 
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from hooked.devices import onloaded
 from hooked.models.protocol import ExpertMixture, token_mixers, unit_tags
+from hooked.validate import Flag, Integer, checked, pos_index, token_ids
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
@@ -40,10 +42,9 @@ def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2) -> Tensor:
     """TransformerLens's Slice(pos_slice).apply(t, dim)."""
     if pos_slice is None:
         return t
-    if isinstance(pos_slice, tuple):
-        pos_slice = slice(*pos_slice)
-    if isinstance(pos_slice, (list, Tensor)):
-        pos_slice = torch.as_tensor(pos_slice, device=t.device, dtype=torch.long)
+    pos_slice = pos_index(pos_slice, t.shape[dim])  # refuses what selects nothing or is no position
+    if torch.is_tensor(pos_slice):
+        pos_slice = pos_slice.to(t.device)
     index = [slice(None)] * t.ndim
     index[dim] = pos_slice
     return t[tuple(index)]
@@ -63,7 +64,10 @@ class ResidualStreamMethods:
     # ------------------------------------------------------------------------------- helpers
     def _final_layer(self, layer: int | None) -> int:
         n = self.n_layers
-        if layer is None or layer == -1:
+        if layer is None:
+            return n
+        layer = Integer().check(layer, "layer")
+        if layer == -1:
             return n
         if not 0 <= layer <= n:
             raise ValueError(f"layer={layer} is outside [0, {n}] (or -1 / None for the final residual)")
@@ -84,11 +88,16 @@ class ResidualStreamMethods:
         return norm, norm.hook_scale.name.rsplit(".", 1)[0]
 
     # ----------------------------------------------------------------------------- layer norm
+    @checked(mlp_input=Flag(), has_batch_dim=Flag(none=True), recompute_ln=Flag())
     def apply_ln_to_stack(self, residual_stack: Tensor, layer: int | None = None, mlp_input: bool = False,
                           pos_slice: SliceInput = None, batch_slice: SliceInput = None,
                           has_batch_dim: bool | None = None, recompute_ln: bool = False) -> Tensor:
         """Normalise a stack of components as the norm at `layer` normalised the full residual."""
         layer = self._final_layer(layer)
+        d_model = self.model.cfg.d_model
+        if not torch.is_tensor(residual_stack) or residual_stack.ndim < 2 or residual_stack.shape[-1] != d_model:
+            shape = tuple(residual_stack.shape) if torch.is_tensor(residual_stack) else type(residual_stack).__name__
+            raise ValueError(f"apply_ln_to_stack: residual_stack must be [..., pos, d_model={d_model}], got {shape}")
         has_batch_dim = self.has_batch_dim if has_batch_dim is None else has_batch_dim
         if has_batch_dim and batch_slice is not None:
             residual_stack = slice_pos(residual_stack, batch_slice, dim=1)
@@ -106,6 +115,7 @@ class ResidualStreamMethods:
             return norm.normalize_with_scale(residual_stack.to(device), scale.to(device))
 
     # --------------------------------------------------------------------------- residuals
+    @checked(incl_mid=Flag(), apply_ln=Flag(), mlp_input=Flag(), return_labels=Flag())
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
                           pos_slice: SliceInput = None, mlp_input: bool = False, return_labels: bool = False):
         """The residual stream at the input of blocks 0..layer (layer None / -1 / n_layers: then the
@@ -128,6 +138,7 @@ class ResidualStreamMethods:
                                            recompute_ln=layer == self.n_layers)
         return (stack, labels) if return_labels else stack
 
+    @checked(mlp_input=Flag(), apply_ln=Flag(), incl_embeds=Flag(), return_labels=Flag())
     def decompose_resid(self, layer: int | None = None, mlp_input: bool = False, mode: str = "all",
                         apply_ln: bool = False, pos_slice: SliceInput = None, incl_embeds: bool = True,
                         return_labels: bool = False):
@@ -209,6 +220,7 @@ class ResidualStreamMethods:
                     device = next(mixer.parameters()).device
                     self.cache_dict[name] = mixer.head_writes(x.to(device)).to(x.device)
 
+    @checked(return_labels=Flag(), incl_remainder=Flag(), apply_ln=Flag(), incl_shared=Flag())
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: SliceInput = None, apply_ln: bool = False, incl_shared: bool = False):
         """Each unit's write to the residual for blocks < layer (-1: all): [unit, (batch,) pos, d_model],
@@ -259,6 +271,7 @@ class ResidualStreamMethods:
     def _mlp_writer(self, l: int) -> Any:
         return next((w for w in self.model.blocks[l].writers() if w.kind == "mlp"), None)
 
+    @checked(return_labels=Flag(), incl_remainder=Flag(), apply_ln=Flag())
     def stack_neuron_results(self, layer: int, pos_slice: SliceInput = None, neuron_slice: SliceInput = None,
                              return_labels: bool = False, incl_remainder: bool = False, apply_ln: bool = False):
         """Each MLP neuron's write to the residual for blocks < layer: [neuron, (batch,) pos, d_model],
@@ -299,6 +312,7 @@ class ResidualStreamMethods:
         return parts, labels
 
     # ------------------------------------------------------------------------- attribution
+    @checked(mlp_input=Flag(), expand_neurons=Flag(), apply_ln=Flag(), return_labels=Flag())
     def get_full_resid_decomposition(self, layer: int | None = None, mlp_input: bool = False,
                                      expand_neurons: bool = True, apply_ln: bool = False,
                                      pos_slice: SliceInput = None, return_labels: bool = False):
@@ -362,17 +376,22 @@ class ResidualStreamMethods:
         component's). Tokens: an id, a str (one token), or a tensor of ids."""
         directions = self._token_directions(tokens)
         if incorrect_tokens is not None:
-            wrong = self._token_directions(incorrect_tokens)
+            wrong = self._token_directions(incorrect_tokens, "incorrect_tokens")
             if wrong.shape != directions.shape:
                 raise ValueError(f"tokens and incorrect_tokens must have the same shape: "
                                  f"{tuple(directions.shape[:-1])} vs {tuple(wrong.shape[:-1])}")
             directions = directions - wrong
         scaled = self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
                                         has_batch_dim=has_batch_dim)
+        try:
+            torch.broadcast_shapes(directions.shape[:-1], scaled.shape[1:-1])
+        except RuntimeError:
+            raise ValueError(f"logit_attrs: tokens of shape {tuple(directions.shape[:-1])} do not match the stack's "
+                             f"{'[batch pos]' if has_batch_dim else '[pos]'} = {tuple(scaled.shape[1:-1])}") from None
         return (scaled * directions).sum(-1) * self.model.unembed.scale
 
-    def _token_directions(self, tokens: Any) -> Tensor:
+    def _token_directions(self, tokens: Any, name: str = "tokens") -> Tensor:
         if isinstance(tokens, str):
             tokens = self.model.to_single_token(tokens)
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.unembed.weight.device)
+        ids = token_ids(tokens, self.model.cfg.d_vocab, f"logit_attrs: {name}").to(self.model.unembed.weight.device)
         return self.model.unembed.weight[ids]  # W_U[:, token] as rows: [..., d_model]

@@ -59,6 +59,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from hooked.validate import Device, Flag, Integer, WrongType, checked, pos_index
+
 HookFn = Callable[[Tensor, "HookPoint"], Union[Tensor, None]]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
@@ -407,6 +409,9 @@ class HookedRootModule(nn.Module):
             return [p.name for p in self._resolve(names_filter)]
         if callable(names_filter):
             return [n for n in self.hook_dict if names_filter(n) and not self._gated(n)]
+        if not isinstance(names_filter, (list, tuple, set, frozenset)):
+            raise WrongType(f"names_filter: expected None, a hook name, a list of names or a function of the name, "
+                            f"got {names_filter!r} ({type(names_filter).__name__})")
         return [p.name for n in names_filter for p in self._resolve(n)]
 
     # ------------------------------------------------------------------------------ add / remove
@@ -431,8 +436,9 @@ class HookedRootModule(nn.Module):
     def hooks(self, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = ()) -> Iterator["HookedRootModule"]:
         """Context manager: hooks visible to this thread / task only, attached on entry, removed on exit."""
         # resolve everything first so that a bad name attaches nothing
-        plan = [(p, fn, False) for n, fn in fwd_hooks for p in self._resolve(n)]
-        plan += [(p, _as_backward_hook(fn), False) for n, fn in bwd_hooks for p in self._resolve(n)]
+        plan = [(p, fn, False) for n, fn in hook_pairs(fwd_hooks, "fwd_hooks") for p in self._resolve(n)]
+        plan += [(p, _as_backward_hook(fn), False) for n, fn in hook_pairs(bwd_hooks, "bwd_hooks")
+                 for p in self._resolve(n)]
         with scoped_hooks(plan):
             yield self
 
@@ -445,8 +451,8 @@ class HookedRootModule(nn.Module):
             with self.hooks(fwd_hooks=fwd_hooks, bwd_hooks=bwd_hooks):
                 out = self(*args, **kwargs)
         else:
-            plan = [(p, fn, "fwd") for n, fn in fwd_hooks for p in self._resolve(n)]
-            plan += [(p, fn, "bwd") for n, fn in bwd_hooks for p in self._resolve(n)]
+            plan = [(p, fn, "fwd") for n, fn in hook_pairs(fwd_hooks, "fwd_hooks") for p in self._resolve(n)]
+            plan += [(p, fn, "bwd") for n, fn in hook_pairs(bwd_hooks, "bwd_hooks") for p in self._resolve(n)]
             for p, fn, direction in plan:
                 self.add_hook(p.name, fn, dir=direction)
             out = self(*args, **kwargs)
@@ -455,6 +461,8 @@ class HookedRootModule(nn.Module):
                 p.ctx = {}
         return out
 
+    @checked(device=Device(none=True), remove_batch_dim=Flag(), detach=Flag(), incl_lazy=Flag(),
+             max_cache_bytes=Integer(ge=0, none=True), incl_bwd=Flag())
     def run_with_cache(self, *args: Any, names_filter: NamesFilter = None, device: str | torch.device | None = None,
                        remove_batch_dim: bool = False, detach: bool = True, incl_lazy: bool = False,
                        max_cache_bytes: int | None = None, incl_bwd: bool = False, pos_slice: Any = None,
@@ -478,6 +486,9 @@ class HookedRootModule(nn.Module):
         from hooked.cache_resid import slice_pos
 
         store: dict[str, Tensor] = {}
+        shape = self._batch_pos(args, kwargs)
+        if pos_slice is not None and shape is not None:
+            pos_slice = pos_index(pos_slice, shape[1], "run_with_cache: pos_slice")
         if isinstance(pos_slice, int):
             pos_slice = slice(pos_slice, pos_slice + 1 if pos_slice != -1 else None)
 
@@ -493,7 +504,6 @@ class HookedRootModule(nn.Module):
         names = self.names_matching(names_filter)
         if names_filter is None and not incl_lazy:
             names = [n for n in names if not self.hook_dict[n].lazy]
-        shape = self._batch_pos(args, kwargs)
         if shape is not None:
             check_cache_budget(self, names, *shape, max_bytes=max_cache_bytes, device=device)
         bwd = [(n, save_grad) for n in names] if incl_bwd else []
@@ -520,6 +530,17 @@ class HookedRootModule(nn.Module):
         """Hook names in forward order, optionally filtered by a regular expression."""
         names = list(self.hook_dict)
         return [n for n in names if re.search(pattern, n)] if pattern else names
+
+
+def hook_pairs(hooks: Any, what: str) -> list[tuple[Any, HookFn]]:
+    """`hooks` as a list of (name or filter, function) pairs, refused by name when it is not one."""
+    if isinstance(hooks, (str, bytes)) or not isinstance(hooks, (list, tuple)):
+        raise WrongType(f"{what}: expected a list of (hook name or filter, function) pairs, got {hooks!r} "
+                        f"({type(hooks).__name__})")
+    for i, pair in enumerate(hooks):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise WrongType(f"{what}[{i}]: expected a (hook name or filter, function) pair, got {pair!r}")
+    return list(hooks)
 
 
 def _version(t: Tensor) -> int | None:

@@ -33,8 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from hooked.models.norms import LayerNorm
+from hooked.validate import Flag, checked
 
 
+@checked(fold_ln=Flag(), center_writing_weights=Flag(), center_unembed=Flag(), fold_value_biases=Flag())
 def process_weights(model: Any, fold_ln: bool = True, center_writing_weights: bool = True,
                     center_unembed: bool = True, fold_value_biases: bool = True) -> Any:
     """Apply the chosen steps in place (TL's order) and return the model.

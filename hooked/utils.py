@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from hooked.models.base import lm_loss as _lm_loss
+from hooked.validate import Flag, Integer, Text, WrongType, checked
 
 _ATTN = {"k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores"}
 _MLP = {"pre", "post", "mid", "pre_linear"}
@@ -26,6 +27,10 @@ _NAME_ALIAS = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "que
 
 def get_act_name(name: str, layer: int | str | None = None, layer_type: str | None = None) -> str:
     """The full hook name for a short activation name (TransformerLens's `utils.get_act_name`)."""
+    if not isinstance(name, str) or not name:
+        raise WrongType(f"get_act_name: name: expected a non-empty string, got {name!r} ({type(name).__name__})")
+    if layer is not None and not (isinstance(layer, str) and layer.isdigit()):
+        layer = Integer(ge=0).check(layer, "get_act_name: layer")
     if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
         return name  # already a full name
     match = re.match(r"([a-z_]+)(\d+)([a-z]?.*)", name)
@@ -55,6 +60,8 @@ def lm_cross_entropy_loss(logits, tokens, attention_mask=None, per_token: bool =
     return _lm_loss(logits, tokens, mask, per_token)
 
 
+@checked(prompt=Text(), prepend_space_to_answer=Flag(), print_details=Flag(), prepend_bos=Flag(none=True),
+         top_k=Integer(ge=1))
 def test_prompt(prompt: str, answer: str | list[str], model, prepend_space_to_answer: bool = True,
                 print_details: bool = True, prepend_bos: bool | None = None, top_k: int = 10):
     """TL's `utils.test_prompt`: the rank, logit and probability of the answer's tokens after `prompt`

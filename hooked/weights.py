@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
+from hooked.validate import Flag, Integer, checked, token_ids
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
@@ -216,10 +217,14 @@ class ModelWeights:
     def tokens_to_residual_directions(self, tokens: Any) -> Tensor:
         """W_U's column of each token, [..., d_model] (TL's name); a str must be one token."""
         if isinstance(tokens, str):
-            tokens = self.to_single_token(tokens)
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.unembed.weight.device)
-        return self.unembed.weight[ids]
+            try:
+                tokens = self.to_single_token(tokens)
+            except ValueError as e:
+                raise ValueError(f"tokens_to_residual_directions: tokens={tokens!r}: {e}") from None
+        ids = token_ids(tokens, self.cfg.d_vocab, "tokens_to_residual_directions: tokens")
+        return self.unembed.weight[ids.to(self.unembed.weight.device)]
 
+    @checked(layer=Integer(ge=0, le=lambda args: args["self"].cfg.n_layers), mlp_input=Flag(), include_mlp_biases=Flag())
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj: each sublayer's
         `output_bias()`, times its block's output scale) every block before `layer` writes, plus block
@@ -249,7 +254,7 @@ class ModelWeights:
 
     def to_single_str_token(self, int_token: int) -> str:
         """The string of one token id (TL's)."""
-        return self.tokenizer.decode([int(int_token)])
+        return self.tokenizer.decode([int(token_ids(int_token, self.cfg.d_vocab, "to_single_str_token: int_token"))])
 
     def stacked_weight(self, name: str) -> Tensor:
         """`name` of every block's attn / mlp / mixer, stacked: [n_layers, ...]."""

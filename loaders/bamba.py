@@ -1,4 +1,4 @@
-"""BambaForCausalLM checkpoints (model_type "bamba") -> hooked.models.bamba.HookedBamba.
+"""BambaForCausalLM checkpoints (model_type "bamba") -> hooked.models.bamba (build).
 
 Glossary of HF config fields (BambaConfig) and ours (hooked.models.bamba.BambaConfig):
     num_hidden_layers -> n_layers, hidden_size -> d_model, vocab_size -> d_vocab, intermediate_size -> d_mlp,

@@ -30,11 +30,13 @@ SIZE_FIELDS = (  # HF config fields that are sizes or counts (>= 1) wherever the
     "num_key_value_heads", "intermediate_size", "n_inner", "n_positions", "max_position_embeddings",
     "head_dim", "state_size", "num_heads", "conv_kernel", "chunk_size", "n_groups", "time_step_rank",
     "n_mamba_heads", "mamba_d_state", "mamba_d_conv", "mamba_headdim", "mamba_ngroups", "attention_head_dim",
-    "num_mem_blocks", "adapter_rank",
+    "num_mem_blocks", "adapter_rank", "attn_layer_period", "expert_layer_period", "num_experts_per_tok",
+    "sliding_window_pattern",
 )
-POSITIVE_NUMBER_FIELDS = ("expand", "mamba_expand", "rope_theta")
+POSITIVE_NUMBER_FIELDS = ("expand", "mamba_expand", "rope_theta", "query_pre_attn_scalar")
 EPS_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps")
 DTYPE_FIELDS = ("dtype", "torch_dtype")
+PATTERN_SYMBOLS = "M*-E"  # NemotronH's hybrid_override_pattern
 
 
 class ConfigError(ValueError):
@@ -65,6 +67,13 @@ def check_hf_config(raw: Any, origin: str) -> dict[str, Any]:
     for name in EPS_FIELDS:
         if raw.get(name) is not None:
             _positive_number(raw[name], f"{origin}: config field {name}")
+    pattern = raw.get("hybrid_override_pattern")
+    if pattern is not None:
+        bad = sorted(set(pattern) - set(PATTERN_SYMBOLS)) if isinstance(pattern, str) else None
+        if bad is None or bad or not pattern:
+            raise ConfigError(f"{origin}: config field hybrid_override_pattern={pattern!r} must be a non-empty string "
+                              f"of {PATTERN_SYMBOLS!r} (Mamba-2, attention, MLP, MoE)"
+                              + (f"; unknown: {bad}" if bad else ""))
     for name in DTYPE_FIELDS:
         value = raw.get(name)
         if value is not None and not (isinstance(value, str) and value.removeprefix("torch.") == "auto"):

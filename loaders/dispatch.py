@@ -73,7 +73,8 @@ def plan_device_map(model: nn.Module, device_map: str | DeviceMap, *, max_memory
         return _tie(model, {k: _normalise(v) for k, v in planned.items()}, strict=False)
     if not isinstance(device_map, dict):
         raise TypeError(f"device_map must be a str or a dict, got {type(device_map).__name__}")
-    devices = {k: _normalise(v) for k, v in device_map.items()}
+    devices = {k: _normalise(v, f"device_map[{k!r}]") for k, v in device_map.items()}
+    _check_known(model, devices)
     _check_covers(model, devices)
     return _tie(model, devices, strict=True)
 
@@ -99,18 +100,91 @@ def _untied(model: nn.Module) -> Iterator[None]:
             m._parameters[n] = p
 
 
-def _normalise(device: Any) -> Any:
-    """0 / "cuda:0" / torch.device("cuda", 0) -> 0; "cpu", "disk" kept; anything else refused."""
-    if isinstance(device, int) or device in ("cpu", "disk"):
+def _normalise(device: Any, what: str = "device_map") -> Any:
+    """0 / "cuda:0" / torch.device("cuda", 0) -> 0; "cpu", "disk" kept; anything else refused by name
+    (mps, meta, a GPU this machine does not have, a negative index, a bool)."""
+    if isinstance(device, str) and device in ("cpu", "disk"):
         return device
+    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+        raise ValueError(f"{what}={device!r}: expected a GPU index, 'cuda:i', 'cpu' or 'disk'")
     try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r} in device_map (use a GPU index, 'cuda:i', 'cpu' or 'disk')") \
-            from None
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{what}={device!r}: unknown device (use a GPU index, 'cuda:i', 'cpu' or 'disk')") from None
     if d.type == "cpu":
         return "cpu"
-    return (d.index or 0) if d.type == "cuda" else str(d)
+    if d.type != "cuda":
+        raise ValueError(f"{what}={device!r}: device maps place modules on CUDA GPUs, 'cpu' or 'disk' "
+                         f"(accelerate's dispatch), not on {d.type!r}")
+    index = d.index or 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"{what}={device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return index
+
+
+def check_placement(device_map: Any, max_memory: Any, offload_folder: Any) -> None:
+    """from_pretrained's placement arguments, checked before anything is read: max_memory and
+    offload_folder only with a device_map (without one they would be ignored), max_memory only with a
+    planner's name (a dict places every module itself), each max_memory entry a device and bytes >= 0."""
+    if device_map is None:
+        given = [n for n, v in (("max_memory", max_memory), ("offload_folder", offload_folder)) if v is not None]
+        if given:
+            names = " and ".join(f"{n}={v!r}" for n, v in (("max_memory", max_memory),
+                                                              ("offload_folder", offload_folder)) if v is not None)
+            raise ValueError(f"from_pretrained: {names}: only used with device_map=, and ignored without one "
+                             f"(pass device_map='auto', or drop {' and '.join(given)})")
+        return
+    if isinstance(device_map, str):
+        if device_map not in PLANNERS:
+            raise ValueError(f"device_map={device_map!r}: expected one of {', '.join(PLANNERS)} or a dict")
+    elif isinstance(device_map, dict):
+        for key, value in device_map.items():
+            if not isinstance(key, str):
+                raise ValueError(f"device_map key {key!r}: expected a module name (a str; '' for the whole model)")
+            _normalise(value, f"device_map[{key!r}]")
+        if max_memory is not None:
+            raise ValueError("max_memory is read by the planners (device_map='auto', 'balanced', ...); a dict "
+                             "device_map places every module itself: drop max_memory")
+    else:
+        raise TypeError(f"device_map must be a str or a dict, got {type(device_map).__name__}")
+    if max_memory is not None:
+        if not isinstance(max_memory, dict) or not max_memory:
+            raise ValueError(f"max_memory={max_memory!r}: expected a dict {{device: bytes or '10GiB'}}")
+        for key, value in max_memory.items():
+            _normalise(key, f"max_memory key {key!r}")
+            memory_bytes(value, f"max_memory[{key!r}]")
+    if offload_folder is not None and not isinstance(offload_folder, (str, Path)):
+        raise TypeError(f"offload_folder must be a path, got {type(offload_folder).__name__}")
+
+
+def memory_bytes(value: Any, what: str) -> int:
+    """Bytes from an int >= 0 or a size string ("10GiB", "500MB"), refused by name otherwise."""
+    if isinstance(value, str):
+        from accelerate.utils import convert_file_size_to_int
+
+        try:
+            n = convert_file_size_to_int(value)
+        except ValueError:
+            n = None
+        if n is None or n < 0:
+            raise ValueError(f"{what}={value!r}: expected bytes >= 0 or a size like '10GiB'")
+        return int(n)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}={value!r}: expected bytes >= 0 (an int) or a size like '10GiB'")
+    return value
+
+
+def _check_known(model: nn.Module, devices: DeviceMap) -> None:
+    """Every key of a dict map names the model, one of its modules or one of its parameters."""
+    import difflib
+
+    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    unknown = [k for k in devices if k not in names]
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, names, n=2) for k in unknown}
+        listed = "; ".join(f"{k!r}" + (f" (did you mean {', '.join(map(repr, h))}?)" if h else "")
+                           for k, h in hints.items())
+        raise ValueError(f"device_map names no module of the model: {listed}")
 
 
 def entry_of(name: str, devices: DeviceMap) -> str | None:

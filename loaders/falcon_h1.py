@@ -1,4 +1,4 @@
-"""FalconH1ForCausalLM checkpoints (model_type "falcon_h1") -> hooked.models.falcon_h1.HookedFalconH1.
+"""FalconH1ForCausalLM checkpoints (model_type "falcon_h1") -> hooked.models.falcon_h1 (build).
 
 Glossary of HF config fields (FalconH1Config) and ours: Bamba's Mamba-2 fields (loaders/bamba.py) with
 mamba_d_ssm -> d_inner (when set), projectors_bias -> out_bias, mamba_rms_norm -> ssm_norm,

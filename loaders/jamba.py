@@ -1,4 +1,4 @@
-"""JambaForCausalLM checkpoints (model_type "jamba") -> hooked.models.jamba.HookedJamba.
+"""JambaForCausalLM checkpoints (model_type "jamba") -> hooked.models.jamba (build).
 
 Glossary of HF config fields (JambaConfig) and ours: attn_layer_period / attn_layer_offset -> layer_types,
 expert_layer_period / expert_layer_offset -> mlp_types, mamba_expand * hidden_size -> d_inner,

@@ -44,8 +44,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from loaders.checks import (ConfigError, check_hf_config, check_model_config, config_dtype, read_json, shard_path,
-                            weight_map)
+from loaders.checks import (ConfigError, check_float_dtype, check_hf_config, check_model_config, config_dtype,
+                            read_json, shard_path, weight_map)
+from hooked.validate import Device, Flag, Text, check, checked
+from loaders.dispatch import check_placement
 from loaders.hub import looks_like_repo_id, resolve_repo
 from loaders.meta import build_on_meta, materialise
 from loaders.placement import Placement
@@ -86,6 +88,7 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------- entry points
+@checked(allow_pickle=Flag(), revision=Text(none=True), mmap=Flag(none=True))
 def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                     allow_pickle: bool = False, revision: str | None = None, device_map: str | dict | None = None,
                     max_memory: dict | None = None, offload_folder: str | Path | None = None,
@@ -129,8 +132,13 @@ def from_pretrained(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = 
         TypeError: an unknown keyword (named).
     """
     _check_processing(processing)
+    check_placement(device_map, max_memory, offload_folder)
+    dtype = _load_dtype(dtype)
+    device = check(device, "from_pretrained: device", Device(meta=True))  # meta: refused below, after mmap's check
     placement = Placement(dtype=dtype, device=device, device_map=device_map, max_memory=max_memory,
                           offload_folder=offload_folder, mmap=mmap)
+    if device.type == "meta":
+        raise ValueError("from_pretrained: device='meta': the meta device holds no data; load onto 'cpu' or a GPU")
     path = resolve_checkpoint(path_or_repo_id, revision=revision, allow_pickle=allow_pickle)
     if path.is_file():  # GGUF: every tensor is converted, so nothing can be file-backed; mmap= decides nothing
         return _processed(load_gguf(path, dataclasses.replace(placement, mmap=None)), processing)
@@ -146,10 +154,17 @@ def from_pretrained_no_processing(path_or_repo_id: str | Path, **kwargs: Any) ->
 
 
 def _check_processing(processing: dict[str, bool]) -> None:
-    """Refuse unknown processing keywords before anything is read."""
+    """Refuse unknown processing keywords, and values other than True / False, before anything is read."""
     unknown = sorted(set(processing) - set(PROCESSING))
     if unknown:
         raise TypeError(f"unknown keyword(s) {unknown}; weight processing takes {list(PROCESSING)}")
+    for name, value in processing.items():
+        check(value, f"from_pretrained: {name}", Flag())
+
+
+def _load_dtype(dtype: Any) -> torch.dtype | None:
+    """None or a floating torch.dtype (a name such as "float32" is refused: pass torch.float32)."""
+    return None if dtype is None else check_float_dtype(dtype, "from_pretrained: dtype")
 
 
 def _processed(model: Any, processing: dict[str, bool]) -> Any:

@@ -1,4 +1,4 @@
-"""HF MambaForCausalLM / FalconMambaForCausalLM checkpoints -> HookedMamba.
+"""HF MambaForCausalLM / FalconMambaForCausalLM checkpoints -> hooked.models.mamba (build).
 
 Glossary (HF config field -> MambaConfig field)
     num_hidden_layers -> n_layers      hidden_size -> d_model       vocab_size -> d_vocab

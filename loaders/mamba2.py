@@ -1,4 +1,4 @@
-"""Mamba2ForCausalLM checkpoints -> HookedMamba2.
+"""Mamba2ForCausalLM checkpoints -> hooked.models.mamba2 (build).
 
 Glossary of HF config fields (Mamba2Config) and ours (hooked.models.mamba2.Mamba2Config):
     hidden_size -> d_model, num_hidden_layers -> n_layers, num_heads -> n_heads (SSM heads),

@@ -1,4 +1,4 @@
-"""NemotronHForCausalLM checkpoints (model_type "nemotron_h") -> hooked.models.nemotron_h.HookedNemotronH.
+"""NemotronHForCausalLM checkpoints (model_type "nemotron_h") -> hooked.models.nemotron_h (build).
 
 Glossary of HF config fields (NemotronHConfig) and ours: layers_block_type / layer_types, or the legacy
 hybrid_override_pattern string -> layer_types; mamba_num_heads -> n_heads, mamba_head_dim -> d_head,
@@ -37,6 +37,10 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
         kinds = NemotronHConfig.layer_types_of(hf["hybrid_override_pattern"])
     if not kinds:
         raise ValueError("NemotronH config without layers_block_type or hybrid_override_pattern")
+    n_layers = hf.get("num_hidden_layers")
+    if n_layers is not None and n_layers != len(kinds):
+        raise ValueError(f"NemotronH config: num_hidden_layers={n_layers} but the layer pattern has {len(kinds)} "
+                         f"entries ({''.join(kinds) if isinstance(kinds, str) else list(kinds)})")
     unknown = sorted({k for k in kinds if k not in LAYER_TYPES})
     if unknown:
         raise ValueError(f"NemotronH layer types {unknown} are not supported (known: {', '.join(LAYER_TYPES)})")

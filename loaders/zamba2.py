@@ -1,4 +1,4 @@
-"""Zamba2ForCausalLM checkpoints (model_type "zamba2") -> hooked.models.zamba2.HookedZamba2.
+"""Zamba2ForCausalLM checkpoints (model_type "zamba2") -> hooked.models.zamba2 (build).
 
 Glossary of HF config fields (Zamba2Config) and ours (hooked.models.zamba2.Zamba2Config):
     num_hidden_layers -> n_layers, hidden_size -> d_model, vocab_size -> d_vocab,

@@ -1,5 +1,5 @@
 """Careless analysis arguments: refused with the argument's name and valid range, never rounded,
-wrapped or split (issue 13, defects 5-10, 13, 14), and the validation layer itself.
+wrapped or split, and the validation layer itself.
 
 A refused call leaves no hook behind and the model's logits bit-identical.
 """
@@ -52,7 +52,7 @@ def run_knockout(model, **kw):
         return model(TOKENS)
 
 
-# ------------------------------------------------------------------- defect 5: floats, strings
+# ------------------------------------------------------------------- floats, strings
 KNOCKOUT_CASES = {  # name -> (model, kwargs, error, message)
     "layers float": ("llama", {"layers": [1.7]}, NotAnIndex, r"layers: expected an integer index .* got 1\.7"),
     "layers bool": ("llama", {"layers": [True]}, NotAnIndex, r"got True"),
@@ -97,7 +97,7 @@ def test_ablate_heads_refuses(llama, head, error, message):
     unchanged(llama, reference)
 
 
-# ------------------------------------------------------------------------ defect 6: no modulo
+# ------------------------------------------------------------------------ no modulo
 def test_decay_split_layer_out_of_range(mamba):
     with pytest.raises(IndexOutOfRange, match=r"layer: 99 is outside \[-2, 2\)"):
         decay_split(mamba, 99)
@@ -114,7 +114,7 @@ def test_info_flow_starts_out_of_range(llama):
         info_flow(llama, [], starts=[99])
 
 
-# --------------------------------------------------------- defect 7: attribution cache shape
+# --------------------------------------------------------- attribution cache shape
 @pytest.mark.parametrize("source", [TOKENS[:, :1], TOKENS.expand(2, -1), torch.arange(8)[None]],
                          ids=["1 token", "batch 2", "8 tokens"])
 def test_attribution_patch_cache_shape_checked(llama, source):
@@ -123,7 +123,7 @@ def test_attribution_patch_cache_shape_checked(llama, source):
         attribution_patch(llama, TOKENS, cache, lambda l: l[0, -1, 0], "blocks.{layer}.hook_resid_pre")
 
 
-# ---------------------------------------------------------------- defect 8: axes that exist
+# ---------------------------------------------------------------- axes that exist
 def test_act_patch_layer_axis_needs_a_layer_template(llama):
     _, cache = llama.run_with_cache(TOKENS)
     with pytest.raises(ValueError, match=r"over has 'layer' but the template .* has no \{layer\}"):
@@ -155,7 +155,7 @@ def test_patch_head_index_where_heads_exist(llama):
     assert torch.equal(out, llama.run_with_hooks(corrupted, fwd_hooks=[("blocks.0.attn.hook_z", by_hand)]))
 
 
-# ------------------------------------------------------------------ defect 9: distinct keys
+# ------------------------------------------------------------------ distinct keys
 def test_kv_retrieval_refuses_repeated_words():
     with pytest.raises(ValueError, match=r"repeated: \['a'\]"):
         kv_retrieval(2, 3, words=("a", "a", "b"))
@@ -167,7 +167,7 @@ def test_kv_retrieval_refuses_repeated_words():
         assert len(set(ex.meta["keys"])) == 3
 
 
-# ------------------------------------------------------------------- defects 10, 14: the CLI
+# ------------------------------------------------------------------- the CLI
 @pytest.mark.parametrize("argv, message", [
     (["knockout", "M", "--n", "-1"], r"--n=-1: must be >= 1"),
     (["knockout", "M", "--n", "0"], r"--n=0: must be >= 1"),
@@ -195,7 +195,7 @@ def test_cli_checks_the_output_directory_first(command, capsys, tmp_path):
     assert "--out" in err and "not a writable directory" in err, err  # before the model is even loaded
 
 
-# ----------------------------------------------------------------- defect 13: widths checked
+# ----------------------------------------------------------------- widths checked
 def test_start_at_layer_refuses_a_residual_of_another_width(llama):
     with pytest.raises(ValueError, match=r"d_model=32\] with pos >= 1, got shape \(1, 6, 16\)"):
         llama(torch.zeros(1, 6, 16), start_at_layer=1)

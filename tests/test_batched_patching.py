@@ -1,4 +1,4 @@
-"""Batched patch sweeps (issue 17): r different patches in one forward, one per block of batch rows,
+"""Batched patch sweeps: r different patches in one forward, one per block of batch rows,
 equal one patch per forward; the tiling rule; screened_patch's batched verification.
 
 Glossary

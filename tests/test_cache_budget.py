@@ -1,4 +1,4 @@
-"""run_with_cache fits in memory (issue 12, defect 8): lazy hooks are opt-in, sizes are estimated before
+"""run_with_cache fits in memory: lazy hooks are opt-in, sizes are estimated before
 the forward, and a request past the budget is refused at once with the sizes and a filter that fits.
 
 The real-size case (a 24-layer Mamba-1 of mamba-130m's width at 1,024 tokens) runs in a subprocess

@@ -1,5 +1,4 @@
-"""Careless or hostile checkpoints: refused up front with the file and field named (issue 13,
-defects 3, 4, 11, 12 and the confusing messages).
+"""Careless or hostile checkpoints: refused up front with the file and field named.
 
 Each case starts from one tiny saved Llama (or GPT-2 / Mamba / Mamba-2), breaks one thing, and
 expects a ValueError whose message names what is wrong; nothing is half loaded.
@@ -54,7 +53,7 @@ def edit_config(d, **fields):
     (d / "config.json").write_text(json.dumps(cfg))
 
 
-# ------------------------------------------------------------------------ defect 11: config values
+# ------------------------------------------------------------------------ config values
 CONFIG_CASES = [  # (arch, fields, message pattern)
     ("llama", {"vocab_size": -5}, r"config field vocab_size=-5 must be >= 1"),
     ("gpt2", {"n_positions": -1}, r"config field n_positions=-1 must be >= 1"),
@@ -107,7 +106,7 @@ def test_empty_or_none_model_name(name):
         from_pretrained(name)
 
 
-# ------------------------------------------------------------------------------ defect 3: shards
+# ------------------------------------------------------------------------------ shards
 def _shard(d, target, saved):
     """An index whose weight_map sends every tensor to `target` (the single file was moved there)."""
     names = list(SafetensorsFile(saved["llama"] / "model.safetensors").tensors)
@@ -159,7 +158,7 @@ def test_shard_in_a_subdirectory_loads(saved, tmp_path):
     assert torch.equal(from_pretrained(d)(tokens), reference(tokens))
 
 
-# --------------------------------------------------------------- defect 4: safetensors headers
+# --------------------------------------------------------------- safetensors headers
 def write_safetensors(path, header, data: bytes):
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
@@ -219,7 +218,7 @@ def test_valid_file_with_empty_tensor_reads(tmp_path):
     assert f.read("a").tolist() == [1.5, -2.0] and f.read("e").shape == (0, 3)
 
 
-# ---------------------------------------------------------------------------- defect 12: GGUF
+# ---------------------------------------------------------------------------- GGUF
 def test_gguf_missing_block_count_names_the_key(tmp_path):
     pytest.importorskip("gguf")
     from test_gguf import write_tiny

@@ -53,14 +53,14 @@ def mamba_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gemma2_dir(tmp_path_factory):  # soft-caps, post-norms, alternating windows (issue 14)
+def gemma2_dir(tmp_path_factory):  # soft-caps, post-norms, alternating windows
     return _save(tmp_path_factory, "gemma2", lambda t: t.Gemma2Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, sliding_window=3, query_pre_attn_scalar=8))
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):  # q/k norms (issue 14)
+def qwen3_dir(tmp_path_factory):  # q/k norms
     return _save(tmp_path_factory, "qwen3", lambda t: t.Qwen3Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8))

@@ -1,4 +1,4 @@
-"""Generation (issue 12): incremental decoding equals recomputing the prefix on all five
+"""Generation: incremental decoding equals recomputing the prefix on all five
 architectures, greedy generate gives TL 3.9's tokens, TL's options behave, hooks see new positions."""
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_decoding_past_gpt2s_context_is_refused_by_name() -> None:
 
 @pytest.mark.parametrize("family", ["bamba", "falcon_h1", "granitemoehybrid", "jamba", "nemotron_h"])
 def test_incremental_logits_equal_full_recompute_on_hybrid_families(family) -> None:
-    """The hybrid families (issue 15) compose the same attention and mixers: they decode incrementally too."""
+    """The hybrid families compose the same attention and mixers: they decode incrementally too."""
     import importlib
 
     from loaders.load import from_hf

@@ -1,5 +1,5 @@
 """Hooks scoped to their caller: nested contexts restore by handle, threads never see each other's
-hooks or caches, and loading a model changes nothing another thread builds (issue 13, defects 1-2).
+hooks or caches, and loading a model changes nothing another thread builds.
 
 Two threads share one tiny Llama; every result they get while looping concurrently must equal,
 bit for bit, the same call made alone before the threads start.
@@ -58,7 +58,7 @@ def seen_by(model, point=P):
     return got["x"]
 
 
-# ------------------------------------------------------------------------------------ defect 1
+# ---------------------------------------------------------------------------- nested hook contexts
 def test_nested_context_with_an_equal_fn_restores_the_outer_order(model):
     with model.hooks(fwd_hooks=[(P, lambda x, h: torch.ones_like(x)), (P, add1), (P, mul2)]):
         before = seen_by(model)
@@ -109,7 +109,7 @@ def test_prepended_scoped_hook_runs_first(model):
     assert order == ["front", "model", "back"]
 
 
-# ------------------------------------------------------------------------------------ defect 2
+# ------------------------------------------------------------------------------------ threads
 def _alone(model):
     """Reference results of each call made alone: (plain, with hooks, cache of one hook)."""
     plain = model(TOKENS)

@@ -1,4 +1,4 @@
-"""The hook contract and the interventions on Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (issue 14).
+"""The hook contract and the interventions on Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3.
 
 For each family: every documented hook exists in forward order and fires once with its shape
 (q/k norms, soft-caps and post-norms included); identity hooks and a full cache leave the logits

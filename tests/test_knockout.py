@@ -19,7 +19,7 @@ import transformers
 
 from analysis.interventions.knockout import (decay_norms, decay_split, feature_knockout, feature_plan, knockout,
                                knockout_sites)
-from hooked.models.families import build
+from hooked.models.families import build as build_model
 from loaders.load import from_hf
 
 V, L = 64, 11

@@ -13,7 +13,6 @@ import torch
 import transformers
 
 from hooked.models.bamba import BambaConfig
-from hooked.models.families import build
 from loaders.bamba import config_from_hf, key_map
 from loaders.load import from_hf
 from tests.hybrid_checks import (

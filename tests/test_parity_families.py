@@ -1,4 +1,4 @@
-"""Parity of the Llama-derived and Gemma families with HF transformers' eager attention (issue 14).
+"""Parity of the Llama-derived and Gemma families with HF transformers' eager attention.
 
 One table per family: tiny random HF models (every parameter perturbed), compared as in
 tests/test_parity_llama.py: logits, the embedding, every block's resid_post and ln_final's output at

@@ -1,4 +1,4 @@
-"""AtP*'s QK fix and the per-choice refinement of the screen (issue 17): the pattern recomputed at a site
+"""AtP*'s QK fix and the per-choice refinement of the screen: the pattern recomputed at a site
 equals the forward's; its linear term is the derivative of the exact one; where no attention follows a
 unit the fix changes nothing; on Llama-kv and GPT-2-kv the refined screen finds the saturated
 layer-0 movers the plain one misses.

@@ -1,4 +1,4 @@
-"""Screened rankings, batched interventions and intervals (issue 17).
+"""Screened rankings, batched interventions and intervals.
 
 Glossary
     screened     rank_heads(method="screened"): attribution estimate for every unit, exact ablation

@@ -1,4 +1,4 @@
-"""Attribution estimates of every unit kind (issue 17): heads, Mamba-2 heads, Mamba-1 channel groups and
+"""Attribution estimates of every unit kind: heads, Mamba-2 heads, Mamba-1 channel groups and
 mixture-of-experts experts; each estimate is the exact first-order change (central finite difference
 of a scaled ablation), and screened rankings now screen experts instead of always verifying them.
 

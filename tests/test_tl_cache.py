@@ -1,5 +1,5 @@
-"""A TransformerLens user's cache and tokenizer code gives TL's numbers (issue 12, defects 1-7 and
-the ActivationCache methods), TL 3.9's HookedTransformer on the same weights being the oracle.
+"""A TransformerLens user's cache and tokenizer code gives TL's numbers (tokenizer helpers and the
+ActivationCache methods), TL 3.9's HookedTransformer on the same weights being the oracle.
 
 Comparisons with apply_ln use weights whose norms have weight 1 (bias 0): TL's apply_ln_to_stack
 never applies a norm weight (its defaults fold it into the next matrix), ours does (exact on
@@ -43,7 +43,7 @@ def caches(arch: str, toks: torch.Tensor, remove_batch_dim: bool = False):
     return ours, theirs, c_ours, c_tl
 
 
-# ------------------------------------------------------------------------- defects 1, 2, 6
+# ------------------------------------------------------------------------- tokenizer helpers
 def test_defect1_to_str_tokens_of_a_list_gives_one_list_per_prompt() -> None:
     ours, theirs, _, _ = get_pair("gpt2")
     prompts = ["w1 w2 w3", "w4"]
@@ -69,7 +69,7 @@ def test_defect6_to_tokens_of_a_ragged_batch_gives_exact_logits_without_a_mask(a
     close(batch, tl_batch, "batch logits vs TL", rel=1e-5)
 
 
-# ------------------------------------------------------------------------------ defect 7
+# ------------------------------------------------------------------------------ backward hooks
 def test_defect7_backward_hooks_of_run_with_hooks_stop_when_it_returns() -> None:
     ours, _, _, _ = get_pair("gpt2", unit_norms=False)
     fired: list[str] = []
@@ -86,7 +86,7 @@ def test_defect7_backward_hooks_of_run_with_hooks_stop_when_it_returns() -> None
     ours.zero_grad(set_to_none=True)
 
 
-# ------------------------------------------------------------------------- defects 3, 4, 5
+# ------------------------------------------------------------------------- residual stacks
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layer", [None, -1, 0, 2, 3])
 @pytest.mark.parametrize("apply_ln", [False, True])

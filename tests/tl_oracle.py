@@ -1,4 +1,4 @@
-"""TransformerLens 3.9 on the same weights as ours: the oracle of the TL-surface tests (issue 12).
+"""TransformerLens 3.9 on the same weights as ours: the oracle of the TL-surface tests.
 
 `pair(name, unit_norms=False)` -> (ours, tl, tokenizer): a tiny random HF model (GPT-2 with biases,
 Llama with GQA), loaded by our `from_hf` and by TL's own weight conversion into a

@@ -75,12 +75,13 @@ from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example
 from analysis.validate import positive_int
+from hooked.validate import Flag, Integer, OneOf, Number, Seq, checked
 from hooked.models.decode_state import StateRefused
 
 
 # The clean run a ranking keeps (`ChoiceScorer.clean_bytes`: every layer's residual, keys and values):
 # SmolLM2-135M with the report's 16 prompts of 5 pairs, 167 MiB; a bf16 8B model (32 layers, d_model
-# 4096), ~1,300 prompt tokens. Above this budget every resume is recomputed, as before.
+# 4096), ~1,300 prompt tokens. Above this budget every resume recomputes the clean prefix (memory, not time).
 KEEP_CLEAN_BYTES = 2**30
 
 
@@ -241,6 +242,11 @@ def _row(unit: Unit, scores: Tensor, scorer: ChoiceScorer, base_ex: dict[str, Te
             ex)
 
 
+@checked(examples=Seq(), method=OneOf("exhaustive", "screened"), batch_size=Integer(ge=1), reuse_prefix=Flag(),
+         pairs_top_k=Integer(ge=0), mode=OneOf("zero", "mean"), channel_group=Integer(ge=1, none=True), progress=Flag(),
+         verify_top=Integer(ge=1), n_control=Integer(ge=0), seed=Integer(), replicas=Integer(ge=1, none=True),
+         confidence=Number(gt=0, lt=1), prescreen_n=Integer(ge=1, none=True), refine=OneOf("none", "scores", "qk"),
+         stage_n=Integer(ge=1, none=True), stage_keep=Integer(ge=1))
 def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None, *,
                method: str = "exhaustive", batch_size: int = 16, reuse_prefix: bool = True, pairs_top_k: int = 4,
                mode: str = "zero", mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,

@@ -49,7 +49,8 @@ from analysis.ga.scores import ga_scores, weights_hook
 from analysis.intervals import clopper_pearson, paired_interval
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks.text import Example, kv_retrieval
-from analysis.validate import positive_int, writable_dir
+from analysis.validate import writable_dir
+from hooked.validate import Flag, Integer, OneOf, Seq, checked
 
 Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> examples
 
@@ -201,16 +202,17 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
     return w, model.to_str_tokens(tokens[0]), kind != "attn"
 
 
+@checked(sizes=Seq(Integer(ge=1)), n=Integer(ge=1), rank_n=Integer(ge=1, none=True), seed=Integer(), batch_size=Integer(ge=1),
+         pairs_top_k=Integer(ge=0), channel_group=Integer(ge=1, none=True), progress=Flag(), n_random=Integer(ge=1),
+         method=OneOf("exhaustive", "screened"), verify_top=Integer(ge=1), n_control=Integer(ge=0),
+         replicas=Integer(ge=1, none=True), refine=OneOf("none", "scores", "qk"), stage_n=Integer(ge=1, none=True),
+         stage_keep=Integer(ge=1))
 def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
               batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
               progress: bool = True, task: Task = kv_retrieval, n_random: int = 5, method: str = "screened",
               verify_top: int = 40, n_control: int = 10, replicas: int | None = None, refine: str = "none",
               stage_n: int | None = 6, stage_keep: int = 12) -> dict[str, Any]:
     """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds."""
-    n, batch_size = positive_int(n, "n"), positive_int(batch_size, "batch_size")
-    rank_n = None if rank_n is None else positive_int(rank_n, "rank_n")
-    if not sizes:
-        raise ValueError("sizes needs at least one dictionary size")
     timing: dict[str, dict[str, float]] = {}
     clock = [time.perf_counter(), time.process_time()]
 
@@ -285,89 +287,3 @@ def separability_statement(ranking: HeadRanking, k: int = 10) -> str:
     return (f"Of the top {n} units, {len(acc)} differ from the next in accuracy drop ({', '.join(acc) or 'none'}) "
             f"and {len(lp)} in answer log-prob drop ({', '.join(lp) or 'none'}), by 95% paired bootstrap intervals "
             f"over {ranking.n_examples} prompts; the rest of the order is within noise.")
-
-
-def add_ga_parser(subparsers: Any) -> Any:
-    """`hooked ga MODEL [--pairs 10,20,30] [--n N] [--out DIR]`."""
-    p = subparsers.add_parser("ga", help="Gather-and-Aggregate: KV-retrieval accuracy and head ranking",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="hub id, local directory, .gguf file or alias (smollm2-135m)")
-    p.add_argument("--pairs", default="10,20,30", help="dictionary sizes, comma-separated; the first is ranked")
-    p.add_argument("--n", type=int, default=50, help="prompts per size (default 50)")
-    p.add_argument("--rank-n", type=int, default=None, help="prompts for the head ranking (default --n)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=4, help="top units ablated in pairs (default 4)")
-    p.add_argument("--channel-group", type=int, default=None, help="Mamba-1 channels per unit (default d_inner/16)")
-    p.add_argument("--random-draws", type=int, default=5, help="random head pairs in the control (default 5)")
-    p.add_argument("--exhaustive", action="store_true", help="ablate every unit exactly (default: screened)")
-    p.add_argument("--verify-top", type=int, default=40,
-                   help="screened: candidates verified exactly, by each estimate (default 40: with --stage-n 6 "
-                        "--stage-keep 12, 9/10 of the exhaustive top 10 on SmolLM2-135M, in a replay of every "
-                        "unit's exact per-prompt scores and in the report itself)")
-    p.add_argument("--refine", default="none", choices=["none", "scores", "qk"],
-                   help="screened: the estimate's refinement (analysis.ga.screening; default none)")
-    p.add_argument("--controls", type=int, default=10, help="screened: random units verified exactly (default 10)")
-    p.add_argument("--stage-n", type=int, default=6,
-                   help="screened: verify the candidates on this many prompts first (those answered right "
-                        "first), then only the --stage-keep best of them on all (default 6)")
-    p.add_argument("--one-stage", action="store_true", help="screened: verify every candidate on every prompt")
-    p.add_argument("--stage-keep", type=int, default=12,
-                   help="screened, staged: candidates verified on all prompts (default 12: the top 10 and two "
-                        "more; a control that ranks above the last of them at stage 1 goes on too)")
-    p.add_argument("--replicas", type=int, default=None, help="units ablated per forward (default: the batching rule)")
-    p.add_argument("--out", default="out/ga", help="output directory")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=run_ga, func=run_ga)
-    return p
-
-
-def run_ga(args: Any) -> int:
-    from loaders import from_pretrained
-
-    try:
-        sizes = [int(s) for s in str(args.pairs).split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--pairs must be comma-separated integers, got {args.pairs!r}") from None
-    if not sizes:
-        raise ValueError("--pairs needs at least one size")
-    for size in sizes:
-        positive_int(size, "--pairs")
-    for value, what in ((args.n, "--n"), (args.rank_n, "--rank-n"), (args.batch_size, "--batch-size"),
-                        (args.top_k, "--top-k"), (args.channel_group, "--channel-group"),
-                        (args.random_draws, "--random-draws"), (args.stage_n, "--stage-n"),
-                        (args.stage_keep, "--stage-keep")):
-        if value is not None:
-            positive_int(value, what)
-    writable_dir(args.out)  # before the sweep, not after it
-    model = from_pretrained(args.model)
-    summary = ga_report(model, args.out, sizes, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
-                        args.channel_group, progress=not args.no_progress, task=task_for(args.model),
-                        n_random=args.random_draws, method="exhaustive" if args.exhaustive else "screened",
-                        verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas,
-                        stage_n=None if args.one_stage else args.stage_n, stage_keep=args.stage_keep,
-                        refine=args.refine)
-    for row in summary["sizes"]:
-        print(f"n={row['pairs']:>3}  accuracy {row['accuracy']:.3f}  (chance {row['chance']:.3f})")
-    for row in summary["top"][:5]:
-        print(f"{row['unit']:>10}  drop {row['drop']:+.3f} [{row['drop_lo']:+.3f}, {row['drop_hi']:+.3f}]  "
-              f"logprob drop {row['logprob_drop']:+.3f} [{row['logprob_drop_lo']:+.3f}, {row['logprob_drop_hi']:+.3f}]  "
-              f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
-    print(summary["separability_statement"])
-    if summary["screen"].get("exhaustive"):
-        print(f"exhaustive instead of screened: {summary['screen']['exhaustive']}")
-    elif summary["screen"]:
-        sc = summary["screen"]
-        staged = (f"; {sc['n_stage1']} candidates first on prompts {sc['stage_prompts']}" if sc.get("n_stage1") else "")
-        print(f"screened: {sc['n_verified']} of {sc['n_units']} units ablated exactly on every prompt ({sc['n_control']} "
-              f"random controls; beating the screen's 10th unit: {', '.join(sc['control_misses']) or 'none'}{staged})")
-    t = summary["timing"]["total"]
-    print(f"time: {t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU")
-    rho = summary["agreement"]
-    print("Spearman(score, drop): " + ", ".join(f"{k} {'n/a' if v is None else f'{v:+.2f}'}" for k, v in rho.items()))
-    c = summary["control"]
-    r = c["random2"]
-    print(f"top-2 ablated {c['top2']['accuracy']:.3f} vs random-2 {r['mean_accuracy']:.3f} "
-          f"[{r['min_accuracy']:.3f}, {r['max_accuracy']:.3f}] over {len(r['draws'])} draws "
-          f"(baseline {c['baseline']:.3f}); files in {args.out}")
-    return 0

@@ -38,6 +38,7 @@ from analysis.kernel_rows import slice_hooks
 from analysis.ga.ranking import Unit, head_units
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example, encode_prompts
+from hooked.validate import Integer, Seq, checked
 
 
 # ----------------------------------------------------------------------------- weights
@@ -159,6 +160,7 @@ def masked_accuracy(model: Any, examples: Sequence[Example], heads: Sequence[Any
 
 
 # ------------------------------------------------------------------------------ scores
+@checked(examples=Seq(), batch_size=Integer(ge=1), channel_group=Integer(ge=1, none=True))
 def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None,
               batch_size: int = 8, channel_group: int | None = None) -> dict[str, dict[str, float]]:
     """{unit label: {"gather", "aggregate"}} on the examples' prompts (definitions in the docstring)."""

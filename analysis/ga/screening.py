@@ -32,8 +32,8 @@ Glossary
     gradient path  each write is replaced by a copy on the graph (requiring grad); through lazy hooks
                  this is kept as an edit (`hooked.hook_points.through_hook`), so no nudge is needed.
                  The copy is not detached from earlier writes: d q / d write is the total derivative,
-                 through every later head, MLP and SSM (a detached copy, used before issue 17b, gave
-                 only the paths that avoid every later hooked write).
+                 through every later head, MLP and SSM (a detached copy would give only the paths
+                 that avoid every later hooked write, and miss heads that act through later ones).
 """
 
 from __future__ import annotations

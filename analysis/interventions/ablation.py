@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from hooked.validate import Flag, OneOf, checked
 from analysis.validate import as_index, layer_index, layer_list
 from hooked.hook_points import scoped_hooks
 from hooked.models.base import HookedModel
@@ -116,6 +117,7 @@ def _mean_of(mean_cache: Any, name: str) -> Tensor:
 
 
 @contextlib.contextmanager
+@checked(keep=Flag(), mode=OneOf("zero", "mean"))
 def ablate_heads(model: Any, heads: Iterable[HeadSpec], keep: bool = False, mode: str = "zero",
                  mean_cache: Any = None) -> Iterator[Any]:
     """Ablate heads (zero or mean) at their write hook; keep=True ablates the unlisted heads instead.

@@ -1,4 +1,4 @@
-"""When many different interventions share one forward: the tiling rule of issue 17.
+"""When many different interventions share one forward: the tiling rule.
 
 Glossary
     replicas     r different interventions (ablations, patches) in one forward: the batch is tiled r

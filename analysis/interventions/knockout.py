@@ -46,6 +46,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from hooked.validate import Flag, checked
 from analysis.validate import index_list, index_mask, layer_index, layer_list, position_mask
 from hooked.devices import onloaded
 from hooked.hook_points import scoped_hooks
@@ -79,6 +80,7 @@ def _channel_mask(channels: Any, n: int, where: str) -> Tensor | None:
 
 # ------------------------------------------------------------------------------ the context
 @contextlib.contextmanager
+@checked(cut_conv=Flag())
 def knockout(model: Any, sources: Positions, targets: Positions, layers: int | Iterable[int],
              channels: Channels = None, attention: str = "scores", cut_conv: bool = False) -> Iterator[Any]:
     """Cut every (target, source) edge in every listed layer while the context is open.

@@ -24,7 +24,8 @@ Glossary
     attribution patching   the first-order estimate metric(base) + (source - base) . d metric /
                   d activation, from one forward and one backward on the base run (Nanda 2023).
     screened patching      `screened_patch`: the estimate everywhere, exact patches for the indices
-                  with the largest estimated effect and a random control set (issue 17).
+                  with the largest estimated effect and a random control set that measures what the
+                  estimate missed.
     replicas      r different patches in one forward: the base run is tiled r times along the
                   batch axis, block j of rows gets patch j, and the metric is taken per block
                   (`analysis.interventions.batching.tiles_for` is the rule; replicas=1 runs one patch
@@ -42,7 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.interventions.batching import tiles_for
-from analysis.validate import NotAnIndex, as_index, index_list, index_mask, layer_list
+from analysis.validate import NotAnIndex, as_index, index_list, index_mask, layer_list, metric_value
 
 Metric = Callable[[Tensor], Any]
 Setter = Callable[[Tensor, Tensor, tuple], Tensor]
@@ -166,12 +167,12 @@ def _patched_values(model: Any, inp: Tensor, start: int | None, tokens: Tensor, 
     """metric of the base run with each patch in `indices`, all in one forward (r = len(indices) replicas)."""
     r = len(indices)
     if r == 1:
-        return [float(metric(_run(model, inp, start, tokens, attention_mask,
-                                  [(name, _patch_hook(source, indices[0], setter))])))]
+        return [metric_value(metric(_run(model, inp, start, tokens, attention_mask,
+                                         [(name, _patch_hook(source, indices[0], setter))])))]
     hook = _rows_patch_hook(source, indices, setter)
     logits = _run(model, _tile(inp, r), start, _tile(tokens, r), _tile(attention_mask, r), [(name, hook)])
     n = tokens.shape[0]
-    return [float(metric(logits[j * n:(j + 1) * n])) for j in range(r)]
+    return [metric_value(metric(logits[j * n:(j + 1) * n])) for j in range(r)]
 
 
 def patch_replicas(model: Any, tokens: Tensor, replicas: int | None, source: Tensor | None = None) -> int:
@@ -361,7 +362,7 @@ def run_patching(model: Any, clean_tokens: Tensor, corrupted_tokens: Tensor, met
         values = act_patch(model, base, cache, metric, hook_name_template, over, attention_mask=attention_mask, **kw)
     if not normalise:
         return values
-    return normalised_score(values, float(metric(clean_logits)), float(metric(corrupted_logits)))
+    return normalised_score(values, metric_value(metric(clean_logits)), metric_value(metric(corrupted_logits)))
 
 
 def _template_filter(template: str) -> Callable[[str], bool]:
@@ -431,7 +432,7 @@ def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metr
     with torch.enable_grad():
         logits = _run(model, tokens, None, tokens, attention_mask, [(n, grab) for n in names.values()])
         value = metric(logits)
-        base = float(value.detach())
+        base = metric_value(value.detach() if torch.is_tensor(value) else value)
         grads = torch.autograd.grad(value, [acts[n] for n in names.values()], allow_unused=True)
     inner = [a for a in over if a != "layer"]
     parts = {}

@@ -36,6 +36,7 @@ from analysis.interventions.patching import layer_inputs
 from analysis.tasks import shared_prefix as sp
 from analysis.tasks.text import Example, encode, segment_token_spans, tokenizer_of
 from hooked.models.decode_state import StateRefused
+from analysis.validate import nonempty
 
 
 @dataclass
@@ -75,7 +76,8 @@ class ChoiceScorer:
     def __init__(self, model: Any, examples: Sequence[Example], batch_size: int = 16,
                  shared_prefix: bool = True, keep_clean: bool = False) -> None:
         tok = tokenizer_of(model)
-        self.model, self.examples, self.shared_prefix = model, list(examples), shared_prefix
+        examples = nonempty(examples, "examples")
+        self.model, self.examples, self.shared_prefix = model, examples, shared_prefix
         self.keep_clean = keep_clean
         self._kept: tuple[list[dict[int, Any]], Tensor, frozenset[str]] | None = None  # resumes, scores, hooked
         joints: list[list[tuple[tuple[int, ...], int]]] = []

@@ -43,6 +43,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from hooked.validate import Integer, checked
 from analysis.validate import positive_int
 
 WORDS_PATH = Path(__file__).parent / "data" / "words.txt"
@@ -74,6 +75,7 @@ def load_words() -> tuple[str, ...]:
     return words
 
 
+@checked(seed=Integer())
 def kv_retrieval(n_pairs: int, n_samples: int, seed: int = 0, words: tuple[str, ...] | None = None) -> list[Example]:
     """`n_samples` KV-retrieval prompts with `n_pairs` key:value lines each (seeded, reproducible).
 

@@ -27,9 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooked.models.attention import Attention
 from hooked.models.config import derived
-from hooked.models.hybrid import check_kinds, pre_norm_block
+from hooked.models.hybrid import check_kinds, hybrid_attention, pre_norm_block
 from hooked.models.language_model import LanguageModel
 from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import GatedMLP
@@ -78,8 +77,7 @@ class BambaConfig:
 
     @property
     def mixer(self) -> Mamba2Spec:
-        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
-                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
+        return Mamba2Spec.of(self)
 
     @property
     def rotary(self) -> Rotary:
@@ -92,8 +90,7 @@ def build(cfg: BambaConfig) -> LanguageModel:
     blocks = []
     for kind in cfg.layer_types:
         if kind == "attention":
-            first = ("attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
-                                       qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary))
+            first = ("attn", hybrid_attention(cfg, bias=cfg.attention_bias, rotary=rotary))
         else:
             first = ("mixer", Mamba2Mixer(mixer))
         mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)

@@ -20,6 +20,7 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -30,7 +31,11 @@ from hooked.sae.methods import SAEMethods
 from hooked.tl_config import attach
 from hooked.tl_keywords import refuse_tl_keywords
 from hooked.tl_switches import TLSwitches
+from hooked.validate import AnyOf, Flag, Instance, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
 from hooked.weights import ModelWeights
+
+
+TEXTS = AnyOf(Text(empty=True), Seq(Text(empty=True)))  # one text or a batch of them
 
 
 @dataclass
@@ -59,12 +64,19 @@ def _moved(value: Any, device: str | torch.device) -> Any:
 
 def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"],
             mask: Bool[Tensor, "batch pos"] | None, per_token: bool = False) -> Tensor:
-    """-log p(next token), mean over positions whose token and next token are real (TL's loss)."""
+    """-log p(next token), mean over positions whose token and next token are real (TL's loss).
+    The mean of no position is refused (a sequence of one token, or rows with no two real tokens in a row)."""
+    if tokens.shape[1] < 2 and not per_token:
+        raise ValueError(f"return_type='loss' needs sequences of at least 2 tokens (a next token to predict), "
+                         f"got {tokens.shape[1]}")
     log_probs = logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
     if mask is not None:
         keep = mask[:, :-1] & mask[:, 1:]
         log_probs = log_probs.masked_fill(~keep, 0.0)
         n = keep.sum()
+        if not per_token and int(n) == 0:
+            raise ValueError("return_type='loss': no position has a real token followed by a real token "
+                             "(attention_mask leaves nothing to predict)")
     else:
         n = log_probs.numel()
     return -log_probs if per_token else -log_probs.sum() / n
@@ -142,6 +154,8 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         refuse_tl_keywords(tl_only)
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        if return_type in ("loss", "both"):
+            check(loss_per_token, "loss_per_token", Flag())
         if isinstance(input, (str, list)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is computed from text; pass tokens to give your own mask")
@@ -193,6 +207,7 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         mask = None if attention_mask is None else attention_mask.to(logits.device).bool()
         return lm_loss(logits, tokens.to(logits.device), mask, per_token)
 
+    @checked(input=AnyOf(TEXTS, Instance(Tensor, "a tensor of token ids")), max_new_tokens=Integer(ge=0))
     def generate(self, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
         """TransformerLens's generate (greedy or sampled; incremental state): hooked/generate.py."""
         from hooked.generate import generate
@@ -236,9 +251,14 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
     def make_context(self, shape: tuple[int, int] | torch.Size, attention_mask: Tensor | None,
                      tokens: Tensor | None, device: torch.device, state: DecodeState | None = None) -> Context:
         ctx = self._plain_context(shape, attention_mask, tokens, device)
+        if ctx.attention_mask is not None and (state is None or state.length == 0):
+            empty = (~ctx.attention_mask.any(-1)).nonzero().flatten().tolist()
+            if empty:  # a row that reads nothing has no defined output
+                raise ValueError(f"attention_mask: rows {empty[:10]} have no real token (all 0)")
         if state is None:
             return ctx
         batch, pos = int(shape[0]), int(shape[1])
+        state.begin(self, batch)
         ctx.state = state
         ctx.position_ids = state.positions(ctx.attention_mask, batch, pos, device)
         ctx.key_mask = state.key_mask(ctx.attention_mask, batch, pos, device)
@@ -270,6 +290,8 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
             raise ValueError("this model has no tokenizer; load it from a checkpoint that has one or set model.tokenizer")
         return self.tokenizer
 
+    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right", none=True),
+             move_to_device=Flag())
     def tokenize(self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
                  move_to_device: bool = True) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
         """(tokens, attention_mask) for one text or a batch, padded on `padding_side`
@@ -304,6 +326,8 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         device = self._device()
         return tokens.to(device), mask.to(device)
 
+    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right", none=True),
+             move_to_device=Flag(), truncate=Flag())
     def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = "right",
                   move_to_device: bool = True, truncate: bool = True) -> Int[Tensor, "batch pos"]:
         """Token ids [batch pos]. A batch is padded on the RIGHT by default (as TransformerLens does):
@@ -326,6 +350,8 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         if isinstance(text, str):
             ids = self.to_tokens(text, prepend_bos)[0]
         elif torch.is_tensor(text):
+            if text.is_floating_point() or text.is_complex() or text.dtype == torch.bool:
+                raise WrongType(f"to_str_tokens: a tensor must hold token ids (integers), got {text.dtype}")
             ids = text.reshape(1) if text.ndim == 0 else text
             if ids.ndim == 2:
                 return [self.to_str_tokens(row) for row in ids] if ids.shape[0] > 1 else self.to_str_tokens(ids[0])
@@ -335,6 +361,7 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
             raise TypeError(f"to_str_tokens takes a str, a list or a tensor, got {type(text).__name__}")
         return [tok.decode([i]) for i in ids.tolist()]
 
+    @checked(string=Text())
     def to_single_token(self, string: str) -> int:
         """The id of `string` when it is exactly one token (no BOS); otherwise a ValueError."""
         ids = self.to_tokens(string, prepend_bos=False)[0]
@@ -345,14 +372,19 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
     def get_token_position(self, single_token: str | int, input: str | Tensor, mode: str = "first",
                            prepend_bos: bool | None = None, padding_side: str = "right") -> int:
         """Position of `single_token` in `input` (one sequence): its first or last occurrence."""
-        if mode not in ("first", "last"):
-            raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")
-        tokens = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else input
-        if tokens.ndim == 2:
-            if tokens.shape[0] != 1:
-                raise ValueError(f"get_token_position takes one sequence, got batch {tokens.shape[0]}")
-            tokens = tokens[0]
-        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        check(mode, "get_token_position: mode", OneOf("first", "last"))
+        if isinstance(input, str):
+            tokens = self.to_tokens(input, prepend_bos, padding_side)
+        elif torch.is_tensor(input) and input.ndim in (1, 2):
+            tokens = self.check_tokens(input)
+        else:
+            shape = f"shape {tuple(input.shape)}" if torch.is_tensor(input) else type(input).__name__
+            raise WrongType(f"get_token_position: input must be a str or tokens [pos] / [1 pos], got {shape}")
+        if tokens.shape[0] != 1:
+            raise ValueError(f"get_token_position takes one sequence, got batch {tokens.shape[0]}")
+        tokens = tokens[0]
+        token = self.to_single_token(single_token) if isinstance(single_token, str) else \
+            check(single_token, "get_token_position: single_token", Integer(ge=0, lt=self.cfg.d_vocab))
         where = (tokens == token).nonzero().flatten()
         if where.numel() == 0:
             raise ValueError(f"token {token} ({self._need_tokenizer().decode([token])!r}) is not in the input")
@@ -361,9 +393,15 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
     def to_string(self, tokens: Tensor | int | list | Any) -> str | list[str]:
         """Text of tokens (TL's): an int, a 0-d or 1-D tensor, list or array gives a str; [batch pos] a list."""
         tok = self._need_tokenizer()
-        tokens = torch.as_tensor(tokens)
-        if tokens.ndim > 2:
-            raise ValueError(f"to_string takes an id, [pos] or [batch pos], got shape {tuple(tokens.shape)}")
+        if isinstance(tokens, (int, np.integer)) or (torch.is_tensor(tokens) and tokens.ndim == 0):
+            tokens = torch.as_tensor([int(tokens)])  # one id (TL's to_string(256))
+        if isinstance(tokens, np.ndarray):
+            tokens = torch.from_numpy(tokens)
+        if isinstance(tokens, (list, tuple)):
+            tokens = token_ids(tokens, self.cfg.d_vocab, "to_string: tokens")
+        if not torch.is_tensor(tokens) or tokens.ndim not in (1, 2) or tokens.is_floating_point():
+            shown = f"shape {tuple(tokens.shape)} {tokens.dtype}" if torch.is_tensor(tokens) else type(tokens).__name__
+            raise WrongType(f"to_string: tokens must be token ids [pos] or [batch pos], got {shown}")
         if tokens.ndim == 2:
             return [tok.decode(t.tolist(), clean_up_tokenization_spaces=False) for t in tokens]
-        return tok.decode(tokens.reshape(-1).tolist(), clean_up_tokenization_spaces=False)
+        return tok.decode(tokens.tolist(), clean_up_tokenization_spaces=False)

@@ -16,6 +16,13 @@ Glossary
                   conv windows and SSM states (one position's worth) are gathered
     entries_of    the entries of some modules only, positions rewound: a forward resumed at a later layer
                   (`start_at_layer`) reads the prefix again through the other modules
+    owner         the model a state belongs to: the first model that completes a forward with it;
+                  any other model, even one of the same config, refuses it (its entries are keyed by
+                  the owner's modules), naming both. Copies (`select`, `entries_of`) keep the owner
+    step          one forward with the state: `begin` opens it, every entry written during it is
+                  pending, and `advance` (after the last block) commits the entries and the positions
+                  together. A forward that raises (a hook, a refused lazy hook) commits nothing, so the
+                  state stays as it was before that forward and can be used again
 
 A left-padded prompt is read once with its mask; new tokens are real. An SSM's lazy hooks
 (A_bar, B_bar, h, kernel) describe a whole sequence from a zero state, so they are refused while
@@ -25,6 +32,7 @@ decoding with a state (decode without it: `generate(..., use_past_kv_cache=False
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -37,6 +45,17 @@ class StateRefused(ValueError):
     """A hook the state cannot serve is active (an SSM's lazy whole-sequence quantities)."""
 
 
+class WrongModel(ValueError):
+    """A DecodeState used with a model other than the one it belongs to."""
+
+
+def fingerprint(model: Any) -> str:
+    """A short description of `model` for messages: class, sizes and identity."""
+    cfg = getattr(model, "cfg", None)
+    sizes = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("n_layers", "d_model", "d_vocab") if hasattr(cfg, k))
+    return f"{type(model).__name__}({sizes}) at {id(model):#x}"
+
+
 class DecodeState:
     def __init__(self) -> None:
         self.entries: dict[int, Any] = {}
@@ -44,6 +63,28 @@ class DecodeState:
         self.past_mask: Tensor | None = None
         self.next_position: Tensor | None = None
         self.length = 0
+        self.batch: int | None = None  # rows of the positions held (None: none held yet)
+        self._model: weakref.ref | None = None
+        self._model_text = ""
+        self._pending: dict[tuple[int, str], Any] | None = None
+        self._stepping: Any = None  # the model of the open step
+
+    def __repr__(self) -> str:
+        owner = self._model_text or "no model yet"
+        return f"DecodeState(length={self.length}, batch={self.batch}, {len(self.entries)} entries, of {owner})"
+
+    # ---------------------------------------------------------------------------------- steps
+    def begin(self, model: Any, batch: int) -> None:
+        """Open a step of `model` on `batch` rows: refuse another model's state or a batch of another size,
+        and discard what a failed earlier step left pending."""
+        if self._model is not None and self._model() is not model:
+            raise WrongModel(f"this DecodeState belongs to {self._model_text} (at position {self.length}), not to "
+                             f"{fingerprint(model)}: decode each model with its own DecodeState()")
+        if self.batch is not None and batch != self.batch:
+            raise ValueError(f"this DecodeState holds {self.batch} rows (at position {self.length}); the input has "
+                             f"{batch}: continue every row, or select() the rows first")
+        self._pending = {}
+        self._stepping = model
 
     # ----------------------------------------------------------------------------- positions
     def positions(self, mask: Tensor | None, batch: int, pos: int, device: torch.device) -> Tensor:
@@ -61,7 +102,14 @@ class DecodeState:
         return torch.cat([past, new], dim=1)
 
     def advance(self, mask: Tensor | None, batch: int, pos: int, device: torch.device) -> None:
-        """Record that the forward read `pos` more positions (called once, after the last block)."""
+        """Record that the forward read `pos` more positions and commit its entries (called once, after the
+        last block)."""
+        if self._pending:
+            self.entries.update(self._pending)
+        if self._model is None and self._stepping is not None:
+            self._model, self._model_text = weakref.ref(self._stepping), fingerprint(self._stepping)
+        self._pending, self._stepping = None, None
+        self.batch = batch
         self.past_mask = self.key_mask(mask, batch, pos, device)
         real = torch.full((batch,), pos, device=device) if mask is None else mask.long().sum(-1)
         self.next_position = (self.next_position if self.next_position is not None else 0) + real
@@ -70,8 +118,8 @@ class DecodeState:
     # ------------------------------------------------------------------------------- copies
     def select(self, index: Tensor) -> DecodeState:
         """A new state whose row i is this state's row index[i] (rows may repeat); self is left as it is."""
-        out = DecodeState()
-        out._owners, out.length = dict(self._owners), self.length
+        out = self._copy_owner()
+        out._owners, out.length, out.batch = dict(self._owners), self.length, len(index)
         maps: dict[Any, RowMap] = {}  # one row map per previous map (and device): every layer shares it
         out.entries = {key: _kv_rows(value, index, maps) if key[1] == "kv" else _rows(value, index)
                        for key, value in self.entries.items()}
@@ -84,17 +132,26 @@ class DecodeState:
         a forward resumed at a later layer with it reads the same positions again through the other
         modules (the kept entries must already hold them); tensors are shared, not copied."""
         keep = {id(m) for m in modules}
-        out = DecodeState()
+        out = self._copy_owner()
+        out.batch = self.batch
         out.entries = {key: value for key, value in self.entries.items() if key[0] in keep}
         out._owners = {i: m for i, m in self._owners.items() if i in keep}
         return out
 
+    def _copy_owner(self) -> DecodeState:
+        out = DecodeState()
+        out._model, out._model_text = self._model, self._model_text
+        return out
+
     # ---------------------------------------------------------------------------- per module
     def _get(self, module: Any, kind: str) -> Any:
-        return self.entries.get((id(module), kind))
+        key = (id(module), kind)
+        if self._pending is not None and key in self._pending:
+            return self._pending[key]
+        return self.entries.get(key)
 
     def _put(self, module: Any, kind: str, value: Any) -> None:
-        self.entries[(id(module), kind)] = value
+        (self._pending if self._pending is not None else self.entries)[(id(module), kind)] = value
         self._owners[id(module)] = module
 
     def extend_kv(self, module: Any, k: Tensor, v: Tensor) -> tuple[SharedKV | None, Tensor, Tensor]:

@@ -33,9 +33,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooked.models.attention import Attention
 from hooked.models.block import Branch, Parallel, ResidualBlock, Sublayer
 from hooked.models.config import derived
+from hooked.models.hybrid import hybrid_attention
 from hooked.models.language_model import LanguageModel
 from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import GatedMLP
@@ -94,10 +94,8 @@ class FalconH1Config:
     @property
     def mixer(self) -> Mamba2Spec:
         gate = "silu_gate" if not self.ssm_norm else "norm_then_gate" if self.norm_before_gate else "gated_rms_norm"
-        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
-                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit,
-                          out_bias=self.out_bias, gate=gate, in_multiplier=self.ssm_in_multiplier,
-                          ssm_multipliers=self.ssm_multipliers)
+        return Mamba2Spec.of(self, out_bias=self.out_bias, gate=gate, in_multiplier=self.ssm_in_multiplier,
+                             ssm_multipliers=self.ssm_multipliers)
 
     @property
     def rotary(self) -> Rotary:
@@ -109,9 +107,8 @@ def build(cfg: FalconH1Config) -> LanguageModel:
     rotary, mixer = cfg.rotary, cfg.mixer
     blocks = []
     for _ in range(cfg.n_layers):
-        attn = Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
-                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
-                         scale=cfg.key_multiplier * cfg.d_attn_head**-0.5)
+        attn = hybrid_attention(cfg, bias=cfg.attention_bias, rotary=rotary,
+                                scale=cfg.key_multiplier * cfg.d_attn_head**-0.5)
         mlp = GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias,
                        gate_multiplier=cfg.mlp_gate_multiplier, out_multiplier=cfg.mlp_down_multiplier)
         branches = (Branch("mixer", Mamba2Mixer(mixer), out_scale=cfg.ssm_out_multiplier),

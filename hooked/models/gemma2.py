@@ -73,6 +73,9 @@ class Gemma2Config:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         check_layer_types(self.layer_types, self.n_layers, self.sliding_window)
+        if not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar!r}: must be > 0 (scores are scaled by "
+                             "its inverse square root)")
 
     def window(self, layer: int) -> int | None:
         return layer_window(self.layer_types, self.sliding_window, layer)

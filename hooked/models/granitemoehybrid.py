@@ -32,9 +32,8 @@ from typing import Any
 
 from torch import nn
 
-from hooked.models.attention import Attention
 from hooked.models.config import derived
-from hooked.models.hybrid import check_kinds, pre_norm_block
+from hooked.models.hybrid import check_kinds, hybrid_attention, pre_norm_block
 from hooked.models.language_model import LanguageModel
 from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import GatedMLP
@@ -93,8 +92,7 @@ class GraniteMoeHybridConfig:
 
     @property
     def mixer(self) -> Mamba2Spec:
-        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
-                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
+        return Mamba2Spec.of(self)
 
     @property
     def rotary(self) -> Rotary | None:
@@ -115,9 +113,8 @@ def build(cfg: GraniteMoeHybridConfig) -> LanguageModel:
     blocks = []
     for kind in cfg.layer_types:
         if kind == "attention":
-            first = ("attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head,
-                                       qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, rotary=rotary,
-                                       scale=cfg.attention_multiplier))
+            first = ("attn", hybrid_attention(cfg, bias=cfg.attention_bias, rotary=rotary,
+                                              scale=cfg.attention_multiplier))
         else:
             first = ("mixer", Mamba2Mixer(mixer))
         blocks.append(pre_norm_block(cfg.d_model, cfg.eps, first, ("mlp", granite_mlp(cfg)),

@@ -8,11 +8,22 @@ steps of one sublayer each, and a check of their per-layer kind lists.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
+from hooked.models.attention import Attention
 from hooked.models.block import ResidualBlock, Sublayer
 from hooked.models.norms import RMSNorm
+from hooked.ops.rotary import Rotary
+
+
+def hybrid_attention(cfg: Any, *, bias: bool = False, rotary: Rotary | None = None,
+                     scale: float | None = None) -> Attention:
+    """The attention layer of a hybrid config, which spells its sizes d_model, n_attn_heads,
+    n_attn_kv_heads and d_attn_head (`bias` on q, k, v and o)."""
+    return Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head, qkv_bias=bias, o_bias=bias,
+                     rotary=rotary, scale=scale)
 
 
 def pre_norm_block(d_model: int, eps: float, *sublayers: tuple[str, nn.Module], scale: float = 1.0) -> ResidualBlock:

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hooked.models.attention import Attention
 from hooked.models.config import derived
-from hooked.models.hybrid import check_kinds, pre_norm_block
+from hooked.models.hybrid import check_kinds, hybrid_attention, pre_norm_block
 from hooked.models.language_model import LanguageModel
 from hooked.models.mamba import MambaMixer, MambaSpec
 from hooked.models.mlp import GatedMLP
@@ -65,6 +64,8 @@ class JambaConfig:
                                                             ("mamba", "attention")))
         object.__setattr__(self, "mlp_types", check_kinds("mlp_types", self.mlp_types, self.n_layers, ("mlp", "moe")))
         self.mamba  # validates the mixer's fields
+        if "moe" in self.mlp_types and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k}: must be in [1, n_experts={self.n_experts}]")
 
     @property
     def mamba(self) -> MambaSpec:
@@ -87,7 +88,7 @@ def build(cfg: JambaConfig) -> LanguageModel:
     blocks = []
     for kind, mlp_kind in zip(cfg.layer_types, cfg.mlp_types):
         if kind == "attention":
-            first = ("attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head))
+            first = ("attn", hybrid_attention(cfg))
         else:
             first = ("mixer", MambaMixer(cfg.mamba))
         if mlp_kind == "moe":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +102,14 @@ class Mamba2Spec:
         if len(self.ssm_multipliers) != 5:
             raise ValueError(f"ssm_multipliers holds 5 scales (z, x, B, C, dt), got {len(self.ssm_multipliers)}")
 
+    @classmethod
+    def of(cls, cfg: Any, **changes: Any) -> "Mamba2Spec":
+        """The spec of a family config that spells the SSM fields as Mamba2Config does (d_model, n_heads,
+        d_head, d_state, n_groups, d_conv, chunk_size, conv_bias, proj_bias, eps, dt_limit), with `changes`."""
+        fields = ("d_model", "n_heads", "d_head", "d_state", "n_groups", "d_conv", "chunk_size", "conv_bias",
+                  "proj_bias", "eps", "dt_limit")
+        return cls(**{f: getattr(cfg, f) for f in fields if f not in changes} | changes)
+
     @property
     def d_inner(self) -> int:
         return self.n_heads * self.d_head
@@ -152,8 +161,7 @@ class Mamba2Config:
 
     @property
     def mixer(self) -> Mamba2Spec:
-        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
-                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
+        return Mamba2Spec.of(self)
 
     @property
     def conv_dim(self) -> int:

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hooked.models.attention import Attention
 from hooked.models.config import derived
-from hooked.models.hybrid import pre_norm_block
+from hooked.models.hybrid import hybrid_attention, pre_norm_block
 from hooked.models.language_model import LanguageModel
 from hooked.models.mamba2 import Mamba2Mixer, Mamba2Spec
 from hooked.models.mlp import MLP
@@ -80,11 +79,12 @@ class NemotronHConfig:
         bad = sorted(set(self.layer_types) - set(PATTERN))
         if bad or not self.layer_types:
             raise ValueError(f"layer_types must be a non-empty list from {tuple(PATTERN)}; unknown: {bad}")
+        if "moe" in self.layer_types and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k}: must be in [1, n_experts={self.n_experts}]")
 
     @property
     def mixer(self) -> Mamba2Spec:
-        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
-                          self.chunk_size, self.conv_bias, self.proj_bias, self.eps, self.dt_limit)
+        return Mamba2Spec.of(self)
 
     @property
     def n_layers(self) -> int:
@@ -113,7 +113,7 @@ def sublayer(cfg: NemotronHConfig, kind: str) -> tuple[str, nn.Module]:
     if kind == "mamba":
         return "mixer", Mamba2Mixer(cfg.mixer)
     if kind == "attention":
-        return "attn", Attention(cfg.d_model, cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.d_attn_head)
+        return "attn", hybrid_attention(cfg)
     if kind == "mlp":
         return "mlp", MLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias)
     select = SigmoidTopK(cfg.n_experts, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.renormalise, cfg.routed_scaling)

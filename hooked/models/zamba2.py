@@ -110,9 +110,7 @@ class Zamba2Config:
     @property
     def mixer(self) -> Mamba2Spec:
         """HF's Zamba2 conv always has a bias, and its gated norm a fixed eps (GATED_NORM_EPS)."""
-        return Mamba2Spec(self.d_model, self.n_heads, self.d_head, self.d_state, self.n_groups, self.d_conv,
-                          self.chunk_size, conv_bias=True, proj_bias=self.proj_bias, eps=GATED_NORM_EPS,
-                          dt_limit=self.dt_limit)
+        return Mamba2Spec.of(self, conv_bias=True, eps=GATED_NORM_EPS)
 
     @property
     def hybrid_layer_ids(self) -> tuple[int, ...]:

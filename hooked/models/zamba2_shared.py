@@ -127,7 +127,7 @@ class SharedTransformer(nn.Module):
 
 @dataclass(frozen=True)
 class SharedSizes:
-    """What one invocation is built from (plain sizes; HookedZamba2 fills it from its config)."""
+    """What one invocation is built from (plain sizes; zamba2.build fills it from its config)."""
 
     d_model: int
     n_heads: int  # attention query heads
