@@ -99,10 +99,14 @@ class SAESplice(nn.Module):
         for method in ("encode", "decode"):
             if not callable(getattr(sae, method, None)):
                 raise TypeError(f"an SAE needs encode() and decode(); {type(sae).__name__} has no {method}()")
+        if not isinstance(use_error_term, bool):
+            raise TypeError(f"use_error_term must be True or False, got {use_error_term!r}")
+        if head is not None and (isinstance(head, bool) or not isinstance(head, int)):
+            raise TypeError(f"head must be a head index (int) or None, got {head!r}")
         self.__dict__["module"] = sae  # not a submodule: its parameters stay out of the model's
         self.d_in, self.d_sae = sae_sizes(sae)
         self.start = _slice_start(point, self.d_in)
-        self.use_error_term = bool(use_error_term)
+        self.use_error_term = use_error_term
         self.positions = positions
         self.head = _head_index(sae) if head is None else head
         if self.head is not None and (self.start != 3 or point.axes[2] not in ("n_heads", "n_kv_heads", "d_inner")):
