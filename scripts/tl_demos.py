@@ -96,6 +96,12 @@ def install_stubs() -> list[str]:
         if parent in sys.modules:
             setattr(sys.modules[parent], child, module)
         stubbed.append(name)
+    try:  # figures are drawn, not shown (no notebook frontend here)
+        import plotly.basedatatypes
+
+        plotly.basedatatypes.BaseFigure.show = lambda self, *args, **kwargs: None
+    except ImportError:
+        pass
     return stubbed
 
 
@@ -202,8 +208,8 @@ def compare(path: Path, keep_tl_imports: bool) -> list[dict]:
     import matplotlib
 
     matplotlib.use("Agg")
-    spaces = {"tl": {"__load_model__": tl_loader(), "__name__": "__main__"},
-              "hooked": {"__load_model__": hooked_loader(), "__name__": "__main__"}}
+    shown = {"display": lambda *args, **kwargs: None, "__name__": "__main__"}  # IPython's builtin in notebooks
+    spaces = {"tl": {"__load_model__": tl_loader(), **shown}, "hooked": {"__load_model__": hooked_loader(), **shown}}
     rows = []
     for i, src in enumerate(cells(path)):
         result = {}
