@@ -178,6 +178,11 @@ def _comparable(v: Any) -> bool:
     return torch.is_tensor(v) or isinstance(v, (np.ndarray, float, int)) and not isinstance(v, bool)
 
 
+def _rel(a: Any, b: Any) -> float:
+    a, b = torch.as_tensor(a).double().cpu(), torch.as_tensor(b).double().cpu()
+    return 0.0 if a.numel() == 0 else float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
 def _close(a: Any, b: Any) -> bool:
     try:
         a, b = torch.as_tensor(a).double().cpu(), torch.as_tensor(b).double().cpu()
@@ -220,8 +225,11 @@ def compare(path: Path, keep_tl_imports: bool) -> list[dict]:
             result[side] = (ok, values(ns, before, shown) if ok else {}, err)
         (ok_tl, v_tl, e_tl), (ok_h, v_h, e_h) = result["tl"], result["hooked"]
         if ok_tl and ok_h:
-            bad = [k for k in v_tl if k in v_h and not _close(v_h[k], v_tl[k])]
-            status, note = ("equal", "") if not bad else ("differs", ", ".join(bad[:5]))
+            both = [k for k in v_tl if k in v_h]
+            bad = [k for k in both if not _close(v_h[k], v_tl[k])]
+            worst = max((_rel(v_h[k], v_tl[k]) for k in both if k not in bad), default=0.0)
+            status, note = (("equal", f"{len(both)} values, max rel diff {worst:.1e}" if both else "no values")
+                            if not bad else ("differs", ", ".join(bad[:5])))
         elif ok_tl:
             status, note = "fails in hooked only", e_h
         elif ok_h:
