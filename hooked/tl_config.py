@@ -12,6 +12,7 @@ Glossary
                                                adds BOS (False without one)
                   n_key_value_heads            TL's name of n_kv_heads (None without GQA, as TL)
                   d_vocab_out, original_architecture, model_name
+                  checkpoint_index, checkpoint_value, checkpoint_label_type   None (final weights only)
                   A field of the family's config with one of these names wins.
 isinstance(model.cfg, GPT2Config) still holds and `dataclasses.replace(model.cfg, ...)` still works.
 """
@@ -83,6 +84,10 @@ EXTRA = {
     "d_vocab_out": lambda c: c.d_vocab,
     "original_architecture": lambda c: getattr(_model(c), "family", type(_model(c)).__name__),
     "model_name": lambda c: getattr(_model(c), "family", type(_model(c)).__name__),
+    # TL's training-checkpoint fields: hooked loads final weights only
+    "checkpoint_index": lambda c: None,
+    "checkpoint_value": lambda c: None,
+    "checkpoint_label_type": lambda c: None,
 }
 
 
