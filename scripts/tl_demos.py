@@ -2,6 +2,7 @@
 changing only the model line, and compare cell by cell.
 
     python scripts/tl_demos.py DIR [--only Main_Demo,Exploratory_Analysis_Demo] [--out tl_demos.md]
+    HOOKED_ROOT=/path/to/older/checkout python scripts/tl_demos.py DIR ...   # the same on other code
 
 DIR holds the notebooks (TL v2.18.0's demos/*.ipynb: Main_Demo, Exploratory_Analysis_Demo,
 Activation_Patching_in_TL_Demo, Attribution_Patching_Demo, Head_Detector_Demo,
@@ -29,6 +30,7 @@ import ast
 import contextlib
 import io
 import json
+import os
 import re
 import sys
 import traceback
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(os.environ.get("HOOKED_ROOT", Path(__file__).resolve().parents[1]))  # another checkout: a "before" run
 sys.path.insert(0, str(ROOT))
 MODEL_CALL = re.compile(r"HookedTransformer\.from_pretrained(_no_processing)?\(")
 IMPORTS = [(r"from transformer_lens import utils\b", "from hooked import utils"),
@@ -61,6 +63,14 @@ class _Anything:
 
     def __bool__(self) -> bool:
         return True
+
+    def __str__(self) -> str:
+        return ""
+
+    def __add__(self, other: Any) -> Any:
+        return other
+
+    __radd__ = __add__
 
 
 def install_stubs() -> list[str]:
@@ -141,7 +151,10 @@ def tl_loader():
 
 
 def hooked_loader():
-    from loaders.tl import HookedTransformer
+    try:
+        from loaders.tl import HookedTransformer
+    except ImportError:  # a checkout from before loaders.tl: hooked's from_pretrained with TL's processing
+        return _plain_loader()
 
     def load(*_: Any, _no_processing: bool = False, **kwargs: Any):
         keep = {k: v for k, v in kwargs.items() if k in ("fold_ln", "center_writing_weights", "center_unembed",
@@ -149,6 +162,17 @@ def hooked_loader():
         if _no_processing:
             return HookedTransformer.from_pretrained_no_processing("smollm2-135m", **keep)
         return HookedTransformer.from_pretrained("smollm2-135m", **keep)
+
+    return load
+
+
+def _plain_loader():
+    from loaders import from_pretrained
+
+    def load(*_: Any, _no_processing: bool = False, **kwargs: Any):
+        flags = {k: kwargs.get(k, True) for k in ("fold_ln", "center_writing_weights", "center_unembed",
+                                                 "fold_value_biases")}
+        return from_pretrained("smollm2-135m", **({k: False for k in flags} if _no_processing else flags))
 
     return load
 
