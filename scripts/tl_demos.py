@@ -15,7 +15,8 @@ namespace per side; shell and magic lines (`!pip`, `%...`) are dropped; every
     hooked  loaders.tl.HookedTransformer.from_pretrained("smollm2-135m", ...) with the call's keywords;
             `from transformer_lens import utils` (and `transformer_lens.utils`) read hooked.utils,
             ActivationCache / FactoredMatrix / patching read hooked's (`--keep-tl-imports`: TL's)
-The model line's `refactor_factored_attn_matrices=True` (GPT-2 only: TL refuses it on rotary models
+Each side loads one model per distinct model line (a loop over training checkpoints gets the same
+SmolLM2 each time). The model line's `refactor_factored_attn_matrices=True` (GPT-2 only: TL refuses it on rotary models
 such as SmolLM2) is dropped on both sides; its other keywords are kept.
 A cell is "equal" when it ran on both sides and every tensor, array or number it bound or showed
 (its last expression, new or rebound names) agrees within 1e-4 of the TL value's magnitude; "differs"
@@ -233,12 +234,27 @@ def run(src: str, ns: dict) -> tuple[bool, Any, str]:
         return False, None, traceback.format_exc(limit=2).splitlines()[-1]
 
 
+def memoized(load):
+    """One model per distinct model line: a notebook that loads a model per training checkpoint
+    (Main_Demo's loop over checkpoint_index) gets the same SmolLM2 each time, not a new copy."""
+    models: dict[str, Any] = {}
+
+    def get(*args: Any, **kwargs: Any):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in models:
+            models[key] = load(*args, **kwargs)
+        return models[key]
+
+    return get
+
+
 def compare(path: Path, keep_tl_imports: bool) -> list[dict]:
     import matplotlib
 
     matplotlib.use("Agg")
     shown = {"display": lambda *args, **kwargs: None, "__name__": "__main__"}  # IPython's builtin in notebooks
-    spaces = {"tl": {"__load_model__": tl_loader(), **shown}, "hooked": {"__load_model__": hooked_loader(), **shown}}
+    spaces = {"tl": {"__load_model__": memoized(tl_loader()), **shown},
+              "hooked": {"__load_model__": memoized(hooked_loader()), **shown}}
     rows = []
     for i, src in enumerate(cells(path)):
         result = {}
