@@ -234,13 +234,17 @@ def run(src: str, ns: dict) -> tuple[bool, Any, str]:
         return False, None, traceback.format_exc(limit=2).splitlines()[-1]
 
 
+MODEL_KEYWORDS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "default_prepend_bos",
+                  "_no_processing")
+
+
 def memoized(load):
     """One model per distinct model line: a notebook that loads a model per training checkpoint
     (Main_Demo's loop over checkpoint_index) gets the same SmolLM2 each time, not a new copy."""
     models: dict[str, Any] = {}
 
     def get(*args: Any, **kwargs: Any):
-        key = repr((args, sorted(kwargs.items())))
+        key = repr(sorted((k, v) for k, v in kwargs.items() if k in MODEL_KEYWORDS))  # every model line is SmolLM2
         if key not in models:
             models[key] = load(*args, **kwargs)
         return models[key]
