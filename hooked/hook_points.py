@@ -220,10 +220,10 @@ class HookPoint(nn.Module):
         self._taps = tuple(t for t in self._taps if t is not tap)
         return tap
 
-    def add_hook(self, fn: HookFn, prepend: bool = False, dir: str = "fwd", is_permanent: bool = False,
-                 level: Any = None) -> Callable[[], None]:
+    def add_hook(self, fn: HookFn, dir: str = "fwd", is_permanent: bool = False, level: Any = None,
+                 prepend: bool = False) -> Callable[[], None]:
         """Add a model hook `fn` (seen by every caller); returns a function that removes exactly this one.
-        TransformerLens's keywords: dir="bwd" runs `fn(grad, hook)` on the activation's gradient;
+        TransformerLens's signature and order: dir="bwd" runs `fn(grad, hook)` on the activation's gradient;
         is_permanent=True survives `reset_hooks()`; `level` (TL's context level) is refused when set."""
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")

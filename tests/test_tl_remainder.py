@@ -158,3 +158,20 @@ def test_process_weights_loss_fn_to_string_and_utils_equal_tls(arch) -> None:
     with torch.no_grad():
         assert rel(fresh(x), fresh_tl(x)) < 1e-4
     assert rel(fresh.W_U, fresh_tl.W_U) < 1e-5
+
+
+def test_hook_point_add_hook_takes_tls_positional_order() -> None:
+    ours, _ = get("llama_gqa")
+    point = ours.hook_dict["blocks.1.hook_resid_mid"]
+    seen = []
+    point.add_hook(lambda g, hook: seen.append("bwd"), "bwd")  # TL: add_hook(hook, dir, is_permanent, level, prepend)
+    point.add_hook(lambda x, hook: seen.append("fwd"), "fwd", True)
+    ours(tokens(), return_type="loss").backward()
+    ours.zero_grad()
+    assert seen == ["fwd", "bwd"]
+    point.remove_hooks(dir="bwd")
+    ours.reset_hooks()  # the permanent forward hook stays
+    with torch.no_grad():
+        ours(tokens())
+    assert seen == ["fwd", "bwd", "fwd"]
+    ours.reset_hooks(including_permanent=True)
