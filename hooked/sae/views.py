@@ -28,7 +28,7 @@ class HeadsView(HookPoint):
                          element=parent.element)
 
     def __call__(self, x: Tensor) -> Tensor:  # as a tap of its parent: reshape, run the hooks, reshape back
-        return super().__call__(x.flatten(3)).view(x.shape)
+        return super().__call__(x.flatten(3)).reshape(x.shape)
 
 
 def heads_view(root, name: str) -> HookPoint | None:
