@@ -118,6 +118,8 @@ def _is_layer_norm(model: Any) -> bool:
 def fold_layer_norm(model: Any) -> None:
     _untie(model)
     for norm, readers in _readers(model):
+        if not isinstance(getattr(norm, "weight", None), Tensor):
+            continue  # a step reading the stream itself (OLMo-hybrid's post-norm layers): nothing to fold
         center = isinstance(norm, LayerNorm)
         offset = getattr(norm, "weight_offset", 0.0)  # Gemma's (1 + w) norms: the gain is w + 1
         w, b = norm.weight.detach().clone() + offset, getattr(norm, "bias", None)

@@ -97,3 +97,53 @@ def expert_view(renames: Sequence[tuple[str, str]] = (),
                              shapes={n: view.shape(n) for n in view})
 
     return adapt
+
+
+class _Concat(_View):
+    """_View whose `stacked` entries are concatenations on dim 0 (one list of parts each, no expert axis)."""
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.plain:
+            return self.source.read(self.plain[name])
+        return torch.cat([self.source.read(p) for p in self.stacked[name][0]])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.plain:
+            return tuple(self.source.shape(self.plain[name]))
+        shapes = [tuple(self.source.shape(p)) for p in self.stacked[name][0]]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def concat_view(parts: Sequence[str], target: str) -> Callable[[Any], Any]:
+    """An `adapt` function: tensors `<prefix><part>` for every part in `parts` (all present for one prefix)
+    are seen as one tensor `<prefix><target>`, their concatenation on dim 0 in the order of `parts`
+    (OLMo-hybrid's and Kimi Linear's q/k/v conv weights saved apart, loaded as one conv). Each part's own
+    size is not checked: HF's save splits the concatenation into equal chunks, not at the q/k/v borders."""
+
+    def adapt(source: Any) -> Any:
+        names = list(source.keys())
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            for part in parts:
+                if n.endswith(part):
+                    groups.setdefault(n[: len(n) - len(part)], []).append(n)
+        groups = {prefix: [prefix + p for p in parts] for prefix, found in groups.items() if len(found) == len(parts)}
+        if not groups:
+            return source
+        used = {n for members in groups.values() for n in members}
+        view = _Concat(source, {n: n for n in names if n not in used},
+                       {prefix + target: [members] for prefix, members in groups.items()})
+        return MappingSource(view, origin=getattr(source, "origin", "checkpoint"), shapes={n: view.shape(n) for n in view})
+
+    return adapt
+
+
+def chained(*adapts: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """One `adapt` applying several in order."""
+
+    def adapt(source: Any) -> Any:
+        for fn in adapts:
+            source = fn(source)
+        return source
+
+    return adapt

@@ -22,8 +22,10 @@ Qwen's sliding windows, and the field sets that several families' configs read t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from loaders.architecture import Key
@@ -105,6 +107,47 @@ def mamba2_keys(ours: str, theirs: str, conv_bias: bool, proj_bias: bool, out_bi
     names += ["out_proj.bias"] if (proj_bias if out_bias is None else out_bias) else []
     names += ["norm.weight"] if norm else []
     return _ssm_keys(ours, theirs, names, conv_bias)
+
+
+def interleaved(groups: int, sizes: list[int], take: list[int]) -> Callable[[Tensor], Tensor]:
+    """A transform reading rows laid out per group ([group][part 0 | part 1 | ...], `sizes` rows per part):
+    the parts `take`, each over every group in group order, concatenated (HF's per-head fused layouts)."""
+    def rows(w: Tensor) -> Tensor:
+        parts = w.unflatten(0, (groups, -1)).split(sizes, dim=1)
+        return torch.cat([parts[i].flatten(0, 1) for i in take])
+    return rows
+
+
+def gated_attention_keys(ours: str, theirs: str, n_heads: int, d_head: int, bias: bool) -> dict[str, Key]:
+    """gated_attention.py's GatedAttention from q_proj rows [query_h | gate_h] per head (Qwen3-Next, Qwen3.5),
+    k/v/o projections and per-head q/k norms."""
+    keys = attention_keys(ours, theirs, bias, bias) | qk_norm_keys(ours, theirs)
+    for w in ("weight", "bias")[: 1 + bias]:
+        keys[f"{ours}q_proj.{w}"] = Key.of(f"{theirs}q_proj.{w}", transform=interleaved(n_heads, [d_head, d_head], [0]))
+        keys[f"{ours}gate_proj.{w}"] = Key.of(f"{theirs}q_proj.{w}", transform=interleaved(n_heads, [d_head, d_head], [1]))
+    return keys
+
+
+def sigmoid_shared_moe_keys(ours: str, theirs: str) -> dict[str, Key]:
+    """moe.py's MoE with shared_expert.py's sigmoid-gated shared expert from Qwen's `gate` (the router),
+    `experts.*`, `shared_expert.*` and `shared_expert_gate` (Qwen3-Next, Qwen3.5-MoE)."""
+    keys = {ours + "router.weight": Key.of(theirs + "gate.weight")}
+    keys |= stacked_experts_keys(ours, theirs + "experts.")
+    keys |= gated_mlp_keys(ours + "shared.", theirs + "shared_expert.", False)
+    return keys | {ours + "shared.out_gate.weight": Key.of(theirs + "shared_expert_gate.weight")}
+
+
+PER_EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # expert_view's
+
+
+def delta_mixer_keys(ours: str, theirs: str, names: dict[str, str | Key]) -> dict[str, Key]:
+    """delta_mixer.py's mixer: `names` maps our parameter (relative) to theirs (relative, or a Key with
+    relative names); `conv_weight` from `conv1d.weight` (squeezed) unless `names` gives it."""
+    keys = {ours + "conv_weight": Key.of(theirs + "conv1d.weight", transform=squeeze_conv)}
+    for mine, their in names.items():
+        key = their if isinstance(their, Key) else Key.of(their)
+        keys[ours + mine] = Key(tuple(theirs + n for n in key.names), key.transform)
+    return keys
 
 
 def lm_head_keys(tied: bool) -> dict[str, Key]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, llama, mamba, mamba2, mistral,
-                     nemotron_h, qwen2, qwen3, zamba2)
+from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
+                     mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
 from loaders.architecture import Architecture, Key
 
 __all__ = ["ARCHITECTURES", "REGISTRY", "Architecture", "Key", "find_architecture", "register"]
@@ -33,6 +33,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     gemma2.ARCHITECTURE,
     gemma3.ARCHITECTURE,
     gemma3.MULTIMODAL,
+    qwen3_next.ARCHITECTURE,
+    qwen3_next.QWEN3_5,
+    qwen3_next.QWEN3_5_MOE,
+    olmo_hybrid.ARCHITECTURE,
+    kimi_linear.ARCHITECTURE,
+    lfm2.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}

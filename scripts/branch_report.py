@@ -1,8 +1,10 @@
-"""Which branch of a parallel hybrid (Falcon-H1: attention + Mamba-2 side by side) aggregates on the KV task?
+"""Which branch of a hybrid aggregates on the KV task? Parallel (Falcon-H1: attention + Mamba-2 side by
+side) or sequential (gdn-kv: a Gated DeltaNet layer, then an attention layer): a layer's branches are the
+ones it has.
 
 Glossary
-    branch        a layer's attention (`blocks.{l}.attn`, its write `hook_attn_out`) or its Mamba-2 mixer
-                  (`blocks.{l}.mixer`, `hook_mixer_out`); Falcon-H1 sums the two
+    branch        a layer's attention (`blocks.{l}.attn`, its write `hook_attn_out`) or its mixer (Mamba-2,
+                  the delta rule: `blocks.{l}.mixer`, `hook_mixer_out`); Falcon-H1 sums the two
     aggregate     the query's last token reading the queried pair's newline (the segment-final token
                   that gathered the pair); prompts `<bos> (k : v \\n) x n  k ?` (fmt "k?")
     read mass     at the query, attention: the pattern's weight on the queried newline; SSM: the
@@ -90,6 +92,13 @@ def cut_segment(model: Any, p: token_kv.KVPrompts, sites: list[str], row: int = 
     return accuracy_with(model, p, [(s, fn) for s in sites])
 
 
+def has(model: Any, layer: int, branch: str) -> bool:
+    return f"blocks.{layer}.hook_{branch}_out" in model.hook_dict
+
+
+WEIGHTS = {"attn": "attn.hook_pattern", "mixer": "mixer.hook_kernel"}
+
+
 def gather_cuts(model: Any, p: token_kv.KVPrompts) -> dict[str, float]:
     """Accuracy when every value token stops reading every key token (edges value_j <- key_i, i <= j) in
     layer 0: in the attention pattern only, the SSM kernel only, or both plus the conv taps (knockout)."""
@@ -106,12 +115,42 @@ def gather_cuts(model: Any, p: token_kv.KVPrompts) -> dict[str, float]:
     tgt[:, values] = True
     src = torch.zeros(batch, pos, dtype=torch.bool)
     src[:, keys] = True
-    out = {"L0 attn pattern": accuracy_with(model, p, [("blocks.0.attn.hook_pattern", fn)]),
-           "L0 mixer kernel": accuracy_with(model, p, [("blocks.0.mixer.hook_kernel", fn)])}
+    out = {f"L0 {b} {'pattern' if b == 'attn' else 'kernel'}": accuracy_with(model, p, [(f"blocks.0.{WEIGHTS[b]}", fn)])
+           for b in ("attn", "mixer") if has(model, 0, b)}
     with knockout(model, src, tgt, [0], attention="pattern", cut_conv=True):
-        out["L0 both + conv (knockout)"] = accuracy_with(model, p, [])
+        out["L0 all + conv (knockout)"] = accuracy_with(model, p, [])
     with knockout(model, src, tgt, [0], attention="pattern", cut_conv=False):
-        out["L0 both, no conv cut (knockout)"] = accuracy_with(model, p, [])
+        out["L0 all, no conv cut (knockout)"] = accuracy_with(model, p, [])
+    return out
+
+
+def write_read_cuts(model: Any, p: token_kv.KVPrompts, layer: int = 0) -> dict[str, float]:
+    """Accuracy with knockout edges of one mixer layer cut: where a pair's key reaches the position that
+    writes it (keys -> values / newlines, through the kernel only or the conv taps too) and where the
+    query reads (the queried key -> `?`; the values / newlines -> `?`, kernel)."""
+    from analysis.interventions import knockout
+
+    nl = torch.tensor(p.pair_newlines())
+    keys, values = nl - 3, nl - 1
+    batch, pos = p.tokens.shape
+
+    def mask(cols: Any) -> torch.Tensor:
+        m = torch.zeros(batch, pos, dtype=torch.bool)
+        m[:, cols] = True
+        return m
+
+    def cut(src: Any, tgt: Any, conv: bool) -> float:
+        with knockout(model, mask(src), mask(tgt), [layer], cut_conv=conv):
+            return accuracy_with(model, p, [])
+
+    out = {}
+    for what, tgt in (("values", values), ("newlines", nl), ("values and newlines", torch.cat([values, nl]))):
+        out[f"keys -> {what}: kernel"] = cut(keys, tgt, False)
+        out[f"keys -> {what}: kernel + conv taps"] = cut(keys, tgt, True)
+    out["query key -> ?: kernel"] = cut([pos - 2], [pos - 1], False)
+    out["query key -> ?: kernel + conv taps"] = cut([pos - 2], [pos - 1], True)
+    for what, src in (("values", values), ("newlines", nl), ("values and newlines", torch.cat([values, nl]))):
+        out[f"{what} -> ?: kernel"] = cut(src, [pos - 1], False)
     return out
 
 
@@ -131,31 +170,30 @@ def main() -> None:
     nl = torch.tensor(p.pair_newlines())
     n_layers = model.cfg.n_layers
     summary: dict[str, Any] = {"n": a.n, "samples": a.samples, "base": accuracy_with(model, p, [])}
+    layers = {b: [l for l in range(n_layers) if has(model, l, b)] for b in ("attn", "mixer")}
+    kinds = {"attn": "attention", "mixer": "mixers"}
     branches = {}
-    for l in range(n_layers):
-        for b in ("attn", "mixer"):
+    for b, ls in layers.items():
+        for l in ls:
             branches[f"L{l} {b}"] = accuracy_with(model, p, [(f"blocks.{l}.hook_{b}_out", zero)])
-    branches["all attention"] = accuracy_with(model, p, [(f"blocks.{l}.hook_attn_out", zero) for l in range(n_layers)])
-    branches["all mixers"] = accuracy_with(model, p, [(f"blocks.{l}.hook_mixer_out", zero) for l in range(n_layers)])
+        branches[f"all {kinds[b]}"] = accuracy_with(model, p, [(f"blocks.{l}.hook_{b}_out", zero) for l in ls])
     summary["branch_ablation"] = branches
     cuts = {}
-    for l in range(n_layers):
-        cuts[f"L{l} attn"] = accuracy_with(model, p, [(f"blocks.{l}.attn.hook_pattern", cut_reads(nl))])
-        cuts[f"L{l} mixer"] = accuracy_with(model, p, [(f"blocks.{l}.mixer.hook_kernel", cut_reads(nl))])
-    cuts["all attention"] = accuracy_with(model, p, [(f"blocks.{l}.attn.hook_pattern", cut_reads(nl))
-                                                     for l in range(n_layers)])
-    cuts["all mixers"] = accuracy_with(model, p, [(f"blocks.{l}.mixer.hook_kernel", cut_reads(nl))
-                                                  for l in range(n_layers)])
+    for b, ls in layers.items():
+        for l in ls:
+            cuts[f"L{l} {b}"] = accuracy_with(model, p, [(f"blocks.{l}.{WEIGHTS[b]}", cut_reads(nl))])
+        cuts[f"all {kinds[b]}"] = accuracy_with(model, p, [(f"blocks.{l}.{WEIGHTS[b]}", cut_reads(nl)) for l in ls])
     summary["query_reads_cut"] = cuts
     context = {}
-    for l in range(n_layers):
-        for b, hook in (("attn", "attn.hook_pattern"), ("mixer", "mixer.hook_kernel")):
+    for b, ls in layers.items():
+        for l in ls:
             for row, what in ((-1, "?"), (-2, "key")):
-                context[f"L{l} {b} at {what}"] = cut_segment(model, p, [f"blocks.{l}.{hook}"], row)
-    context["all attention at ?"] = cut_segment(model, p, [f"blocks.{l}.attn.hook_pattern" for l in range(n_layers)])
-    context["all mixers at ?"] = cut_segment(model, p, [f"blocks.{l}.mixer.hook_kernel" for l in range(n_layers)])
+                context[f"L{l} {b} at {what}"] = cut_segment(model, p, [f"blocks.{l}.{WEIGHTS[b]}"], row)
+        context[f"all {kinds[b]} at ?"] = cut_segment(model, p, [f"blocks.{l}.{WEIGHTS[b]}" for l in ls])
     summary["context_reads_cut"] = context
     summary["gather_cut"] = gather_cuts(model, p)
+    if has(model, 0, "mixer"):
+        summary["write_read_cuts"] = write_read_cuts(model, p)
     mass_prompts = token_kv.prompts(a.n, 200, seed=7, fmt="k?")
     summary["read_mass"] = read_mass(model, mass_prompts)
     summary["read_mass_at_key"] = read_mass(model, mass_prompts, row=-2)
@@ -163,8 +201,9 @@ def main() -> None:
     ranking = rank_heads(model, examples, head_units(model), progress=False, pairs_top_k=4)
     summary["ranking"] = ranking.rows
     summary["pairs"] = ranking.pairs
-    for key in ("base", "branch_ablation", "query_reads_cut", "context_reads_cut", "gather_cut"):
-        print(key, json.dumps(summary[key], indent=1))
+    for key in ("base", "branch_ablation", "query_reads_cut", "context_reads_cut", "gather_cut", "write_read_cuts"):
+        if key in summary:
+            print(key, json.dumps(summary[key], indent=1))
     for key in ("read_mass", "read_mass_at_key"):
         print(key)
         for unit, e in summary[key].items():

@@ -140,6 +140,20 @@ near 0.35 at n ~ 9 until step ~3,300, then left the plateau (0.9 at n = 6 by ste
 stopped and resumed with larger budgets (12, then 35, then 46 minutes); the result is what one
 uninterrupted run of this recipe gives, as the state (model, optimizer, data generator) is restored.
 """),
+    "gdn-kv": Recipe("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        _COMMON, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=128,
+        max_position_embeddings=256, tie_word_embeddings=True, attn_implementation="eager"), fmt="k?", lr=3e-3,
+        steps=5200, engine="hooked", minutes=60, notes="""
+A Gated DeltaNet + attention hybrid (OLMo-hybrid's layers: a pre-norm Gated DeltaNet layer, beta in
+[0, 2], then a post-norm RoPE attention layer; SwiGLU MLPs), trained through our model (engine
+"hooked": the delta rule in its chunked form), to ask which branch gathers and which aggregates,
+as Zamba2-kv (SSM then attention) and Falcon-H1-kv (side by side) ask it.
+What it took: this first recipe (n uniform in [2, 12], no curriculum, as Mamba-2-kv) left chance by
+step ~500 and passed 0.9 training accuracy by step ~1,000; 5,200 steps took 11 min (the chunked rule
+through our model, about 8 steps/s at batch 64).
+"""),
     "mamba-kv": Recipe("MambaConfig", "MambaForCausalLM", dict(
         _COMMON, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
         tie_word_embeddings=True), fmt="k?", lr=3e-3, steps=5200, engine="hooked", notes="""

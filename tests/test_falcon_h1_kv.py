@@ -44,5 +44,5 @@ def test_layer1_attention_reads_the_queried_value(model_and_prompts):
 def test_layer0_conv_gathers(model_and_prompts):
     model, p = model_and_prompts
     cuts = gather_cuts(model, p)
-    assert cuts["L0 both + conv (knockout)"] < 0.25
-    assert min(cuts["L0 attn pattern"], cuts["L0 mixer kernel"], cuts["L0 both, no conv cut (knockout)"]) > 0.85
+    assert cuts["L0 all + conv (knockout)"] < 0.25
+    assert min(cuts["L0 attn pattern"], cuts["L0 mixer kernel"], cuts["L0 all, no conv cut (knockout)"]) > 0.85

@@ -10,6 +10,7 @@ import functools
 
 import torch
 import transformers
+from delta_oracles import TINY as DELTA
 
 from loaders.load import from_hf
 
@@ -64,6 +65,8 @@ CONFIGS = {
                                                            num_experts=4, expert_layer_period=1,
                                                            expert_layer_offset=0)),
 }
+for _name in DELTA:  # the delta-rule families and LFM2, as tests/delta_oracles.py builds them
+    CONFIGS[_name] = lambda _name=_name: (DELTA[_name][1], DELTA[_name][0](**DELTA[_name][2]))
 FAMILIES = tuple(CONFIGS)
 
 

@@ -156,6 +156,7 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
             z = shared.mix(pattern[..., :p0]) + einsum(
                 pattern[..., p0:], v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
         z = self.hook_z(z)
+        z = self.gate_heads(z, x)
 
         flat_z = rearrange(z, "batch pos n_heads d_head -> batch pos (n_heads d_head)")
         if not self.hook_result.is_active:
@@ -166,6 +167,11 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         # the value of o_proj(z) (bit-identical when nothing is edited), the gradient through the results
         unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
         return unedited + (result.sum(dim=2) - written)
+
+    def gate_heads(self, z: Float[Tensor, "batch pos n_heads d_head"],
+                   x: Float[Tensor, "batch pos d_in"]) -> Float[Tensor, "batch pos n_heads d_head"]:
+        """What each head writes through o_proj: z itself (gated_attention.py multiplies it by an output gate)."""
+        return z
 
     def input_linears(self) -> list[nn.Module]:
         return [self.q_proj, self.k_proj, self.v_proj]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models import bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, llama, mamba, mamba2, nemotron_h, zamba2
+from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
+                           mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
 from hooked.models.mistral import MistralConfig
 from hooked.models.qwen2 import Qwen2Config
 from hooked.models.qwen3 import Qwen3Config
+from hooked.models.qwen3_5 import Qwen3_5Config
 
 BUILDERS = {
     gpt2.GPT2Config: gpt2.build,
@@ -27,6 +29,11 @@ BUILDERS = {
     falcon_h1.FalconH1Config: falcon_h1.build,
     nemotron_h.NemotronHConfig: nemotron_h.build,
     jamba.JambaConfig: jamba.build,
+    qwen3_next.Qwen3NextConfig: qwen3_next.build,
+    Qwen3_5Config: qwen3_next.build,
+    olmo_hybrid.OlmoHybridConfig: olmo_hybrid.build,
+    kimi_linear.KimiLinearConfig: kimi_linear.build,
+    lfm2.Lfm2Config: lfm2.build,
 }
 
 

@@ -67,16 +67,16 @@ class SharedKV:
     """One attention module's entry in a selected state: a shared past through a row map, then the own part."""
 
     k0: Float[Tensor, "sources p0 n_kv_heads d_head"]
-    v0: Float[Tensor, "sources p0 n_kv_heads d_head"]
+    v0: Float[Tensor, "sources p0 n_kv_heads d_v"]  # d_v: a value's width (MLA's differs from a key's)
     rows: RowMap
     k1: Float[Tensor, "rows p1 n_kv_heads d_head"]
-    v1: Float[Tensor, "rows p1 n_kv_heads d_head"]
+    v1: Float[Tensor, "rows p1 n_kv_heads d_v"]
 
     @staticmethod
     def of(k: Tensor, v: Tensor, rows: RowMap) -> SharedKV:
         """A plain past (k, v) [sources p0 n_kv_heads d_head] read through `rows`, no own part yet."""
-        empty = k.new_zeros(len(rows.index), 0, *k.shape[2:])
-        return SharedKV(k, v, rows, empty, empty)
+        n = len(rows.index)
+        return SharedKV(k, v, rows, k.new_zeros(n, 0, *k.shape[2:]), v.new_zeros(n, 0, *v.shape[2:]))
 
     @property
     def shared_positions(self) -> int:
@@ -99,7 +99,7 @@ class SharedKV:
         out = einsum(grid, self.k0, "src slot q_pos kv group d, src k_pos kv d -> src slot kv group q_pos k_pos")
         return self.rows.from_grid(out.flatten(2, 3))
 
-    def mix(self, pattern: Float[Tensor, "rows n_heads q_pos p0"]) -> Float[Tensor, "rows q_pos n_heads d_head"]:
+    def mix(self, pattern: Float[Tensor, "rows n_heads q_pos p0"]) -> Float[Tensor, "rows q_pos n_heads d_v"]:
         """pattern . v0[index]: the shared keys' part of z."""
         kv_heads = self.v0.shape[2]
         grid = self.rows.to_grid(pattern)

@@ -1,0 +1,145 @@
+"""A gated short convolution (LFM2's "conv" operator, Hyena-style): input and output gates around a causal
+depthwise conv, the only place positions mix.
+
+Glossary
+    channels   d_model: B, C, x and the conv all have one channel per residual feature
+    width      the conv's taps [conv_L_cache]; tap width - 1 multiplies the current position
+
+    B, C, x = chunk(in_proj(x_in), 3)      hook_B, hook_C, hook_x   [batch pos channels]
+    Bx      = B * x                        hook_in                  the conv's input
+    conv    = causal_conv(Bx)              hook_conv                (+ bias; no activation)
+    K       = C * taps                     hook_kernel (lazy)       [batch channels q_pos k_pos], ops/conv_kernel.py:
+                                                                    C * conv = K @ Bx + C * bias
+    y       = C * conv                     hook_gated               out_proj's input
+    out     = out_proj(y)                  hook_head_out (lazy)     [batch pos channels d_model]: each channel's write
+Both gates are linear (no sigmoid). An edited kernel adds (K' - K) @ Bx to y; an edited head_out is
+summed. Padding enters as zeros (x_in and Bx are masked): with a conv bias HF lets the padded positions'
+in_proj bias products into the first real tokens' conv window; here a left-padded row equals the
+prompt alone. While decoding, the state keeps the last width - 1 conv inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from einops import einsum
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from hooked.hook_points import HookPoint, through_hook
+from hooked.models.base import Context
+from hooked.models.protocol import CutHooks, Heads, Masks, TokenMixer
+from hooked.ops.conv import causal_conv1d
+from hooked.ops.conv_kernel import conv_kernel, conv_kernel_cols, conv_kernel_rows
+from hooked.ops.edge_cut import conv_cut
+
+
+class GatedShortConv(TokenMixer, nn.Module):
+    """Mixer protocol (protocol.py): the units are the channels (width 1), cut at hook_gated; an edge
+    (target j <- source i, j - i < width) is a conv tap, removed from hook_conv whatever `cut_conv` says
+    (the conv is the only path between positions); the conv bias is never cut. No state, so no decay_norms."""
+
+    unit_tag = "M"
+
+    def __init__(self, d_model: int, width: int, bias: bool = False) -> None:
+        super().__init__()
+        self.width = width
+        self.in_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.conv_weight = nn.Parameter(torch.empty(d_model, width).uniform_(-width**-0.5, width**-0.5))
+        self.conv_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.n_heads, self.d_head = d_model, 1  # a channel is a unit
+        self.dims = {"channels": d_model}
+        self.hook_B = HookPoint("batch pos channels")
+        self.hook_C = HookPoint("batch pos channels")
+        self.hook_x = HookPoint("batch pos channels")
+        self.hook_in = HookPoint("batch pos channels")  # B * x, the conv's input
+        self.hook_conv = HookPoint("batch pos channels")
+        self.hook_kernel = HookPoint("batch channels q_pos k_pos", lazy=True)  # C * conv taps, lazy
+        self.hook_gated = HookPoint("batch pos channels")  # C * conv
+        self.hook_head_out = HookPoint("batch pos channels d_model", lazy=True)
+
+    def input_linears(self) -> list[nn.Module]:
+        return [self.in_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return self.out_proj.bias
+
+    def heads(self) -> Heads:
+        return Heads(self.n_heads, 1, self.hook_gated, "ssm", self.hook_head_out)
+
+    def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
+                  cut_conv: bool = False) -> CutHooks:
+        seen: dict[str, Tensor] = {}
+
+        def keep(x: Tensor, hook: Any) -> None:
+            seen["in"] = x
+
+        def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
+            t, s = masks(conv.shape[0], conv.shape[1], conv.device)
+            conv_in = seen.pop("in")
+            if not (t.any() and s.any()) or (channels is not None and not channels.any()):
+                return None
+            return conv - conv_cut(conv_in, self.conv_weight, t, s, channels)
+
+        return [(self.hook_in, keep), (self.hook_conv, on_conv)]
+
+    def kernel_slices(self, positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
+                      axis: str = "rows") -> CutHooks:
+        """Hooks calling on_slice(K[:, :, rows, :]) or on_slice(K[:, :, :, cols]) of this forward (C read at
+        hook_C; `positions(pos, device)` gives the rows or columns), without the pos x pos kernel; from
+        hook_kernel itself when something already listens there (its edits seen)."""
+        if axis not in ("rows", "cols"):
+            raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
+        if self.hook_kernel.has_hooks:
+            def on_kernel(kernel: Tensor, hook: Any) -> None:
+                idx = positions(kernel.shape[-1], kernel.device)
+                on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
+            return [(self.hook_kernel, on_kernel)]
+        fn = conv_kernel_rows if axis == "rows" else conv_kernel_cols
+
+        def on_C(C: Tensor, hook: Any) -> None:
+            on_slice(fn(C, self.conv_weight, positions(C.shape[1], C.device)))
+
+        return [(self.hook_C, on_C)]
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
+        mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
+        if mask is not None:
+            x = x * mask
+        B, C, xs = self.in_proj(x).chunk(3, dim=-1)
+        B, C, xs = self.hook_B(B), self.hook_C(C), self.hook_x(xs)
+        Bx = B * xs if mask is None else B * xs * mask
+        Bx = self.hook_in(Bx)
+        if ctx.state is None:
+            conv = causal_conv1d(Bx, self.conv_weight, self.conv_bias).contiguous()
+        else:  # decoding: the conv also reads the previous width - 1 inputs
+            window = ctx.state.conv_window(self, Bx, self.width)
+            conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - Bx.shape[1]:].contiguous()
+        conv = self.hook_conv(conv)
+        gated = C * conv
+        if self.hook_kernel.is_active:
+            if ctx.state is not None:
+                ctx.state.refuse_lazy(self, [self.hook_kernel])
+            kernel_fn = lambda: conv_kernel(C, self.conv_weight)  # noqa: E731
+            kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)
+            if kernel_was is not None:  # y_j += sum_i (K' - K)[j, i] (B x)_i
+                gated = gated + einsum(kernel - kernel_was, Bx, "b c j i, b i c -> b j c")
+        gated = self.hook_gated(gated)
+        if not self.hook_head_out.is_active:
+            return self.out_proj(gated)
+        head_out_fn = lambda: self.head_writes(gated)  # noqa: E731
+        head_out, head_out_was = through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
+        if head_out_was is None:
+            return self.out_proj(gated)
+        out = head_out.sum(dim=2)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
+
+    def head_writes(self, gated: Float[Tensor, "*batch pos channels"]) -> Float[Tensor, "*batch pos channels d_model"]:
+        """Each channel's write to the residual (out_proj without its bias)."""
+        return einsum(gated, self.out_proj.weight, "... l c, m c -> ... l c m")
+
+    def extra_repr(self) -> str:
+        return f"channels={self.in_proj.in_features}, width={self.width}, bias={self.conv_bias is not None}"
