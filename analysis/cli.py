@@ -364,7 +364,9 @@ def print_ga_summary(summary: dict[str, Any], out: Path) -> None:
               f"logprob drop {row['logprob_drop']:+.3f} [{row['logprob_drop_lo']:+.3f}, {row['logprob_drop_hi']:+.3f}]  "
               f"gather {row['gather']:.2f}  aggregate {row['aggregate']:.2f}")
     print(summary["separability_statement"])
-    if summary["screen"]:
+    if summary["screen"].get("exhaustive"):
+        print(f"exhaustive instead of screened: {summary['screen']['exhaustive']}")
+    elif summary["screen"]:
         sc = summary["screen"]
         staged = (f"; {sc['n_stage1']} candidates first on prompts {sc['stage_prompts']}" if sc.get("n_stage1") else "")
         print(f"screened: {sc['n_verified']} of {sc['n_units']} units ablated exactly on every prompt ({sc['n_control']} "

@@ -6,6 +6,8 @@ Keys are full hook names ("blocks.3.attn.hook_pattern"). Shorthand, as in Transf
     cache["resid_post", -1]      -> "blocks.{n_layers-1}.hook_resid_post"
     cache["embed"]               -> "hook_embed"
     cache["scale", 3, "ln1"]     -> "blocks.3.ln1.hook_scale"
+    cache["attn", 3]             -> TL's aliases: "attn" is hook_pattern, "attn_logits" hook_attn_scores,
+                                    "key"/"query"/"value" hook_k/q/v, "mlp_post" mlp.hook_post, ...
 
 Residual-stream methods (accumulated_resid, decompose_resid, stack_head_results, apply_ln_to_stack,
 logit_attrs, get_full_resid_decomposition, ...) live in cache_resid.py, with TransformerLens's
@@ -22,6 +24,12 @@ from torch import Tensor
 
 from hooked.cache_resid import ResidualStreamMethods
 from hooked.validate import Device, check
+
+
+# TransformerLens's aliases (utils.get_act_name): cache["attn", l] is the pattern, as in TL
+_TL_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+               "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}
+_TL_MODULES = {"a": "attn", "m": "mlp", "attention": "attn", "block": None, "b": None}
 
 
 class ActivationCache(ResidualStreamMethods):
@@ -77,6 +85,8 @@ class ActivationCache(ResidualStreamMethods):
         if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
             raise KeyError(f"cache keys are names or (name, layer[, module]) tuples, got {key!r}")
         name, layer, module = key[0], (key[1] if len(key) > 1 else None), (key[2] if len(key) > 2 else None)
+        name = _TL_ALIASES.get(name, name)  # TL's short names: "attn" is the pattern, "attn_logits" the scores, ...
+        module = _TL_MODULES.get(module, module)
         hook = name if name.startswith("hook_") else "hook_" + name
         if layer is None:
             return self._key(hook)

@@ -244,8 +244,8 @@ class ResidualStreamMethods:
                 labels += names
         if not parts and layer > 0 and not incl_remainder:
             raise KeyError("no per-head results and no hook_z / hook_gated in the cache to compute them from")
-        like = slice_pos(self["embed"], pos_slice)
-        stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))
+        like = slice_pos(self["embed"], pos_slice) if not parts or (incl_remainder and layer == 0) else None
+        stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))  # a hook_z-only cache needs no embed
         if incl_remainder:
             total = slice_pos(self[("resid_post", layer - 1)], pos_slice) if layer > 0 else like
             stack = torch.cat([stack, (total.to(stack.device) - stack.sum(0))[None]])
@@ -286,8 +286,8 @@ class ResidualStreamMethods:
             ids = slice_pos(torch.arange(self.model.cfg.d_mlp if neuron_slice is not None else res.shape[0]),
                             neuron_slice, dim=0, name="neuron_slice")
             labels += [f"L{l}N{int(i)}" for i in ids.reshape(-1)]
-        like = slice_pos(self["embed"], pos_slice)
-        stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))
+        like = slice_pos(self["embed"], pos_slice) if not parts or (incl_remainder and layer == 0) else None
+        stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))  # a hook_z-only cache needs no embed
         if incl_remainder:
             total = slice_pos(self[("resid_post", layer - 1)], pos_slice) if layer > 0 else like
             stack = torch.cat([stack, (total - stack.sum(0))[None]])

@@ -20,6 +20,10 @@ Glossary
     active         a HookPoint with at least one visible hook (or while this caller records the
                    forward order). Models build costly quantities (states, kernels, per-head writes)
                    only for active HookPoints: `if self.hook_h.is_active: ...`.
+    tap            a module that runs on a HookPoint's activation after its hooks, registered as the
+                   point's child (so its own HookPoints are named under it): an SAE splice
+                   (`{hook}.sae.hook_sae_acts_post`, hooked/sae/splice.py) or a view
+                   (`{hook}.hook_heads`). A tap has `is_active`; the point counts as active while one is.
     lazy           `HookPoint(lazy=True)` marks such a costly quantity. A bare `run_with_cache()`
                    leaves lazy hooks out; a filter that selects them (or `incl_lazy=True`) takes them,
                    after the size check of `hooked.cache_budget`.
@@ -52,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import math
 import re
 import threading
 import types
@@ -69,12 +74,14 @@ HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 
 
 class Hook:
-    """One attachment of `fn`: a handle, equal only to itself (two adds of one fn are two Hooks)."""
+    """One attachment of `fn`: a handle, equal only to itself (two adds of one fn are two Hooks).
+    `dir` is "fwd", or "bwd" for a wrapped backward hook (TL's `remove_hooks(dir=)` selects by it)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "dir")
 
-    def __init__(self, fn: HookFn) -> None:
+    def __init__(self, fn: HookFn, dir: str = "fwd") -> None:
         self.fn = fn
+        self.dir = dir
 
     def __repr__(self) -> str:
         return f"Hook({getattr(self.fn, '__qualname__', self.fn)!r})"
@@ -173,6 +180,11 @@ def scoped_hooks(attachments: Sequence[tuple["HookPoint", HookFn, bool]]) -> Ite
             hook.detach()
 
 
+def is_recording() -> bool:
+    """True while this caller records the forward order (hook_dict): taps skip input-dependent checks then."""
+    return _RECORDING.get() is not None
+
+
 POSITION_AXES = ("pos", "q_pos", "k_pos")  # sized by the input's length
 ELEMENTS = ("model", "wide", "int64")
 
@@ -197,6 +209,7 @@ class HookPoint(nn.Module):
         self._n_scoped = 0  # scoped hooks attached here in any thread / task (module glossary: hook-free)
         self.lazy = lazy  # built only when hooked; a bare run_with_cache() leaves it out (cache_budget.py)
         self.ctx: dict[Any, Any] = {}  # scratch space for hook functions (TL's hook.ctx), cleared by reset_hooks()
+        self._taps: tuple[nn.Module, ...] = ()  # run after the hooks, in order (SAE splices, views)
 
     def shape(self, batch: int, pos: int) -> tuple[int, ...]:
         """The activation's shape for a [batch, pos] input of a full forward (no decoding state)."""
@@ -208,6 +221,8 @@ class HookPoint(nn.Module):
                 out.append(pos)
             elif axis.isdigit():
                 out.append(int(axis))
+            elif "*" in axis and all(w in self.sizes for w in axis.split("*")):  # a flattened group (views)
+                out.append(math.prod(self.sizes[w] for w in axis.split("*")))
             elif axis in self.sizes:
                 out.append(self.sizes[axis])
             else:
@@ -237,26 +252,48 @@ class HookPoint(nn.Module):
 
     @property
     def has_hooks(self) -> bool:
-        """True when a hook is visible to this caller (the model's or its own scoped ones)."""
-        return bool(self._hooks) or (self._n_scoped > 0 and self in _SCOPED.get())
+        """True when a hook is visible to this caller (the model's or its own scoped ones), or a tap is active."""
+        return bool(self._hooks) or (self._n_scoped > 0 and self in _SCOPED.get()) or any(t.is_active for t in self._taps)
 
     @property
     def is_active(self) -> bool:
         """True when something listens here; lazy quantities are computed only then."""
-        if not (self._hooks or self._n_scoped or _recordings):
+        if not (self._hooks or self._n_scoped or _recordings or self._taps):
             return False
-        return bool(self._hooks) or self in _SCOPED.get() or _RECORDING.get() is not None
+        return self.has_hooks or _RECORDING.get() is not None
 
-    def add_hook(self, fn: HookFn, prepend: bool = False) -> Callable[[], None]:
-        """Add a model hook `fn` (seen by every caller); returns a function that removes exactly this one."""
+    def add_tap(self, name: str, tap: nn.Module) -> None:
+        """Run `tap(x)` after this point's hooks, registered as child `name` (the root's setup() names its points)."""
+        if name in self._modules:
+            raise ValueError(f"{self.name!r} already has a tap named {name!r}")
+        self._modules[name] = tap
+        self._taps = (*self._taps, tap)
+
+    def remove_tap(self, name: str) -> nn.Module:
+        """Detach and return the tap registered as `name`."""
+        tap = self._modules.pop(name)
+        self._taps = tuple(t for t in self._taps if t is not tap)
+        return tap
+
+    def add_hook(self, fn: HookFn, dir: str = "fwd", is_permanent: bool = False, level: Any = None,
+                 prepend: bool = False) -> Callable[[], None]:
+        """Add a model hook `fn` (seen by every caller); returns a function that removes exactly this one.
+        TransformerLens's signature and order: dir="bwd" runs `fn(grad, hook)` on the activation's gradient;
+        is_permanent=True survives `reset_hooks()`; `level` (TL's context level) is refused when set."""
+        if dir not in ("fwd", "bwd"):
+            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
+        if level is not None:
+            raise ValueError("level= (TransformerLens's hook context levels) is not supported: use model.hooks() scopes")
         if not callable(fn):
             raise TypeError(f"hook for {self.name!r} must be callable, got {type(fn).__name__}")
-        hook = Hook(fn)
+        hook = Hook(_as_backward_hook(fn) if dir == "bwd" else fn, dir)
         if prepend:
             self._hooks.insert(0, hook)
         else:
             self._hooks.append(hook)
         _count_attached(1)
+        if is_permanent:
+            self._permanent.append(hook)
 
         def remove() -> None:
             for i, h in enumerate(self._hooks):
@@ -268,37 +305,53 @@ class HookPoint(nn.Module):
 
         return remove
 
-    def remove_hooks(self, including_permanent: bool = True) -> None:
-        """Remove this point's model hooks, the permanent ones only when asked (scoped hooks belong to their scopes)."""
-        keep = [] if including_permanent else [h for h in self._hooks if any(h is p for p in self._permanent)]
-        removed = [h for h in self._hooks if not any(h is k for k in keep)]
-        self._hooks[:], self._permanent[:] = keep, keep
+    def remove_hooks(self, dir: str = "both", including_permanent: bool = True, level: Any = None) -> None:
+        """Remove this point's model hooks of direction `dir` ("fwd", "bwd", "both"), the permanent
+        ones only when asked (scoped hooks belong to their scopes; taps stay)."""
+        if dir not in ("fwd", "bwd", "both"):
+            raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', got {dir!r}")
+
+        def kept(h: Hook) -> bool:
+            return (dir != "both" and h.dir != dir) or (not including_permanent and any(h is p for p in self._permanent))
+
+        keep = [h for h in self._hooks if kept(h)]
+        removed = [h for h in self._hooks if not kept(h)]
+        self._hooks[:] = keep
+        self._permanent[:] = [p for p in self._permanent if any(p is k for k in keep)]
         _count_attached(-len(removed))
         for hook in removed:
             hook.detach()
 
     def __call__(self, x: Tensor) -> Tensor:  # skips nn.Module's call machinery: this is the hot path
-        if not (self._hooks or self._n_scoped or _recordings):  # hook-free: no context variable read
+        if not (self._hooks or self._n_scoped or _recordings or self._taps):  # hook-free: no context variable read
             return x
         on_fire = _RECORDING.get()
-        if on_fire is not None:  # recording the forward order: no hook runs
+        if on_fire is not None:  # recording the forward order: no hook runs (taps do, so that theirs record)
             on_fire(self.name, x)
+            for tap in self._taps:
+                x = tap(x)
             return x
-        if not self._hooks and self not in _SCOPED.get():
+        if not self._hooks and not self._taps and self not in _SCOPED.get():
             return x
         for hook in self.visible_hooks():
-            out = hook.fn(x, self)
-            if out is None:
-                continue
-            if not isinstance(out, Tensor):
-                raise TypeError(f"hook on {self.name!r} returned {type(out).__name__}, expected a Tensor or None")
-            if out.shape != x.shape or out.dtype != x.dtype:
-                raise ValueError(
-                    f"hook on {self.name!r} returned shape {tuple(out.shape)} dtype {out.dtype}; "
-                    f"the activation has shape {tuple(x.shape)} dtype {x.dtype}"
-                )
-            x = out
+            x = self._checked(hook.fn(x, self), x, "hook")
+        for tap in self._taps:
+            if tap.is_active:
+                x = self._checked(tap(x), x, type(tap).__name__)
         return x
+
+    def _checked(self, out: Any, x: Tensor, what: str) -> Tensor:
+        """`out` when it may replace `x` (same shape and dtype), `x` for None; otherwise an error naming the hook."""
+        if out is None:
+            return x
+        if not isinstance(out, Tensor):
+            raise TypeError(f"{what} on {self.name!r} returned {type(out).__name__}, expected a Tensor or None")
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(
+                f"{what} on {self.name!r} returned shape {tuple(out.shape)} dtype {out.dtype}; "
+                f"the activation has shape {tuple(x.shape)} dtype {x.dtype}"
+            )
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         return self(x)
@@ -335,6 +388,14 @@ class HookedRootModule(nn.Module):
             module = getattr(module, part)
         sizes.update(getattr(module, "dims", None) or {})
         return sizes
+
+    def _make_view(self, name: str) -> HookPoint | None:
+        """A hook point made on first use under `name` (hooked.sae.views: `{hook}.hook_heads`); none here."""
+        return None
+
+    def _gated(self, name: str) -> bool:
+        """True for a hook that filters skip until a switch turns it on (hooked.tl_switches); none here."""
+        return False
 
     def hook_shape(self, name: str, batch: int = 1, pos: int = 1) -> tuple[int, ...]:
         """Shape of hook `name`'s activation for a [batch, pos] input, from its axes (no forward)."""
@@ -385,11 +446,14 @@ class HookedRootModule(nn.Module):
     def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:
         points = self._module_hooks()
         if callable(name):
-            return [p for n, p in self.hook_dict.items() if name(n)]
+            return [p for n, p in self.hook_dict.items() if name(n) and not self._gated(n)]
         if not isinstance(name, str):
             raise TypeError(f"a hook name must be a str or a callable filter, got {type(name).__name__}")
         if name in points:
             return [points[name]]
+        view = self._make_view(name)
+        if view is not None:
+            return [view]
         close = difflib.get_close_matches(name, list(points), n=5, cutoff=0.6)
         hint = f"; close matches: {', '.join(close)}" if close else ""
         raise KeyError(f"unknown hook name {name!r}{hint}")
@@ -397,11 +461,11 @@ class HookedRootModule(nn.Module):
     def names_matching(self, names_filter: NamesFilter) -> list[str]:
         """Hook names selected by a filter: None (all), a name, a list of names, or a predicate."""
         if names_filter is None:
-            return list(self.hook_dict)
+            return [n for n in self.hook_dict if not self._gated(n)]
         if isinstance(names_filter, str):
             return [p.name for p in self._resolve(names_filter)]
         if callable(names_filter):
-            return [n for n in self.hook_dict if names_filter(n)]
+            return [n for n in self.hook_dict if names_filter(n) and not self._gated(n)]
         if not isinstance(names_filter, (list, tuple, set, frozenset)):
             raise WrongType(f"names_filter: expected None, a hook name, a list of names or a function of the name, "
                             f"got {names_filter!r} ({type(names_filter).__name__})")
@@ -415,14 +479,7 @@ class HookedRootModule(nn.Module):
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         points = self._resolve(name)
-        if dir == "bwd":
-            fn = _as_backward_hook(fn)
-        removers = []
-        for p in points:
-            removers.append(p.add_hook(fn, prepend=prepend))
-            if is_permanent:
-                p._permanent.append(p._hooks[0] if prepend else p._hooks[-1])
-        return removers
+        return [p.add_hook(fn, prepend=prepend, dir=dir, is_permanent=is_permanent) for p in points]
 
     def reset_hooks(self, including_permanent: bool = False, clear_contexts: bool = True) -> None:
         """Remove the model hooks (permanent ones too when `including_permanent`); scoped hooks belong
@@ -467,7 +524,7 @@ class HookedRootModule(nn.Module):
     def run_with_cache(self, *args: Any, names_filter: NamesFilter = None, device: str | torch.device | None = None,
                        remove_batch_dim: bool = False, detach: bool = True, incl_lazy: bool = False,
                        max_cache_bytes: int | None = None, incl_bwd: bool = False, pos_slice: Any = None,
-                       **kwargs: Any):
+                       return_cache_object: bool = True, **kwargs: Any):
         """Run the forward and return (output, ActivationCache) of the selected hooks.
 
         names_filter=None takes every hook except the lazy ones (states, kernels, per-head writes,
@@ -478,7 +535,8 @@ class HookedRootModule(nn.Module):
         `pos_slice` (TransformerLens's Slice input; an int keeps the axis, as TL's run_with_cache)
         keeps only those positions of each activation (the query positions of [batch heads q_pos
         k_pos] quantities). `incl_bwd=True` calls `backward()` on the output (a scalar, e.g.
-        return_type="loss") and caches each gradient under "<name>_grad".
+        return_type="loss") and caches each gradient under "<name>_grad". `return_cache_object=False`
+        (TL's) returns a plain dict instead of the ActivationCache.
         The caching hooks are scoped to this call: a concurrent caller neither sees nor fills them.
         """
         from hooked.cache import ActivationCache
@@ -517,7 +575,7 @@ class HookedRootModule(nn.Module):
         cache = ActivationCache({k: store[k] for k in order if k in store}, self)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
-        return out, cache
+        return out, (cache if return_cache_object else dict(cache.cache_dict))
 
     def _batch_pos(self, args: tuple, kwargs: dict) -> tuple[int, int] | None:
         """(batch, pos) of a forward's input, for the cache's size check; None when unknown."""

@@ -8,9 +8,11 @@ Glossary
                                                when every norm has weight 1 and no bias, i.e.
                                                after fold_ln, as TL names them)
                   positional_embedding_type    "standard" (learned), "rotary", or "none" (SSMs)
-                  default_prepend_bos          whether the tokenizer adds BOS (False without one)
+                  default_prepend_bos          the model's switch when set, else whether the tokenizer
+                                               adds BOS (False without one)
                   n_key_value_heads            TL's name of n_kv_heads (None without GQA, as TL)
                   d_vocab_out, original_architecture, model_name
+                  checkpoint_index, checkpoint_value, checkpoint_label_type   None (final weights only)
                   A field of the family's config with one of these names wins.
 isinstance(model.cfg, GPT2Config) still holds and `dataclasses.replace(model.cfg, ...)` still works.
 """
@@ -58,6 +60,9 @@ def _positional(cfg: Any) -> str:
 
 
 def _prepend_bos(cfg: Any) -> bool:
+    switch = getattr(_model(cfg), "default_prepend_bos", None)  # the model's switch (base.py), when set
+    if switch is not None:
+        return bool(switch)
     tok = _model(cfg).tokenizer
     if tok is None or tok.bos_token_id is None:
         return False
@@ -79,6 +84,10 @@ EXTRA = {
     "d_vocab_out": lambda c: c.d_vocab,
     "original_architecture": lambda c: getattr(_model(c), "family", type(_model(c)).__name__),
     "model_name": lambda c: getattr(_model(c), "family", type(_model(c)).__name__),
+    # TL's training-checkpoint fields: hooked loads final weights only
+    "checkpoint_index": lambda c: None,
+    "checkpoint_value": lambda c: None,
+    "checkpoint_label_type": lambda c: None,
 }
 
 

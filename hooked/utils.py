@@ -1,4 +1,5 @@
 """TransformerLens's `utils` names that a TL user's code imports: `get_act_name`, `lm_cross_entropy_loss`,
+`to_numpy`, `get_device`, `get_corner`, `remove_batch_dim`, `lm_accuracy`,
 `test_prompt`.
 
 get_act_name(name, layer=None, layer_type=None) builds a hook name the way TL 3.9 does
@@ -107,3 +108,51 @@ def test_prompt(prompt: str, answer: str | list[str], model, prepend_space_to_an
     if print_details:
         print("Ranks of the answer tokens:", ranks)
     return ranks
+
+
+# ------------------------------------------------------------------ TL's array and device helpers
+def to_numpy(tensor):
+    """A numpy array of a tensor (detached, on the CPU), an array, a list or a number (TL's)."""
+    import numpy as np
+    import torch
+
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    if isinstance(tensor, (list, tuple)):
+        return np.array(tensor)
+    if isinstance(tensor, (torch.Tensor, torch.nn.Parameter)):
+        return tensor.detach().cpu().numpy()
+    if isinstance(tensor, (int, float, bool, str)):
+        return np.array(tensor)
+    raise ValueError(f"to_numpy takes a tensor, an array, a list or a number, got {type(tensor).__name__}")
+
+
+def get_device():
+    """The best device here: CUDA, then Apple's MPS, then the CPU (TL's)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def get_corner(tensor, n: int = 3):
+    """The top-left n x n x ... corner of a tensor (or FactoredMatrix) (TL's)."""
+    from hooked.factored_matrix import FactoredMatrix
+
+    if isinstance(tensor, FactoredMatrix):
+        return tensor.get_corner(n)
+    return tensor[tuple(slice(n) for _ in range(tensor.ndim))]
+
+
+def remove_batch_dim(tensor):
+    """Drop a leading batch axis of size 1 (TL's); other tensors unchanged."""
+    return tensor.squeeze(0) if tensor.shape[0] == 1 else tensor
+
+
+def lm_accuracy(logits, tokens, per_token: bool = False):
+    """Share of positions whose top-1 prediction is the next token (TL's)."""
+    correct = logits[:, :-1].argmax(-1) == tokens[:, 1:]
+    return correct if per_token else correct.float().mean()

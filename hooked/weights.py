@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from hooked.devices import onloaded
 from hooked.factored_matrix import FactoredMatrix
-from hooked.models.protocol import token_mixers
 from hooked.validate import Flag, Integer, checked, token_ids
 
 
@@ -252,23 +251,6 @@ class ModelWeights:
             weight = self.unembed.weight
             total = torch.zeros(self.cfg.d_model, dtype=weight.dtype, device="cpu" if dispatched else weight.device)
         return total
-
-    def set_use_attn_result(self, use: bool) -> None:
-        """TL's switch for caching hook_result: here it makes hook_result part of a bare
-        run_with_cache() (True) or a lazy, opt-in hook again (False). The hook always exists."""
-        for block in self.blocks:
-            for _, mixer in token_mixers(block):
-                if mixer.heads().kind == "attn":
-                    mixer.hook_result.lazy = not use
-
-    def set_use_split_qkv_input(self, use: bool) -> None:
-        """TL's switch; a no-op here (the attention input is always hooked: blocks.{l}.hook_attn_in)."""
-
-    def set_use_hook_mlp_in(self, use: bool) -> None:
-        """TL's switch; a no-op here (blocks.{l}.hook_mlp_in always exists)."""
-
-    def set_use_attn_in(self, use: bool) -> None:
-        """TL's switch; a no-op here (blocks.{l}.hook_attn_in always exists, shared by the heads)."""
 
     def to_single_str_token(self, int_token: int) -> str:
         """The string of one token id (TL's)."""

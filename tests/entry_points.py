@@ -140,11 +140,12 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
         "input": None,  # a str, a non-empty list of str, or tokens: cases in test_bad_inputs.py
     },
     "hooked.models.base.HookedModel.generate": {"max_new_tokens": Int(0), "input": None},  # the rest: hooked.generate's
-    "hooked.models.base.HookedModel.tokenize": {
-        "prepend_bos": Flag(none=True), "padding_side": Choice("left", "right"),
+    "hooked.models.base.HookedModel.tokenize": {  # padding_side None: the model's default_padding_side
+        "prepend_bos": Flag(none=True), "padding_side": Choice("left", "right", none=True), "move_to_device": FLAG,
         "text": None},  # a str or a non-empty list of str
     "hooked.models.base.HookedModel.to_tokens": {
-        "prepend_bos": Flag(none=True), "padding_side": Choice("left", "right"), "truncate": FLAG, "text": None},
+        "prepend_bos": Flag(none=True), "padding_side": Choice("left", "right", none=True), "move_to_device": FLAG,
+        "truncate": FLAG, "text": None},
     "hooked.models.base.HookedModel.to_single_token": {"string": Text()},
     "hooked.hook_points.HookedRootModule.run_with_cache": {
         "max_cache_bytes": Int(0, none=True), "remove_batch_dim": FLAG, "detach": FLAG, "incl_lazy": FLAG,

@@ -173,7 +173,8 @@ def tl_cases(model, cache):
                                    r"padding_side='middle': must be one of 'left', 'right'"),
         "to_tokens prepend_bos='no'": (lambda: model.to_tokens("K03", prepend_bos="no"), TypeError, r"prepend_bos"),
         "to_str_tokens float tensor": (lambda: model.to_str_tokens(torch.tensor([1.5])), TypeError, r"token ids"),
-        "to_string(5)": (lambda: model.to_string(5), TypeError, either(r"to_string: tokens must be token ids", "tokens", "5")),
+        "to_string(5.5)": (lambda: model.to_string(5.5), TypeError,  # one int id is TL's to_string(256): allowed
+                           either(r"to_string: tokens must be token ids", "tokens", "5.5")),
         "accumulated_resid layer=True": (lambda: cache.accumulated_resid(layer=True), TypeError, r"layer: expected an integer"),
         "accumulated_resid incl_mid='yes'": (lambda: cache.accumulated_resid(incl_mid="yes"), TypeError,
                                              r"accumulated_resid: incl_mid: expected True or False"),

@@ -72,6 +72,8 @@ def expected_hooks(cfg, rotary: bool) -> dict[str, tuple[int, ...]]:
         hooks |= {p + "mlp.hook_post": (BATCH, POS, cfg.d_mlp), p + "hook_mlp_out": resid, p + "hook_resid_post": resid}
     hooks["ln_final.hook_scale"] = (BATCH, POS, 1)
     hooks["ln_final.hook_normalized"] = resid
+    hooks["unembed.hook_in"] = resid
+    hooks["unembed.hook_out"] = (BATCH, POS, cfg.d_vocab)
     return hooks
 
 

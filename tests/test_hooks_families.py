@@ -89,7 +89,8 @@ def expected_hooks(model) -> dict[str, tuple[int, ...]]:
         if block.ln2_post is not None:
             hooks |= {p + "ln2_post.hook_scale": one, p + "ln2_post.hook_normalized": resid}
         hooks |= {p + "hook_mlp_out": resid, p + "hook_resid_post": resid}
-    hooks |= {"ln_final.hook_scale": one, "ln_final.hook_normalized": resid}
+    hooks |= {"ln_final.hook_scale": one, "ln_final.hook_normalized": resid, "unembed.hook_in": resid,
+              "unembed.hook_out": (BATCH, POS, VOCAB)}
     if model.unembed.softcap is not None:
         hooks |= {"unembed.softcap.hook_in": (BATCH, POS, VOCAB), "unembed.softcap.hook_out": (BATCH, POS, VOCAB)}
     return hooks

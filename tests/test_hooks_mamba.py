@@ -62,7 +62,8 @@ def tokens(pos: int = POS, seed: int = 0) -> Tensor:
 
 
 def shape_of(spec: str, cfg: MambaConfig, pos: int) -> tuple[int, ...]:
-    sizes = {"batch": BATCH, "pos": pos, "d_inner": cfg.d_inner, "d_state": cfg.d_state, "d_model": cfg.d_model, "1": 1}
+    sizes = {"batch": BATCH, "pos": pos, "d_inner": cfg.d_inner, "d_state": cfg.d_state, "d_model": cfg.d_model, "1": 1,
+             "d_vocab": cfg.d_vocab}
     return tuple(sizes[w] for w in spec.split())
 
 
@@ -112,7 +113,8 @@ def test_every_hook_exists_fires_once_with_documented_shape(config: str) -> None
     model = make_model(config, torch.float32)
     cfg, pos = model.cfg, 7
     expected = {"hook_embed": "batch pos d_model", "ln_final.hook_scale": "batch pos 1",
-                "ln_final.hook_normalized": "batch pos d_model"}
+                "ln_final.hook_normalized": "batch pos d_model", "unembed.hook_in": "batch pos d_model",
+                "unembed.hook_out": "batch pos d_vocab"}
     for layer in range(cfg.n_layers):
         expected.update({f"blocks.{layer}.{n}": s for n, s in BLOCK_HOOKS.items()})
         expected.update({f"blocks.{layer}.mixer.{n}": s for n, s in MIXER_HOOKS.items()})

@@ -68,7 +68,8 @@ def expected_hooks(cfg: Zamba2Config) -> dict:
                  "ln1.hook_scale": lambda c, b, l: (b, l, 1), "ln1.hook_normalized": RESID}
         block |= {f"mixer.{k}": v for k, v in MIXER.items()} | {"hook_mixer_out": RESID, "hook_resid_post": RESID}
         names |= {f"blocks.{layer}.{k}": v for k, v in block.items()}
-    return names | {"ln_final.hook_scale": lambda c, b, l: (b, l, 1), "ln_final.hook_normalized": RESID}
+    return names | {"ln_final.hook_scale": lambda c, b, l: (b, l, 1), "ln_final.hook_normalized": RESID,
+                    "unembed.hook_in": RESID, "unembed.hook_out": lambda c, b, l: (b, l, c.d_vocab)}
 
 
 def make_model(cfg: Zamba2Config = CFG, dtype: torch.dtype = torch.float64, seed: int = 0) -> LanguageModel:

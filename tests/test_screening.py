@@ -135,6 +135,21 @@ def test_screened_ranking_marks_what_it_verified():
         rank_heads(model, examples, units, method="fast", progress=False)
 
 
+def test_screen_that_would_verify_every_unit_ranks_exhaustively(monkeypatch):
+    import analysis.ga.screening as screening
+
+    model = _model("llama")
+    examples = kv_retrieval(3, 8, seed=1)
+    units = head_units(model)
+    monkeypatch.setattr(screening, "estimate_effects", lambda *a, **k: pytest.fail("estimated what it verifies"))
+    sc = rank_heads(model, examples, units, method="screened", verify_top=len(units), batch_size=8, pairs_top_k=2,
+                    progress=False)
+    ex = rank_heads(model, examples, units, batch_size=8, pairs_top_k=2, progress=False)
+    assert sc.method == "exhaustive" and sc.screen["n_units"] == len(units) and "exhaustive" in sc.screen
+    assert [r["unit"] for r in sc.rows] == [r["unit"] for r in ex.rows]
+    assert [r["accuracy"] for r in sc.rows] == [r["accuracy"] for r in ex.rows]
+
+
 def _shipped(name: str) -> bool:
     return name in available_for("kv") and card(name)["accuracy"].get(8, 0.0) >= 0.8
 

@@ -258,7 +258,9 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
                scorer: ChoiceScorer | None = None) -> HeadRanking:
     """Accuracy (and answer log-prob) drop when each unit is ablated, with intervals; then pairs.
 
-    method: "exhaustive" (every unit exact) or "screened" (see the glossary). replicas: units per
+    method: "exhaustive" (every unit exact) or "screened" (see the glossary; with verify_top >= the
+    number of units it ranks exhaustively, the screen's estimates being no saving, and says so in
+    `ranking.screen["exhaustive"]`; `ranking.method` is then "exhaustive"). replicas: units per
     forward (None: `replicas_for`'s rule; 1: one ablation per forward). prescreen_n (screened): also
     ablate every unit exactly on the first `prescreen_n` prompts and verify its `verify_top` best.
     refine (screened): the estimate's refinement, "none", "scores" or "qk" (`estimate_effects`).
@@ -275,6 +277,10 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     elif scorer.model is not model or scorer.examples != list(examples):
         raise ValueError("scorer must be a ChoiceScorer of this model over the same examples")
     units = list(units) if units is not None else head_units(model, channel_group)
+    # a screen that would verify every unit anyway costs its estimates on top: rank exhaustively
+    exhaustive_instead = method == "screened" and verify_top >= len(units)
+    if exhaustive_instead:
+        method = "exhaustive"
     by_label = {u.label: u for u in units}
     extra = []
     for e in pair_with:
@@ -365,6 +371,8 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     rows.sort(key=order)
     ranking = HeadRanking(base, rows, n_examples=n, method=method, timing=clock.laps)
     ranking.separability = _separability(rows, per_ex, confidence, seed)
+    if exhaustive_instead:
+        ranking.screen = {"n_units": len(units), "exhaustive": f"verify_top={verify_top} >= {len(units)} units"}
     if method == "screened":
         verified = [r for r in rows if r["verified"]]
         picked = [r for r in verified if not r["control"]] or verified

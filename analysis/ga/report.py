@@ -252,7 +252,7 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
             "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
     heatmap(ranking.matrix("logprob_drop", n_layers), out / "logprob_drop_heatmap.png",
             f"answer log-prob drop, n={sizes[0]}", "head (Mamba-1: channel group)", "layer", centered=True)
-    if method == "screened":
+    if ranking.method == "screened":  # a screen of few units ranks exhaustively (rank_heads)
         heatmap(ranking.matrix("est_logprob_drop", n_layers), out / "est_logprob_drop_heatmap.png",
                 f"estimated answer log-prob drop (attribution), n={sizes[0]}", "head (Mamba-1: channel group)",
                 "layer", centered=True)

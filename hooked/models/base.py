@@ -20,13 +20,17 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from hooked.hook_points import HookedRootModule, hook_free
 from hooked.models.decode_state import DecodeState, stepping
+from hooked.sae.methods import SAEMethods
 from hooked.tl_config import attach
+from hooked.tl_keywords import refuse_tl_keywords
+from hooked.tl_switches import TLSwitches
 from hooked.validate import AnyOf, Flag, Instance, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
 from hooked.weights import ModelWeights
 
@@ -78,10 +82,19 @@ def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "bat
     return -log_probs if per_token else -log_probs.sum() / n
 
 
-class HookedModel(ModelWeights, HookedRootModule):
-    """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`."""
+class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
+    """Base class: validation of inputs, tokenizer helpers, `start_at_layer` / `stop_at_layer`.
+
+    BOS and padding of text (TransformerLens's switches): `default_prepend_bos` None (hooked's default)
+    keeps the tokenizer's own choice; True / False prepend or drop BOS as TL's `cfg.default_prepend_bos`
+    does (TL's default is True: `loaders.tl.HookedTransformer` sets it). `default_padding_side` pads
+    a batch of texts given to the model ("left", with the mask; TL-style models: "right", as TL).
+    Every text-taking call also takes `prepend_bos=` / `padding_side=`, overriding these for that call.
+    """
 
     tokenizer: Any = None
+    default_prepend_bos: bool | None = None
+    default_padding_side: str = "left"
 
     @property
     def cfg(self) -> Any:
@@ -117,6 +130,9 @@ class HookedModel(ModelWeights, HookedRootModule):
         return_type: str | None = "logits",
         loss_per_token: bool = False,
         state: DecodeState | None = None,
+        prepend_bos: bool | None = None,
+        padding_side: str | None = None,
+        **tl_only: Any,
     ) -> Any:
         """Logits [batch pos d_vocab], or the residual before block `stop_at_layer` when it is given.
 
@@ -131,7 +147,11 @@ class HookedModel(ModelWeights, HookedRootModule):
         With `start_at_layer` too, the state must already hold the new positions for the blocks below
         (DecodeState.entries_of: a resumed run); `stop_at_layer` may only be the last layer (the final
         residual, before ln_final).
+        prepend_bos, padding_side (TransformerLens's): how text input is tokenized (see the class
+        docstring); ignored for tokens, as TL ignores them. TL's `past_kv_cache` and
+        `shortformer_pos_embed` are refused by name (tl_keywords.py).
         """
+        refuse_tl_keywords(tl_only)
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         if return_type in ("loss", "both"):
@@ -139,7 +159,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         if isinstance(input, (str, list)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is computed from text; pass tokens to give your own mask")
-            input, attention_mask = self.tokenize(input)
+            input, attention_mask = self.tokenize(input, prepend_bos, padding_side)
         n = self.cfg.n_layers
         start = self._layer_index(start_at_layer, "start_at_layer", default=0)
         stop = self._layer_index(stop_at_layer, "stop_at_layer", default=n)
@@ -186,6 +206,12 @@ class HookedModel(ModelWeights, HookedRootModule):
         loss = lm_loss(logits, tokens, ctx.attention_mask, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
+    def loss_fn(self, logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
+                per_token: bool = False) -> Tensor:
+        """TL's loss: next-token cross-entropy over positions whose token and next token are real."""
+        mask = None if attention_mask is None else attention_mask.to(logits.device).bool()
+        return lm_loss(logits, tokens.to(logits.device), mask, per_token)
+
     @checked(input=AnyOf(TEXTS, Instance(Tensor, "a tensor of token ids")), max_new_tokens=Integer(ge=0))
     def generate(self, input: str | list[str] | Tensor = "", max_new_tokens: int = 10, **kwargs: Any) -> Any:
         """TransformerLens's generate (greedy or sampled; incremental state): hooked/generate.py."""
@@ -208,7 +234,7 @@ class HookedModel(ModelWeights, HookedRootModule):
         """(batch, pos) of a forward's input (text too), for run_with_cache's size check."""
         x = args[0] if args else kwargs.get("input")
         if isinstance(x, (str, list)) and self.tokenizer is not None:
-            return tuple(self.tokenize(x)[0].shape)
+            return tuple(self.tokenize(x, kwargs.get("prepend_bos"), kwargs.get("padding_side"))[0].shape)
         return super()._batch_pos(args, kwargs)
 
     # ------------------------------------------------------------------------------- checking
@@ -271,14 +297,22 @@ class HookedModel(ModelWeights, HookedRootModule):
             raise ValueError("this model has no tokenizer; load it from a checkpoint that has one or set model.tokenizer")
         return self.tokenizer
 
-    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right"))
-    def tokenize(self, text: str | list[str], prepend_bos: bool | None = None,
-                 padding_side: str = "left") -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
-        """(tokens, attention_mask) for one text or a batch, padded on `padding_side`.
+    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right", none=True),
+             move_to_device=Flag())
+    def tokenize(self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
+                 move_to_device: bool = True) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
+        """(tokens, attention_mask) for one text or a batch, padded on `padding_side`
+        (None: `default_padding_side`).
 
-        prepend_bos=None keeps the tokenizer's own choice; True adds BOS where the tokenizer does not.
+        prepend_bos=None follows `default_prepend_bos` (None there: the tokenizer's own choice);
+        True adds BOS where the tokenizer does not; False drops the one it adds.
         """
         tok = self._need_tokenizer()
+        if prepend_bos is None:
+            prepend_bos = self.default_prepend_bos
+        padding_side = self.default_padding_side if padding_side is None else padding_side
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         texts = [text] if isinstance(text, str) else list(text)
         rows = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
         bos = tok.bos_token_id
@@ -294,17 +328,20 @@ class HookedModel(ModelWeights, HookedRootModule):
             sl = slice(width - len(r), width) if padding_side == "left" else slice(0, len(r))
             tokens[b, sl] = torch.tensor(r)
             mask[b, sl] = 1
+        if not move_to_device:
+            return tokens, mask
         device = self._device()
         return tokens.to(device), mask.to(device)
 
-    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right"), truncate=Flag())
-    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str = "right",
-                  truncate: bool = True) -> Int[Tensor, "batch pos"]:
+    @checked(text=TEXTS, prepend_bos=Flag(none=True), padding_side=OneOf("left", "right", none=True),
+             move_to_device=Flag(), truncate=Flag())
+    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = "right",
+                  move_to_device: bool = True, truncate: bool = True) -> Int[Tensor, "batch pos"]:
         """Token ids [batch pos]. A batch is padded on the RIGHT by default (as TransformerLens does):
         causal models then compute every real position exactly without a mask. Left padding needs the
         mask: use `tokenize` (tokens and mask) or pass text to the model. `truncate` cuts to n_ctx
-        where the model has a position limit."""
-        tokens = self.tokenize(text, prepend_bos, padding_side)[0]
+        where the model has a position limit; `move_to_device=False` leaves the ids on the CPU."""
+        tokens = self.tokenize(text, prepend_bos, padding_side or "right", move_to_device)[0]
         limit = getattr(self.cfg, "n_ctx", None)
         if truncate and limit is not None and getattr(self, "pos_embed", None) is not None:
             tokens = tokens[:, :limit]
@@ -360,12 +397,19 @@ class HookedModel(ModelWeights, HookedRootModule):
             raise ValueError(f"token {token} ({self._need_tokenizer().decode([token])!r}) is not in the input")
         return int(where[0] if mode == "first" else where[-1])
 
-    def to_string(self, tokens: Tensor) -> str | list[str]:
+    def to_string(self, tokens: Tensor | int | list | Any) -> str | list[str]:
+        """Text of tokens (TL's): an int, a 0-d or 1-D tensor, list or array gives a str; [batch pos] a list."""
         tok = self._need_tokenizer()
+        if isinstance(tokens, (int, np.integer)) or (torch.is_tensor(tokens) and tokens.ndim == 0):
+            tokens = torch.as_tensor([int(tokens)])  # one id (TL's to_string(256))
+        if isinstance(tokens, np.ndarray):
+            tokens = torch.from_numpy(tokens)
         if isinstance(tokens, (list, tuple)):
             tokens = token_ids(tokens, self.cfg.d_vocab, "to_string: tokens")
         if not torch.is_tensor(tokens) or tokens.ndim not in (1, 2) or tokens.is_floating_point():
             shown = f"shape {tuple(tokens.shape)} {tokens.dtype}" if torch.is_tensor(tokens) else type(tokens).__name__
             raise WrongType(f"to_string: tokens must be token ids [pos] or [batch pos], got {shown}")
         tokens = token_ids(tokens, self.cfg.d_vocab, "to_string: tokens")
-        return tok.decode(tokens.tolist()) if tokens.ndim == 1 else [tok.decode(t.tolist()) for t in tokens]
+        if tokens.ndim == 2:
+            return [tok.decode(t.tolist(), clean_up_tokenization_spaces=False) for t in tokens]
+        return tok.decode(tokens.tolist(), clean_up_tokenization_spaces=False)

@@ -1,4 +1,8 @@
-"""The unembedding, with weights tied to the token embedding or its own.
+"""The embeddings and the unembedding (weights tied to the token embedding or its own), with
+TransformerLens's weight names: `embed.W_E` [d_vocab d_model], `pos_embed.W_pos` [n_ctx d_model],
+`unembed.W_U` [d_model d_vocab] (a transposed view) and `unembed.b_U` [d_vocab] (zeros without a bias),
+and TL's `unembed.hook_in` [batch pos d_model] / `unembed.hook_out` [batch pos d_vocab] (the logits,
+before a final soft-cap).
 
 Glossary
     d_vocab    vocabulary size; d_model residual width
@@ -24,7 +28,24 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from hooked.hook_points import HookPoint
 from hooked.models.softcap import SoftCap
+
+
+class Embed(nn.Embedding):
+    """Token embedding; `weight` is W_E (TL's name as a property)."""
+
+    @property
+    def W_E(self) -> Tensor:
+        return self.weight
+
+
+class PosEmbed(nn.Embedding):
+    """Learned absolute positions; `weight` is W_pos."""
+
+    @property
+    def W_pos(self) -> Tensor:
+        return self.weight
 
 
 class Unembed(nn.Module):
@@ -38,6 +59,8 @@ class Unembed(nn.Module):
             self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
             nn.init.normal_(self.weight, std=0.02)
         self.register_parameter("bias", None)  # b_U: only weight processing (fold_ln) gives one
+        self.hook_in = HookPoint("batch pos d_model")  # TL's: ln_final's output
+        self.hook_out = HookPoint("batch pos d_vocab")  # TL's: the logits (before a final soft-cap)
 
     @property
     def tied(self) -> bool:
@@ -48,9 +71,19 @@ class Unembed(nn.Module):
             return self._tied_to.weight
         return super().__getattr__(name)
 
+    @property
+    def W_U(self) -> Tensor:
+        return self.weight.T
+
+    @property
+    def b_U(self) -> Tensor:
+        return self.bias if self.bias is not None else self.weight.new_zeros(self.weight.shape[0])
+
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
+        x = self.hook_in(x)
         logits = F.linear(x, self.weight, self.bias)  # bias: only weight processing (fold_ln) gives one
         logits = logits if self.scale == 1.0 else logits * self.scale
+        logits = self.hook_out(logits)
         return logits if self.softcap is None else self.softcap(logits)
 
     def extra_repr(self) -> str:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from hooked.hook_points import HookPoint
 from hooked.models.base import Context, HookedModel
 from hooked.models.decode_state import DecodeState
-from hooked.models.embed import Unembed
+from hooked.models.embed import Embed, PosEmbed, Unembed
 
 
 class LanguageModel(HookedModel):
@@ -43,12 +43,12 @@ class LanguageModel(HookedModel):
         self.cfg = cfg
         self.embedding_multiplier = float(embedding_multiplier)
         self.round_multiplier = round_multiplier
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.embed = Embed(cfg.d_vocab, cfg.d_model)
         if embed_init_std is not None:  # None: torch's N(0, 1), as the Mamba reference initialises it
             nn.init.normal_(self.embed.weight, std=embed_init_std)
         self.hook_embed = HookPoint("batch pos d_model")  # after the embedding multiplier
         if pos_embed:
-            self.pos_embed = nn.Embedding(cfg.n_ctx, cfg.d_model)
+            self.pos_embed = PosEmbed(cfg.n_ctx, cfg.d_model)
             nn.init.normal_(self.pos_embed.weight, std=0.01)
             self.hook_pos_embed = HookPoint("batch pos d_model")
         self.blocks = nn.ModuleList(blocks)

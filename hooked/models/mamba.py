@@ -281,8 +281,9 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             if self.hook_h.is_active:
                 h, h_orig = through_hook(self.hook_h, h, lambda: linear(A_bar, B_bar * u[..., None]))
                 if h_orig is not None:  # the recurrence continued from the edited states: scan the difference
-                    h = h_orig + linear(A_bar, h - h_orig)
-                    y = einsum(h, C, "b l d n, b l n -> b l d")
+                    if y is None:  # (added to the unedited y, so positions before the edit keep their bits)
+                        y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
+                    y = y + einsum(linear(A_bar, h - h_orig), C, "b l d n, b l n -> b l d")
         if y is None:
             y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
         if self.hook_kernel.is_active:

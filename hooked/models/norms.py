@@ -30,6 +30,14 @@ from hooked.hook_points import HookPoint, through_hook
 from hooked.ops.norms import layer_norm, rms_norm, rms_norm_unit_offset
 
 
+def _scale_in_graph(fast: Tensor, explicit: Tensor, scale: Tensor) -> Tensor:
+    """`fast`'s value bit for bit, with the gradient of `explicit` (the norm written through the hooked
+    scale) when one is taken: backward hooks on hook_scale then see d loss / d scale, as in TL."""
+    if not (torch.is_grad_enabled() and scale.requires_grad):
+        return fast
+    return fast.detach() + (explicit - explicit.detach())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
@@ -45,7 +53,8 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         scale = x32.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
         scale, scale_was = through_hook(self.hook_scale, scale)
-        normed = rms_norm(x, self.weight, self.eps) if scale_was is None else self.weight * (x32 / scale).to(x.dtype)
+        explicit = self.weight * (x32 / scale).to(x.dtype)
+        normed = _scale_in_graph(rms_norm(x, self.weight, self.eps), explicit, scale) if scale_was is None else explicit
         return self.hook_normalized(normed)
 
     def normalize_with_scale(self, stack: Float[Tensor, "*comp d"], scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
@@ -76,9 +85,10 @@ class UnitOffsetRMSNorm(RMSNorm):
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         scale = x32.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
         scale, scale_was = through_hook(self.hook_scale, scale)
+        explicit = ((x32 / scale) * (1.0 + self.weight.to(x32.dtype))).to(x.dtype)
         if scale_was is None:
-            return self.hook_normalized(rms_norm_unit_offset(x, self.weight, self.eps))
-        return self.hook_normalized(((x32 / scale) * (1.0 + self.weight.to(x32.dtype))).to(x.dtype))
+            return self.hook_normalized(_scale_in_graph(rms_norm_unit_offset(x, self.weight, self.eps), explicit, scale))
+        return self.hook_normalized(explicit)
 
     def normalize_with_scale(self, stack: Float[Tensor, "*comp d"],
                              scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
@@ -103,10 +113,11 @@ class LayerNorm(nn.Module):
             return self.hook_normalized(layer_norm(x, self.weight, self.bias, self.eps))
         scale = x.var(-1, keepdim=True, unbiased=False).add(self.eps).sqrt()
         scale, scale_was = through_hook(self.hook_scale, scale)
-        if scale_was is None:
-            return self.hook_normalized(layer_norm(x, self.weight, self.bias, self.eps))
         normed = (x - x.mean(-1, keepdim=True)) / scale * self.weight
-        return self.hook_normalized(normed if self.bias is None else normed + self.bias)
+        explicit = normed if self.bias is None else normed + self.bias
+        if scale_was is None:
+            return self.hook_normalized(_scale_in_graph(layer_norm(x, self.weight, self.bias, self.eps), explicit, scale))
+        return self.hook_normalized(explicit)
 
     def normalize_with_scale(self, stack: Float[Tensor, "*comp d"], scale: Float[Tensor, "*batch 1"]) -> Float[Tensor, "*comp d"]:
         """weight * (stack - mean) / scale (bias left out: it belongs to no component)."""
