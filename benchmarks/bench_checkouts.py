@@ -1,6 +1,6 @@
 """CPU forward time of every tiny family, this checkout against another, as interleaved ratios.
 
-    python benchmarks/bench_checkouts.py --before DIR [--after .] [--rounds 5] [--batch 4] [--pos 256] [--out FILE]
+    python benchmarks/bench_checkouts.py --before DIR [--after .] [--rounds 5] [--batch 8] [--pos 60] [--out FILE]
 
 Each round runs one worker process in `after` then one in `before` (A B A B ...: drift hits both); a
 worker builds every family of tests/tiny_families.py (float32, no hooks, no autograd), warms up and prints
@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--before", required=True, type=Path)
     ap.add_argument("--after", default=Path("."), type=Path)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--pos", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--pos", type=int, default=60)  # gpt2 tiny has 64 positions
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     ratios: dict[str, list[float]] = {}

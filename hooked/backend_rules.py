@@ -52,12 +52,14 @@ def choose_scan(*, exact: bool, forced: str | None = None, on_cuda: bool = False
 
 
 def choose_attention(*, exact: bool, forced: str | None = None, softcap: bool = False,
-                     shared_past: bool = False) -> str:
+                     shared_past: bool = False, on_cuda: bool = True, windowed: bool = False) -> str:
     """The attention backend: "eager" when an exact hook is active, for a soft-capped layer (SDPA
     cannot cap its scores) and for a selected state's shared past (its keys are read in place through
-    a row map, shared_kv.py); else the forced one, else "sdpa"."""
+    a row map, shared_kv.py); else the forced one, else "sdpa", except a sliding window on CPU:
+    there SDPA takes the window as an explicit mask on its math path, slower than eager (measured
+    1.1-1.2x on Mistral and Gemma 3, benchmarks/bench_checkouts.py)."""
     if forced is not None and forced not in ATTENTIONS:
         raise ValueError(f"attention backend must be one of {ATTENTIONS}, got {forced!r}")
     if exact or softcap or shared_past:
         return "eager"
-    return forced or "sdpa"
+    return forced or ("eager" if windowed and not on_cuda else "sdpa")

@@ -127,9 +127,11 @@ def scan_backend(mixer: nn.Module, device: torch.device, dtype: torch.dtype, *, 
     return choice
 
 
-def attention_backend(attn: nn.Module, *, softcap: bool, shared_past: bool) -> str:
+def attention_backend(attn: nn.Module, *, softcap: bool, shared_past: bool, on_cuda: bool = True,
+                      windowed: bool = False) -> str:
     """The attention backend `attn` runs now (also kept as attn.last_backend)."""
-    choice = choose_attention(exact=_exact(attn), forced=forced()[1], softcap=softcap, shared_past=shared_past)
+    choice = choose_attention(exact=_exact(attn), forced=forced()[1], softcap=softcap, shared_past=shared_past,
+                              on_cuda=on_cuda, windowed=windowed)
     attn.last_backend = choice
     return choice
 

@@ -58,3 +58,10 @@ def test_unknown_backends_are_refused():
         choose_scan(exact=True, forced="flash")
     with pytest.raises(ValueError, match="attention backend must be one of"):
         choose_attention(exact=False, forced="flash")
+
+
+def test_a_sliding_window_runs_eager_on_cpu_and_sdpa_on_cuda():
+    assert choose_attention(exact=False, windowed=True, on_cuda=False) == "eager"
+    assert choose_attention(exact=False, windowed=True, on_cuda=True) == "sdpa"
+    assert choose_attention(exact=False, windowed=False, on_cuda=False) == "sdpa"
+    assert choose_attention(exact=False, windowed=True, on_cuda=False, forced="sdpa") == "sdpa"

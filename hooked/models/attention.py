@@ -146,7 +146,8 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         shared = None  # a selected state's shared past (shared_kv.py): its keys come first, read in place
         if ctx.state is not None:  # incremental decoding: the past keys and values come from the state
             shared, k, v = ctx.state.extend_kv(self, k, v)
-        if backends.attention_backend(self, softcap=self.softcap is not None, shared_past=shared is not None) == "sdpa":
+        if backends.attention_backend(self, softcap=self.softcap is not None, shared_past=shared is not None,
+                                      on_cuda=q.is_cuda, windowed=self.window is not None) == "sdpa":
             z = sdpa_attention(q, k, v, self.scale, window=self.window, key_mask=ctx.keys_mask())
         else:
             z = self._eager_z(q, k, v, shared, ctx)
