@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from hooked.backend_rules import ATTENTIONS, SCANS, choose_attention, choose_scan, needs_exact
-from hooked.hook_points import HookPoint
+from hooked.hook_points import HookPoint, hook_free
 from hooked.ops.fused import KERNEL_DTYPES, REFERENCE, Kernels
 
 _FORCED: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
@@ -94,6 +94,8 @@ def active(model: nn.Module) -> dict[str, str]:
 
 def _exact(module: nn.Module) -> bool:
     """Whether an exact hook is active on one of `module`'s hook points (module glossary)."""
+    if hook_free():  # nothing listens anywhere: no walk over the module's points
+        return False
     listened = [(name, p) for name, p in module.named_modules() if isinstance(p, HookPoint) and p.is_active]
     if needs_exact(name for name, _ in listened):
         return True
