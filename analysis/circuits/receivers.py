@@ -64,11 +64,17 @@ def _span(start: int, n: int) -> Tensor:
 
 
 class NormSite:
-    """The input x of one norm (what its receivers read), captured per run."""
+    """The input x of one norm (what its receivers read), captured per run.
+
+    `read(delta)` is what the norm would output on x + delta: exactly (a fresh norm of it), or, when the run
+    is `frozen`, linearised at this run's scale (TransformerLens's direct path patching): N(x) plus the norm
+    of delta with the scale of x (hook_scale), bias left out."""
 
     def __init__(self, norm: nn.Module) -> None:
         self.norm = norm
         self.x: Tensor | None = None
+        self.scale: Tensor | None = None
+        self.frozen = False
 
     def hooks(self, grad: bool) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:
@@ -82,9 +88,23 @@ class NormSite:
 
         return [(self.norm, "pre", pre)]
 
-    def normalize(self, x: Tensor) -> Tensor:
-        """norm(x) of x [n batch pos d], through the norm's forward: its hook points fire, module hooks do not."""
-        return self.norm.forward(x.flatten(0, 1)).unflatten(0, x.shape[:2])
+    def points(self) -> list[tuple[Any, Callable]]:
+        """Hook points a frozen run needs (the norm's scale)."""
+        if not self.frozen:
+            return []
+
+        def on_scale(s: Tensor, hook: Any) -> None:
+            self.scale = s
+
+        return [(self.norm.hook_scale, on_scale)]
+
+    def read(self, delta: Tensor) -> Tensor:
+        """The norm's output on x + delta for each delta [n batch pos d] -> [n batch pos d]. The norm runs
+        through its forward: its hook points fire, the module hooks do not."""
+        if self.frozen:
+            base = self.norm.forward(self.x)
+            return base[None] + self.norm.normalize_with_scale(delta, self.scale).to(base.dtype)
+        return self.norm.forward((self.x[None] + delta).flatten(0, 1)).unflatten(0, delta.shape[:2])
 
 
 class ReceiverGroup:
@@ -184,8 +204,7 @@ class RowsReceiver(ReceiverGroup):
                     return None
                 u, m = args[0], seen["in"]
                 c = 1.0 if u is m else _constant(u, m, lin)
-                x = self.site.x
-                normed = self.site.normalize(x[None] + d[[i for i, _ in live]]) * self.in_scale  # [n b p d]
+                normed = self.site.read(d[[i for i, _ in live]]) * self.in_scale  # [n b p d]
                 recomputed = lin.forward(u + c * (normed - m))  # [n b p out]
                 out = out.clone()
                 for j, (_, rows) in enumerate(live):
@@ -234,7 +253,7 @@ class ModuleReceiver(ReceiverGroup):
             d, _ = delta(self)
             if d is None or not bool(d.any()):
                 return None
-            return (self.site.normalize(self.site.x[None] + d)[0] * self.in_scale, *args[1:])
+            return (self.site.read(d)[0] * self.in_scale, *args[1:])
 
         return [(self.module, "pre", pre)]
 

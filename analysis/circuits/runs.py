@@ -163,9 +163,12 @@ class Patcher:
             emb = (w.T[:, :, None, None, None] * e).flatten(1, 2)
         return total, emb
 
-    def hooks(self) -> tuple[list[tuple[Any, Callable]], TorchHooks]:
+    def hooks(self, frozen: bool = False) -> tuple[list[tuple[Any, Callable]], TorchHooks]:
         points = [h for sg in self.graph.sender_groups for h in sg.hooks(self.emit)]
         sites = {id(r.site): r.site for r in self.graph.receiver_groups if r.site is not None}
+        for s in sites.values():
+            s.frozen = frozen
+            points += s.points()
         torch_hooks = [h for s in sites.values() for h in s.hooks(grad=False)]
         torch_hooks += [h for r in self.graph.receiver_groups for h in r.patch_hooks(self.delta)]
         return points, torch_hooks
@@ -173,14 +176,20 @@ class Patcher:
 
 @torch.no_grad()
 def patched(model: Any, graph: Graph, base: Tensor, source: Activations, coef: Tensor,
-            attention_mask: Tensor | None = None) -> Tensor:
+            attention_mask: Tensor | None = None, frozen: bool = False) -> Tensor:
     """Logits [R*batch pos d_vocab] of `base` tiled R = coef.shape[0] times, block j patched by coef[j]
-    (source: the activations of a recorded run of other tokens of the same shape)."""
+    (source: the activations of a recorded run of other tokens of the same shape). frozen: receivers read
+    their norm linearised at this run's scale (receivers.NormSite.read)."""
     if coef.ndim != 2 or coef.shape[1] != len(graph):
         raise ValueError(f"coef must be [replicas, n_edges={len(graph)}], got {tuple(coef.shape)}")
     patcher = Patcher(graph, source, coef.to(next(model.parameters()).device))
-    points, torch_hooks = patcher.hooks()
+    points, torch_hooks = patcher.hooks(frozen)
     r = coef.shape[0]
     mask = None if attention_mask is None else attention_mask.repeat(r, 1)
-    with attached(points, torch_hooks):
-        return _forward(model, base.repeat(r, 1), mask)
+    try:
+        with attached(points, torch_hooks):
+            return _forward(model, base.repeat(r, 1), mask)
+    finally:
+        for g in graph.receiver_groups:
+            if g.site is not None:
+                g.site.frozen, g.site.x, g.site.scale = False, None, None
