@@ -3,7 +3,8 @@
 Glossary
     clean, corrupt  token ids [batch pos] of the same shape (or `Example`s, tokenised to the same length):
                     the run explained, and the run whose activations replace it
-    metric          `metric(logits) -> scalar tensor` (analysis.interventions.logit_diff, answer_prob, ...)
+    metric          `metric(logits) -> scalar tensor`, a mean over prompts (analysis.interventions.logit_diff,
+                    answer_prob, circuits.metrics.AnswerDiff for per-prompt answers: metrics.py)
     EAP             (Syed et al. 2023) score(s -> r) = sum over batch and positions of
                     (a_s^corrupt - a_s^clean) . d metric / d x_r on the clean run: the first-order change of
                     the metric when edge s -> r alone carries the corrupt sender (x_r: the residual as r
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from analysis.circuits.graph import Edge, Graph
+from analysis.circuits.metrics import at_rows
 from analysis.circuits.runs import gradients, record
 
 METHODS = ("eap", "eap-ig")
@@ -141,14 +143,14 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     token = TokenGradients(model, attention) if token_edges else None
     n = clean.shape[0]
     for part in chunks(n, batch_size):
-        weight = (part.stop - part.start) / n
+        weight, m = (part.stop - part.start) / n, at_rows(metric, part)
         c_logits, corr = record(model, graph, corrupt[part])
-        values[1] += weight * float(metric(c_logits))
+        values[1] += weight * float(m(c_logits))
         if method == "eap":
-            value, cl, grads = gradients(model, graph, clean[part], metric, token=token)
+            value, cl, grads = gradients(model, graph, clean[part], m, token=token)
         else:
             _, cl = record(model, graph, clean[part])
-            value, grads = _integrated(model, graph, clean[part], corr, cl, metric, steps, token)
+            value, grads = _integrated(model, graph, clean[part], corr, cl, m, steps, token)
         values[0] += weight * value
         diff = corr.stacked() - cl.stacked()
         emb_diff = None if cl.emb is None else corr.emb - cl.emb

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.eap import chunks, pair
+from analysis.circuits.eap import pair
 from analysis.circuits.graph import Graph, graph_of
-from analysis.circuits.runs import patched, record
-from analysis.interventions.batching import tiles_for
+from analysis.circuits.verify import sweep
 
 NORMS = ("exact", "frozen")
 
@@ -56,20 +55,7 @@ def _run(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Callab
          batch_size: int | None) -> Tensor:
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    graph = graph_of(model)
-    out = torch.zeros(coefs.shape[0], dtype=torch.float64)
-    n = base.shape[0]
-    dtype = next(model.parameters()).dtype
-    for part in chunks(n, batch_size):
-        rows = part.stop - part.start
-        _, src = record(model, graph, source[part])
-        r = tiles_for(model, rows, base.shape[1])
-        for start in range(0, coefs.shape[0], r):
-            block = coefs[start:start + r]
-            logits = patched(model, graph, base[part], src, block.to(dtype), frozen=norm == "frozen")
-            for k in range(block.shape[0]):
-                out[start + k] += (rows / n) * float(metric(logits[k * rows:(k + 1) * rows]))
-    return out
+    return sweep(model, base, source, coefs, metric, batch_size=batch_size, frozen=norm == "frozen")
 
 
 def path_patch(model: Any, base: Any, source: Any, metric: Callable[[Tensor], Tensor], senders: Sequence[str],

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from analysis.circuits.eap import EdgeScores, chunks, pair
 from analysis.circuits.graph import Edge, Graph, graph_of
+from analysis.circuits.metrics import at_rows
 from analysis.circuits.runs import patched, record
 from analysis.interventions.batching import tiles_for
 
@@ -41,29 +42,31 @@ def prune(scores: EdgeScores, top_n: int | None = None, threshold: float | None 
 
 
 def sweep(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Metric, *, graph: Graph | None = None,
-          batch_size: int | None = None, replicas: int | None = None) -> Tensor:
+          batch_size: int | None = None, replicas: int | None = None, frozen: bool = False) -> Tensor:
     """metric of `base` patched by each row of coefs [k, n_edges] (runs.patched), [k] (float64).
 
     Chunks of the prompts are weighted by their share of the batch (a metric that is a mean over prompts)."""
     graph = graph or graph_of(model)
     out = torch.zeros(coefs.shape[0], dtype=torch.float64)
     n = base.shape[0]
+    dtype = next(model.parameters()).dtype
     for part in chunks(n, batch_size):
-        rows = part.stop - part.start
+        rows, m = part.stop - part.start, at_rows(metric, part)
         _, src = record(model, graph, source[part])
         r = replicas or tiles_for(model, rows, base.shape[1])
         for start in range(0, coefs.shape[0], r):
             block = coefs[start:start + r]
-            logits = patched(model, graph, base[part], src, block.to(next(model.parameters()).dtype))
+            logits = patched(model, graph, base[part], src, block.to(dtype), frozen=frozen)
             for k in range(block.shape[0]):
-                out[start + k] += (rows / n) * float(metric(logits[k * rows:(k + 1) * rows]))
+                out[start + k] += (rows / n) * float(m(logits[k * rows:(k + 1) * rows]))
     return out
 
 
 @torch.no_grad()
-def _metric(model: Any, tokens: Tensor, metric: Metric, batch_size: int | None) -> float:
+def metric_of(model: Any, tokens: Tensor, metric: Metric, batch_size: int | None = None) -> float:
+    """The metric of an unpatched run (chunked as `sweep`)."""
     n = tokens.shape[0]
-    return sum((p.stop - p.start) / n * float(metric(model(tokens[p]))) for p in chunks(n, batch_size))
+    return sum((p.stop - p.start) / n * float(at_rows(metric, p)(model(tokens[p]))) for p in chunks(n, batch_size))
 
 
 def circuit_metric(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
@@ -73,7 +76,7 @@ def circuit_metric(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, m
     graph = graph_of(model)
     keep = graph.mask(edges)
     value = float(sweep(model, clean, corrupt, (~keep).double()[None], metric, graph=graph, batch_size=batch_size)[0])
-    c, x = _metric(model, clean, metric, batch_size), _metric(model, corrupt, metric, batch_size)
+    c, x = metric_of(model, clean, metric, batch_size), metric_of(model, corrupt, metric, batch_size)
     return {"circuit": value, "clean": c, "corrupt": x, "faithfulness": _faith(value, c, x),
             "n_edges": int(keep.sum()), "fraction": float(keep.sum()) / len(graph)}
 
@@ -102,7 +105,7 @@ def faithfulness_curve(model: Any, scores: EdgeScores, clean: Any, corrupt: Any,
     for row, k in enumerate(sizes):
         coefs[row, order[:k]] = 0.0
     values = sweep(model, clean, corrupt, coefs, metric, graph=graph, batch_size=batch_size)
-    c, x = _metric(model, clean, metric, batch_size), _metric(model, corrupt, metric, batch_size)
+    c, x = metric_of(model, clean, metric, batch_size), metric_of(model, corrupt, metric, batch_size)
     return [{"n_edges": int(k), "fraction": k / len(graph), "metric": float(v), "faithfulness": _faith(float(v), c, x)}
             for k, v in zip(sizes, values)]
 
@@ -116,4 +119,4 @@ def edge_effects(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, met
     for row, e in enumerate(edges):
         coefs[row, graph.index(e) if not isinstance(e, int) else e] = 1.0
     values = sweep(model, clean, corrupt, coefs, metric, graph=graph, batch_size=batch_size, replicas=replicas)
-    return values - _metric(model, clean, metric, batch_size)
+    return values - metric_of(model, clean, metric, batch_size)
