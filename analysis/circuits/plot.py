@@ -54,6 +54,12 @@ def draw_circuit(edges: Sequence[Edge], n_layers: int, path: str | Path, title: 
     fig = _figure(2.0 + 1.6 * (n_layers + 2), 1.5 + 0.45 * tallest)
     ax = fig.add_subplot()
     biggest = max((abs(e.score) for e in edges), default=1.0) or 1.0
+    parts: dict[tuple[str, str], list[str]] = {}
+    for e in edges:  # the input parts an arrow's receiver node takes, written once per node pair
+        part = node_of(e.receiver)[1]
+        key = (node_of(e.sender)[0], node_of(e.receiver)[0])
+        if part and part not in parts.setdefault(key, []):
+            parts[key].append(part)
     for e in edges:
         (x0, y0), (x1, y1) = where[node_of(e.sender)[0]], where[node_of(e.receiver)[0]]
         width = 0.5 + 5.0 * abs(e.score) / biggest
@@ -61,9 +67,10 @@ def draw_circuit(edges: Sequence[Edge], n_layers: int, path: str | Path, title: 
         ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
                     arrowprops=dict(arrowstyle="-|>", lw=width, color=color, alpha=0.7, shrinkA=9, shrinkB=9,
                                     connectionstyle="arc3,rad=0.12"))
-        part = node_of(e.receiver)[1]
-        if part:
-            ax.text(x1 - 0.12, y1 + 0.12, part, fontsize=6, color=color, ha="right")
+    for (sender, receiver), names in parts.items():
+        (x0, y0), (x1, y1) = where[sender], where[receiver]
+        ax.text(x1 - 0.18, y1 + 0.08 * (1 if y0 <= y1 else -1), ",".join(names), fontsize=6, ha="right",
+                color="#333333")
     for node, (x, y) in where.items():
         ax.text(x, y, node, ha="center", va="center", fontsize=7,
                 bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#555555", lw=0.6))
