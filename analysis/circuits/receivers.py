@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from hooked.models.mamba2 import Mamba2Mixer
 
 TorchHooks = list[tuple[nn.Module, str, Callable[..., Any]]]  # (module, "pre" | "fwd", fn)
-Delta = Callable[["ReceiverGroup"], tuple[Tensor | None, Tensor | None]]  # -> (delta [n B p d], delta_emb)
+Delta = Callable[["ReceiverGroup"], tuple[Tensor | None, Tensor | None, Tensor | None]]
+# -> (delta [n B p d] or None, the embedding slot's delta, which receivers are patched [n] bool)
 
 
 def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, Tensor]] | None:
@@ -196,24 +197,31 @@ class RowsReceiver(ReceiverGroup):
 
         def make(parts: list[tuple[int, Tensor]]) -> Callable[..., Tensor | None]:
             def fwd(lin: nn.Module, args: tuple, out: Tensor) -> Tensor | None:
-                d, _ = delta(self)
+                d, _, active = delta(self)
                 if d is None:
                     return None
-                live = [(i, rows) for i, rows in parts if bool(d[i].any())]
+                live = [(i, rows) for i, rows in parts if bool(active[i])]
                 if not live:
                     return None
                 u, m = args[0], seen["in"]
                 c = 1.0 if u is m else _constant(u, m, lin)
                 normed = self.site.read(d[[i for i, _ in live]]) * self.in_scale  # [n b p d]
-                recomputed = lin.forward(u + c * (normed - m))  # [n b p out]
+                inputs = u + c * (normed - m)
                 out = out.clone()
                 for j, (_, rows) in enumerate(live):
                     rows = rows.to(out.device)
-                    out[..., rows] = recomputed[j][..., rows]
+                    out[..., rows] = _rows_of(lin, inputs[j], rows)
                 return out
             return fwd
 
         return [(self.module, "pre", pre)] + [(lin, "fwd", make(parts)) for lin, parts in zip(self.linears, self.rows)]
+
+
+def _rows_of(lin: nn.Module, u: Tensor, rows: Tensor) -> Tensor:
+    """lin(u)[..., rows]: only those rows of a plain nn.Linear, the whole map otherwise (module hooks skipped)."""
+    if type(lin) is nn.Linear:
+        return torch.nn.functional.linear(u, lin.weight[rows], None if lin.bias is None else lin.bias[rows])
+    return lin.forward(u)[..., rows]
 
 
 def _constant(u: Tensor, m: Tensor, lin: nn.Module) -> float:
@@ -250,8 +258,8 @@ class ModuleReceiver(ReceiverGroup):
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:
-            d, _ = delta(self)
-            if d is None or not bool(d.any()):
+            d, _, _ = delta(self)
+            if d is None:
                 return None
             return (self.site.read(d)[0] * self.in_scale, *args[1:])
 
@@ -284,7 +292,7 @@ class SideReceiver(ReceiverGroup):
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:
-            d, d_emb = delta(self)
+            d, d_emb, _ = delta(self)
             if d is None:
                 return None
             return (args[0] + d[0], args[1] + d_emb[0], *args[2:])
@@ -312,7 +320,7 @@ class LogitsReceiver(ReceiverGroup):
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:
-            d, _ = delta(self)
+            d, _, _ = delta(self)
             if d is None:
                 return None
             return (args[0] + d[0], *args[1:])

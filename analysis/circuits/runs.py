@@ -114,54 +114,83 @@ def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor
 
 
 class Patcher:
-    """The hooks of one patched forward (see the glossary): senders emit, receivers ask for their delta."""
+    """The hooks of one patched forward (see the glossary): senders emit, receivers ask for their delta.
+
+    delta_r = sum_s coef[r, s] diff_s over the senders linked to r. Verifying a circuit patches almost every
+    edge and a finite difference almost none, so both are sparse one way: with most weights 1, delta_r is
+    the sum of every earlier residual sender's diff (kept as a running sum) minus the few off-one terms;
+    with most weights 0, the few nonzero terms. Either costs the sparse terms, not senders x receivers."""
 
     def __init__(self, graph: Graph, source: Activations, coef: Tensor) -> None:
         self.graph, self.source = graph, source
         self.replicas = coef.shape[0]
         self.dense = graph.dense(coef)  # [R, n_receivers, n_senders]
-        self.diff: dict[int, Tensor] = {}  # sender group -> [n, R*b, p, d] (source - this run)
+        self.linked = graph.dense(torch.ones(1, len(graph), device=coef.device))[0].bool()  # [V U]
+        self.side = torch.tensor([sg.side for sg, ss in zip(graph.sender_groups, graph.sender_slices)
+                                  for _ in range(ss.start, ss.stop)], device=coef.device)
+        self.where = [(k, i) for k, ss in enumerate(graph.sender_slices) for i in range(ss.stop - ss.start)]
+        self.diff: dict[int, Tensor] = {}  # sender group number -> [n, R*b, p, d] (source - this run)
         self.emb_diff: Tensor | None = None
-        self._deltas: dict[int, tuple[Tensor | None, Tensor | None]] = {}
+        self._emitted: list[tuple[int, Tensor]] = []  # (stage, the group's summed diff), residual senders
+        self._cum: tuple[int, Tensor | None] = (0, None)  # (emitted entries added, their sum)
+        self._deltas: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
+        self._number = {id(sg): k for k, sg in enumerate(graph.sender_groups)}
 
     def _tiled(self, x: Tensor) -> Tensor:
         return x.repeat(1, self.replicas, *([1] * (x.ndim - 2)))
 
     def emit(self, group: Any, act: Tensor, emb: Tensor | None = None) -> None:
-        self.diff[id(group)] = self._tiled(self.source.acts[id(group)].to(act)) - act
+        d = self._tiled(self.source.acts[id(group)].to(act)) - act
+        self.diff[self._number[id(group)]] = d
+        if not group.side:
+            self._emitted.append((group.stage, d.sum(0)))
         if emb is not None:
             self.emb_diff = self._tiled(self.source.emb.to(emb)) - emb
 
-    def delta(self, group: ReceiverGroup) -> tuple[Tensor | None, Tensor | None]:
+    def _sum_before(self, stage: int) -> Tensor | None:
+        """Sum of the diffs of every residual sender written before `stage` (receivers ask in stage order)."""
+        done, total = self._cum
+        while done < len(self._emitted) and self._emitted[done][0] < stage:
+            total = self._emitted[done][1] if total is None else total + self._emitted[done][1]
+            done += 1
+        self._cum = (done, total)
+        return total
+
+    def delta(self, group: ReceiverGroup) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(delta [v R*b p d] or None when no receiver of the group is patched, the embedding slot's delta,
+        which receivers are patched [v] bool)."""
         key = id(group)
         if key not in self._deltas:
             self._deltas[key] = self._delta(group)
         return self._deltas[key]
 
-    def _delta(self, group: ReceiverGroup) -> tuple[Tensor | None, Tensor | None]:
+    def _delta(self, group: ReceiverGroup) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         g = self.graph
         rs = g.receiver_slices[g.receiver_groups.index(group)]
-        weights = self.dense[:, rs]  # [R v U]
-        if not bool(weights.any()):
-            return None, None
-        total = None
-        for sg, ss in zip(g.sender_groups, g.sender_slices):
-            w = weights[:, :, ss]
-            if id(sg) not in self.diff or not bool(w.any()):
-                continue
-            d = self.diff[id(sg)]
+        weights, linked = self.dense[:, rs], self.linked[rs]  # [R v U], [v U]
+        active = weights.ne(0).any(-1).any(0)
+        if not bool(active.any()):
+            return None, None, None
+        residual = linked & ~self.side  # the senders the running sum holds, for every receiver of the group
+        dense_terms = int(weights.ne(0).sum())
+        off_one = torch.where(residual, weights - 1, weights)
+        base = None
+        if int(off_one.ne(0).sum()) < dense_terms and bool(residual.any()):
+            base, weights = self._sum_before(group.stage), off_one
+        chosen = weights.ne(0).any(0).any(0).nonzero()[:, 0].tolist()  # senders with a term
+        total = None if base is None else base.expand(weights.shape[1], *base.shape).clone()
+        if chosen:
+            d = torch.cat([self.diff[k][i:i + 1] for k, i in (self.where[s] for s in chosen)])
             n, rows = d.shape[:2]
             d = d.reshape(n, self.replicas, rows // self.replicas, *d.shape[2:])
-            part = torch.einsum("rvn,nrbpd->vrbpd", w.to(d.dtype), d).flatten(1, 2)
+            part = torch.einsum("rvn,nrbpd->vrbpd", weights[:, :, chosen].to(d.dtype), d).flatten(1, 2)
             total = part if total is None else total + part
-        if total is None:
-            return None, None
         emb = None
         if group.two_slots:  # the embedding slot: only the embed sender reaches it
-            w = weights[:, :, 0].to(self.emb_diff.dtype)  # [R v]
+            w = self.dense[:, rs, 0].to(self.emb_diff.dtype)  # [R v]
             e = self.emb_diff.reshape(1, self.replicas, -1, *self.emb_diff.shape[2:])
             emb = (w.T[:, :, None, None, None] * e).flatten(1, 2)
-        return total, emb
+        return total, emb, active
 
     def hooks(self, frozen: bool = False) -> tuple[list[tuple[Any, Callable]], TorchHooks]:
         points = [h for sg in self.graph.sender_groups for h in sg.hooks(self.emit)]
