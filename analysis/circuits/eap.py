@@ -107,11 +107,23 @@ def chunks(n: int, batch_size: int | None) -> list[slice]:
 
 
 def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None,
-                 grads: list[tuple[Tensor, Tensor | None]]) -> Tensor:
-    """score[e] = diff[s_e] . grad[r_e] summed over batch, positions and d_model (+ the embedding slot)."""
-    g = torch.cat([r for r, _ in grads])  # [n_receivers b p d]
-    flat_d, flat_g = diff.flatten(1).double(), g.flatten(1).double()
-    per_pair = flat_d @ flat_g.T  # [n_senders n_receivers]
+                 grads: list[tuple[Tensor, Tensor | None]], blocks: int = 8) -> Tensor:
+    """score[e] = diff[s_e] . grad[r_e] summed over batch, positions and d_model (+ the embedding slot).
+
+    Receivers (in stage order) are split into `blocks` runs, each multiplied with the senders up to the last
+    one linked to it: about 9/16 of senders x receivers, in large products (one small product per receiver
+    group would re-read every sender's diff each time), in the activations' dtype, summed in float64."""
+    flat_d = diff.flatten(1)
+    g = torch.cat([r for r, _ in grads]).flatten(1).to(flat_d.dtype)  # [n_receivers b*p*d]
+    per_pair = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64, device=diff.device)
+    last = torch.full((len(graph.receivers),), -1, dtype=torch.long)
+    last.scatter_reduce_(0, graph.edge_receiver, graph.edge_sender, "amax")
+    size = -(-len(graph.receivers) // blocks)
+    for start in range(0, len(graph.receivers), size):
+        stop = min(start + size, len(graph.receivers))
+        hi = int(last[start:stop].max()) + 1
+        if hi > 0:
+            per_pair[:hi, start:stop] = (flat_d[:hi] @ g[start:stop].T).double()
     if emb_diff is not None:
         for rs, (_, ge) in zip(graph.receiver_slices, grads):
             if ge is not None:  # embed (sender 0) reaches a side block through the embedding slot too

@@ -156,15 +156,17 @@ class RowsReceiver(ReceiverGroup):
                 self.rows.append([])
             self.rows[self.linears.index(lin)].append((i, rows))
         self._outs: list[Tensor] = []
+        self._ins: list[Tensor | None] = []  # each linear's input in a gradient run
 
     # ------------------------------------------------------------------ gradients
     def grad_hooks(self) -> TorchHooks:
         self._outs = [None] * len(self.linears)
+        self._ins: list[Tensor | None] = [None] * len(self.linears)
 
         def make(k: int) -> Callable[..., Tensor]:
             def fwd(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
                 out = out.clone()
-                self._outs[k] = out
+                self._outs[k], self._ins[k] = out, args[0]
                 return out
             return fwd
 
@@ -176,8 +178,16 @@ class RowsReceiver(ReceiverGroup):
     def resid_grads(self, grads: list[Tensor | None]) -> tuple[Tensor, None]:
         x = self.site.x
         result = x.new_zeros((len(self.labels), *x.shape))
-        for out, g, parts in zip(self._outs, grads, self.rows):
+        by_input: dict[int, tuple[Tensor, list[int], list[Tensor]]] = {}  # linears reading one tensor: one product
+        for lin, out, u, g, parts in zip(self.linears, self._outs, self._ins, grads, self.rows):
             if g is None:
+                continue
+            if type(lin) is nn.Linear:  # each part's rows back to the linear's input: one backward matmul, split
+                _, idx, g_u = by_input.setdefault(id(u), (u, [], []))
+                for i, rows in parts:
+                    rows = rows.to(g.device)
+                    idx.append(i)
+                    g_u.append(g[..., rows] @ lin.weight[rows])
                 continue
             masked = g.new_zeros((len(parts), *g.shape))
             for j, (_, rows) in enumerate(parts):
@@ -186,6 +196,8 @@ class RowsReceiver(ReceiverGroup):
             pulled = _vjp(out, x, masked)
             for j, (i, _) in enumerate(parts):
                 result[i] = pulled[j]
+        for u, idx, g_u in by_input.values():  # then through the norm, every part at once
+            result[idx] = _vjp(u, x, torch.stack(g_u))
         return result, None
 
     # ------------------------------------------------------------------- patching
