@@ -30,7 +30,7 @@ from torch import Tensor
 
 from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.metrics import at_rows
-from analysis.circuits.runs import gradients, record
+from analysis.circuits.runs import Grads, gradients, record
 
 METHODS = ("eap", "eap-ig")
 Metric = Callable[[Tensor], Tensor]
@@ -106,15 +106,14 @@ def chunks(n: int, batch_size: int | None) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None,
-                 grads: list[tuple[Tensor, Tensor | None]], blocks: int = 8) -> Tensor:
+def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads, blocks: int = 8) -> Tensor:
     """score[e] = diff[s_e] . grad[r_e] summed over batch, positions and d_model (+ the embedding slot).
 
     Receivers (in stage order) are split into `blocks` runs, each multiplied with the senders up to the last
     one linked to it: about 9/16 of senders x receivers, in large products (one small product per receiver
     group would re-read every sender's diff each time), in the activations' dtype, summed in float64."""
     flat_d = diff.flatten(1)
-    g = torch.cat([r for r, _ in grads]).flatten(1).to(flat_d.dtype)  # [n_receivers b*p*d]
+    g = grads[0].flatten(1).to(flat_d.dtype)  # [n_receivers b*p*d]
     per_pair = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64, device=diff.device)
     last = torch.full((len(graph.receivers),), -1, dtype=torch.long)
     last.scatter_reduce_(0, graph.edge_receiver, graph.edge_sender, "amax")
@@ -125,7 +124,7 @@ def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None,
         if hi > 0:
             per_pair[:hi, start:stop] = (flat_d[:hi] @ g[start:stop].T).double()
     if emb_diff is not None:
-        for rs, (_, ge) in zip(graph.receiver_slices, grads):
+        for rs, ge in zip(graph.receiver_slices, grads[1]):
             if ge is not None:  # embed (sender 0) reaches a side block through the embedding slot too
                 per_pair[0, rs] += ge.flatten(1).double() @ emb_diff.flatten().double()
     return per_pair[graph.edge_sender, graph.edge_receiver]
@@ -164,7 +163,7 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
             _, cl = record(model, graph, clean[part])
             value, grads = _integrated(model, graph, clean[part], corr, cl, m, steps, token)
         values[0] += weight * value
-        diff = corr.stacked() - cl.stacked()
+        diff = corr.minus(cl)
         emb_diff = None if cl.emb is None else corr.emb - cl.emb
         s = weight * _edge_scores(graph, diff, emb_diff, grads)
         total = s if total is None else total + s
@@ -174,7 +173,7 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
 
 
 def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, metric: Metric, steps: int,
-                token: Any) -> tuple[float, list[tuple[Tensor, Tensor | None]]]:
+                token: Any) -> tuple[float, Grads]:
     """Receiver gradients averaged over embeddings interpolated from corrupt to clean (EAP-IG). Token edges
     estimate a cut of the clean run: their gradients come from one more run, on clean."""
     e_corr = corr.emb[0]  # the corrupt run's token embedding (hook_embed)
@@ -185,10 +184,10 @@ def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, met
         def embed(x: Tensor, alpha: float = alpha) -> Tensor:
             return e_corr.to(x) + alpha * (x - e_corr.to(x))
 
-        _, _, grads = gradients(model, graph, clean, metric, embed=embed)
-        scaled = [(g / steps, None if ge is None else ge / steps) for g, ge in grads]
-        total = scaled if total is None else [(a + g, None if ae is None else ae + ge)
-                                              for (a, ae), (g, ge) in zip(total, scaled)]
+        _, _, (g, ge) = gradients(model, graph, clean, metric, embed=embed)
+        g, ge = g.div_(steps), [None if e is None else e / steps for e in ge]
+        total = (g, ge) if total is None else (total[0].add_(g), [None if a is None else a + e
+                                                                 for a, e in zip(total[1], ge)])
     if token is not None:
         value = gradients(model, graph, clean, metric, token=token)[0]
     else:

@@ -122,8 +122,9 @@ class ReceiverGroup:
         """This run's tensors whose gradients `resid_grads` reads."""
         raise NotImplementedError
 
-    def resid_grads(self, grads: list[Tensor | None]) -> tuple[Tensor, Tensor | None]:
-        """(d metric / d residual as each receiver reads it [n b p d], the embedding slot's or None)."""
+    def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> Tensor | None:
+        """Write d metric / d residual as each receiver reads it into out [n b p d] (zeros on entry: one
+        buffer for every receiver, so no copy joins them); return the embedding slot's or None."""
         raise NotImplementedError
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
@@ -175,11 +176,10 @@ class RowsReceiver(ReceiverGroup):
     def grad_tensors(self) -> list[Tensor]:
         return list(self._outs)
 
-    def resid_grads(self, grads: list[Tensor | None]) -> tuple[Tensor, None]:
-        x = self.site.x
-        result = x.new_zeros((len(self.labels), *x.shape))
+    def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
+        x, result = self.site.x, out
         by_input: dict[int, tuple[Tensor, list[int], list[Tensor]]] = {}  # linears reading one tensor: one product
-        for lin, out, u, g, parts in zip(self.linears, self._outs, self._ins, grads, self.rows):
+        for lin, y, u, g, parts in zip(self.linears, self._outs, self._ins, grads, self.rows):
             if g is None:
                 continue
             if type(lin) is nn.Linear:  # each part's rows back to the linear's input: one backward matmul, split
@@ -193,12 +193,12 @@ class RowsReceiver(ReceiverGroup):
             for j, (_, rows) in enumerate(parts):
                 rows = rows.to(g.device)
                 masked[j, ..., rows] = g[..., rows]
-            pulled = _vjp(out, x, masked)
+            pulled = _vjp(y, x, masked)
             for j, (i, _) in enumerate(parts):
                 result[i] = pulled[j]
         for u, idx, g_u in by_input.values():  # then through the norm, every part at once
             result[idx] = _vjp(u, x, torch.stack(g_u))
-        return result, None
+        return None
 
     # ------------------------------------------------------------------- patching
     def patch_hooks(self, delta: Delta) -> TorchHooks:
@@ -261,12 +261,10 @@ class ModuleReceiver(ReceiverGroup):
     def grad_tensors(self) -> list[Tensor]:
         return [self._in]
 
-    def resid_grads(self, grads: list[Tensor | None]) -> tuple[Tensor, None]:
-        x = self.site.x
-        if grads[0] is None:
-            return x.new_zeros((1, *x.shape)), None
-        (g,) = torch.autograd.grad(self._in, x, grads[0], retain_graph=True)
-        return g[None], None
+    def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
+        if grads[0] is not None:
+            out[0] = torch.autograd.grad(self._in, self.site.x, grads[0], retain_graph=True)[0]
+        return None
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:
@@ -298,9 +296,10 @@ class SideReceiver(ReceiverGroup):
     def grad_tensors(self) -> list[Tensor]:
         return list(self._args)
 
-    def resid_grads(self, grads: list[Tensor | None]) -> tuple[Tensor, Tensor]:
-        g_r, g_e = (_zeros_none(g, a) for g, a in zip(grads, self._args))
-        return g_r[None], g_e[None]
+    def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> Tensor:
+        if grads[0] is not None:
+            out[0] = grads[0]
+        return _zeros_none(grads[1], self._args[1])[None]
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:
@@ -327,8 +326,10 @@ class LogitsReceiver(ReceiverGroup):
     def grad_tensors(self) -> list[Tensor]:
         return [self._x]
 
-    def resid_grads(self, grads: list[Tensor | None]) -> tuple[Tensor, None]:
-        return _zeros_none(grads[0], self._x)[None], None
+    def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
+        if grads[0] is not None:
+            out[0] = grads[0]
+        return None
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:

@@ -30,6 +30,8 @@ from analysis.circuits.graph import Graph
 from analysis.circuits.receivers import ReceiverGroup, TorchHooks
 from hooked.hook_points import scoped_hooks
 
+Grads = tuple[Tensor, list[Tensor | None]]  # (every receiver's input gradient [n_receivers b p d], embedding slots)
+
 
 @contextlib.contextmanager
 def attached(hook_points: list[tuple[Any, Callable]], torch_hooks: TorchHooks) -> Iterator[None]:
@@ -65,9 +67,14 @@ class Activations:
     def hooks(self) -> list[tuple[Any, Callable]]:
         return [h for g in self.graph.sender_groups for h in g.hooks(self.emit)]
 
-    def stacked(self) -> Tensor:
-        """Every sender's activation, in the graph's sender order: [n_senders batch pos d_model]."""
-        return torch.cat([self.acts[id(g)] for g in self.graph.sender_groups])
+    def minus(self, other: "Activations") -> Tensor:
+        """Every sender's activation here minus in `other`, in the graph's sender order [n_senders batch pos
+        d_model], written into one buffer."""
+        first = self.acts[id(self.graph.sender_groups[0])]
+        out = first.new_empty((len(self.graph.senders), *first.shape[1:]))
+        for g, ss in zip(self.graph.sender_groups, self.graph.sender_slices):
+            torch.sub(self.acts[id(g)], other.acts[id(g)], out=out[ss])
+        return out
 
 
 @torch.no_grad()
@@ -81,8 +88,9 @@ def record(model: Any, graph: Graph, tokens: Tensor, attention_mask: Tensor | No
 def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor], Tensor],
               attention_mask: Tensor | None = None,
               embed: Callable[[Tensor], Tensor] | None = None,
-              token: Any = None) -> tuple[float, Activations, list[tuple[Tensor, Tensor | None]]]:
-    """(metric value, sender activations, per receiver group (grad [n b p d], embedding-slot grad or None)).
+              token: Any = None) -> tuple[float, Activations, Grads]:
+    """(metric value, sender activations, (every receiver's gradient [n_receivers b p d], per receiver group
+    its embedding-slot gradient or None)).
 
     token: a token_edges.TokenGradients that takes its gradients in the same backward."""
     acts = Activations(graph)
@@ -105,12 +113,15 @@ def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor
         if token is not None:
             token.take(grads[len(wanted):])
             grads = grads[:len(wanted)]
-        out = []
-        for g in graph.receiver_groups:
+        x = graph.receiver_groups[-1].grad_tensors()[0]  # the final residual: every site's shape
+        resid = x.new_zeros((len(graph.receivers), *x.shape))
+        emb: list[Tensor | None] = []
+        for g, rs in zip(graph.receiver_groups, graph.receiver_slices):
             k = len(g.grad_tensors())
-            out.append(tuple(t.detach() if t is not None else None for t in g.resid_grads(grads[:k])))
+            e = g.resid_grads([t.detach() if t is not None else None for t in grads[:k]], resid[rs])
+            emb.append(None if e is None else e.detach())
             grads = grads[k:]
-    return float(value.detach()), acts, out
+    return float(value.detach()), acts, (resid.detach(), emb)
 
 
 class Patcher:
