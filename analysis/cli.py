@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -380,6 +381,64 @@ def print_ga_summary(summary: dict[str, Any], out: Path) -> None:
     print(f"top-2 ablated {c['top2']['accuracy']:.3f} vs random-2 {r['mean_accuracy']:.3f} "
           f"[{r['min_accuracy']:.3f}, {r['max_accuracy']:.3f}] over {len(r['draws'])} draws "
           f"(baseline {c['baseline']:.3f}); files in {out}")
+
+
+# ---------------------------------------------------------------------------------------- circuit
+@command("circuit", "edge circuits: EAP / EAP-IG scores of every edge, the top ones verified exactly; a figure "
+         "and JSON: analysis.circuits", MODEL_ARG,
+         arg("--task", choices=("kv", "facts"), default=None,
+             help="kv: the organisms' key-value task (default for organisms); facts: known facts with the "
+                  "subject swapped (default otherwise)"),
+         arg("--corrupt", choices=("swap", "query"), default="swap",
+             help="kv: swap the queried key with another pair's, or query another key (default swap)"),
+         arg("--pairs", type=int, default=8, rule=Integer(ge=2), help="kv: pairs per prompt (default 8)"),
+         arg("--n", type=int, default=16, rule=Integer(ge=1), help="clean / corrupt prompt pairs (default 16)"),
+         arg("--method", choices=("eap", "eap-ig"), default="eap-ig"),
+         arg("--steps", type=int, default=8, rule=Integer(ge=1), help="EAP-IG steps (default 8)"),
+         arg("--top", type=int, default=20, rule=Integer(ge=1), help="edges drawn and verified (default 20)"),
+         arg("--seed", type=int, default=0),
+         arg("--batch-size", type=int, default=None, rule=Integer(ge=1, none=True),
+             help="prompts per forward (default: all)"),
+         arg("--out", default="out/circuit", rule=WritableDir(), help="output directory"))
+def circuit_command(args: Any) -> int:
+    from analysis.circuits import edge_attribution, faithfulness_curve
+    from analysis.circuits.plot import draw_circuit
+    from analysis.circuits.tasks import fact_pairs, kv_pairs
+    from loaders import from_pretrained
+    from loaders.organisms import accuracy, is_organism
+
+    model = from_pretrained(args.model)
+    task = args.task or ("kv" if is_organism(args.model) else "facts")
+    if task == "kv":
+        if not is_organism(args.model):
+            raise ValueError("--task kv is the organisms' token task; use --task facts for a text model")
+        fmt = accuracy(args.model)["fmt"]
+        clean, corrupt, metric = kv_pairs(args.pairs, args.n, args.seed, fmt, args.corrupt)
+        described = f"kv, n = {args.pairs} pairs, query {fmt!r}, corrupt by {args.corrupt}"
+    else:
+        clean, corrupt, metric, facts = fact_pairs(model, n=args.n)
+        described = f"known facts, subject swapped ({len(facts)} pairs, e.g. {facts[0]['prompt']!r})"
+    with torch.enable_grad():
+        scores = edge_attribution(model, clean, corrupt, metric, method=args.method, steps=args.steps,
+                                  batch_size=args.batch_size)
+    top = scores.top(args.top)
+    sizes = sorted({k for k in (1, 2, 5, 10, args.top, int(0.05 * len(scores))) if 1 <= k <= len(scores)})
+    curve = faithfulness_curve(model, scores, clean, corrupt, metric, sizes, batch_size=args.batch_size)
+    out = args.out
+    scores.to_json(out / "scores.json")
+    summary = {"model": str(args.model), "task": described, "method": args.method, "n_edges": len(scores),
+               "clean_metric": scores.clean_metric, "corrupt_metric": scores.corrupt_metric,
+               "top": [{"sender": e.sender, "receiver": e.receiver, "score": e.score} for e in top],
+               "faithfulness": curve}
+    (out / "circuit.json").write_text(json.dumps(summary, indent=1) + "\n")
+    figure = draw_circuit(top, model.cfg.n_layers, out / "circuit.png",
+                          f"{args.model}: top {len(top)} of {len(scores)} edges by {args.method} ({described})")
+    print(f"{args.model}: {described}; metric clean {scores.clean_metric:.3f}, corrupt {scores.corrupt_metric:.3f}")
+    print(markdown_table(["edge", "score"], [[str(e), f"{e.score:+.4f}"] for e in top]))
+    print(markdown_table(["edges", "fraction", "faithfulness"],
+                         [[r["n_edges"], f"{r['fraction']:.4f}", f"{r['faithfulness']:.3f}"] for r in curve]))
+    print(f"wrote {out / 'scores.json'}, {out / 'circuit.json'}, {figure}")
+    return 0
 
 
 if __name__ == "__main__":

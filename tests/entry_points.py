@@ -212,4 +212,6 @@ CLI: dict[str, dict[str, Any]] = {  # options whose value argparse does not alre
     "ga": {"--n": Int(1), "--seed": Int(0), "--rank-n": Int(1, none=True), "--batch-size": Int(1), "--top-k": Int(1),
            "--channel-group": Int(1, none=True), "--random-draws": Int(1), "--verify-top": Int(1),
            "--controls": Int(0), "--stage-n": Int(1), "--stage-keep": Int(1), "--replicas": Int(1, none=True)},
+    "circuit": {"--pairs": Int(2), "--n": Int(1), "--steps": Int(1), "--top": Int(1),
+                "--batch-size": Int(1, none=True)},
 }

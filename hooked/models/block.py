@@ -149,6 +149,12 @@ class ResidualBlock(nn.Module):
                 yield Writer(step.kind, getattr(self, step.kind), getattr(self, f"hook_{step.kind}_out"), norm,
                              1.0, step.scale, getattr(self, f"ln{i}_post"))
 
+    def sides(self) -> Iterator[tuple[Side, HookPoint, str]]:
+        """(side, the hook of what it adds to its step's input, that step's kind) of every side input."""
+        for how, _, step in self._plan:
+            if how == "serial" and step.side is not None:
+                yield step.side, getattr(self, f"hook_{step.side.name}_out"), step.kind
+
     def norm_readers(self) -> list[tuple[nn.Module, list[nn.Module]]]:
         """(norm, the linear maps reading its output) of every norm in the block that reads the stream or
         a side input (weight processing folds each norm into its readers)."""

@@ -1,0 +1,26 @@
+"""Circuits as edge graphs, on attention and SSMs alike.
+
+    graph         one graph per model from the block and mixer protocols: senders (embed, heads, SSM heads,
+                  MLPs, experts, side blocks), receivers (heads' q/k/v, SSM heads' inputs, MLPs, logits),
+                  edges through the residual stream (`graph_of`, `Graph`, `Edge`)
+    eap           edge attribution patching, EAP and EAP-IG (`edge_attribution` -> `EdgeScores`)
+    verify        exact verification by edge patching: `verify_circuit` (faithfulness), `circuit_metric`,
+                  `faithfulness_curve`, `edge_effects`, `prune`, `rescore`
+    token_edges   (unit, target <- source) edges inside mixers: estimates (edge_attribution(token_edges=True)),
+                  exact knockout (`cut_token_edges`, `verify_token_edges`)
+    paths         path patching (`path_patch`, `path_patch_sweep`), TL's direct path patching included
+    transplant    SSM state transplants and patchscopes through the decoding state
+    plot          the graph's top edges drawn over layers
+"""
+
+from analysis.circuits.eap import EdgeScores, edge_attribution
+from analysis.circuits.graph import Edge, Graph, graph_of
+from analysis.circuits.paths import path_patch, path_patch_sweep
+from analysis.circuits.token_edges import TokenEdge, TokenEdgeScores, cut_token_edges, verify_token_edges
+from analysis.circuits.transplant import generate_from, patchscope, read, ssm_sites, transplant, transplant_state
+from analysis.circuits.verify import circuit_metric, edge_effects, faithfulness_curve, prune, rescore, verify_circuit
+
+__all__ = ["EdgeScores", "edge_attribution", "Edge", "Graph", "graph_of", "path_patch", "path_patch_sweep",
+           "TokenEdge", "TokenEdgeScores", "cut_token_edges", "verify_token_edges", "generate_from", "patchscope",
+           "read", "ssm_sites", "transplant", "transplant_state", "circuit_metric", "edge_effects",
+           "faithfulness_curve", "prune", "rescore", "verify_circuit"]

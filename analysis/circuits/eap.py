@@ -1,0 +1,196 @@
+"""Edge attribution patching: every edge's effect on a metric, estimated from a few forwards.
+
+Glossary
+    clean, corrupt  token ids [batch pos] of the same shape (or `Example`s, tokenised to the same length):
+                    the run explained, and the run whose activations replace it
+    metric          `metric(logits) -> scalar tensor`, a mean over prompts (analysis.interventions.logit_diff,
+                    answer_prob, circuits.metrics.AnswerDiff for per-prompt answers: metrics.py)
+    EAP             (Syed et al. 2023) score(s -> r) = sum over batch and positions of
+                    (a_s^corrupt - a_s^clean) . d metric / d x_r on the clean run: the first-order change of
+                    the metric when edge s -> r alone carries the corrupt sender (x_r: the residual as r
+                    reads it). One forward on corrupt, one forward and one backward on clean; memory
+                    linear in nodes x positions (activations and gradients per node, never per edge).
+    EAP-IG          (Hanna et al. 2024) the gradient averaged over `steps` runs whose token embedding is
+                    interpolated from corrupt to clean at alpha = (k + 1/2) / steps (midpoints)
+    batch_size      prompts per forward: scores of chunks are added, weighted by their share of the
+                    prompts (right when the metric is a mean over prompts, as the helpers are)
+    token_edges     also score the token edges inside every mixer (token_edges.py): the estimate of
+                    cutting (unit, target j <- source i) in the clean run, from the same kind of gradients
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from analysis.circuits.graph import Edge, Graph
+from analysis.circuits.metrics import at_rows
+from analysis.circuits.runs import Grads, gradients, record
+
+METHODS = ("eap", "eap-ig")
+Metric = Callable[[Tensor], Tensor]
+
+
+class EdgeScores:
+    """Scores of every edge of a graph: `len()`, `.top(n)`, `[edge]`, `.edges()`, `.to_json(path)`."""
+
+    def __init__(self, graph: Graph, scores: Tensor, method: str, clean_metric: float, corrupt_metric: float,
+                 token: Any = None) -> None:
+        self.graph, self.scores, self.method = graph, scores.detach().double().cpu(), method
+        self.clean_metric, self.corrupt_metric = clean_metric, corrupt_metric
+        self.token = token  # TokenEdgeScores or None
+
+    def __len__(self) -> int:
+        return len(self.graph)
+
+    def __getitem__(self, edge: Any) -> float:
+        return float(self.scores[self.graph.index(edge)])
+
+    def __repr__(self) -> str:
+        return (f"EdgeScores({self.method}, {len(self)} edges, metric clean {self.clean_metric:.4g} / corrupt "
+                f"{self.corrupt_metric:.4g}, top {[str(e) for e in self.top(3)]})")
+
+    def order(self, absolute: bool = True) -> Tensor:
+        """Edge numbers from the largest score down (by |score| when absolute)."""
+        key = self.scores.abs() if absolute else self.scores
+        return torch.argsort(key, descending=True, stable=True)
+
+    def top(self, n: int, absolute: bool = True) -> list[Edge]:
+        """The n edges of largest |score| (or score), largest first."""
+        return [self.graph.edge(int(i), float(self.scores[i])) for i in self.order(absolute)[:n]]
+
+    def edges(self) -> list[Edge]:
+        return [self.graph.edge(i, float(s)) for i, s in enumerate(self.scores)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "clean_metric": self.clean_metric, "corrupt_metric": self.corrupt_metric,
+                "n_edges": len(self), "senders": self.graph.senders, "receivers": self.graph.receivers,
+                "edges": [{"sender": e.sender, "receiver": e.receiver, "score": e.score} for e in self.top(len(self))]}
+
+    def to_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+
+def as_tokens(model: Any, x: Any) -> Tensor:
+    """Token ids [batch pos] from a tensor, or from `Example`s (their prompts, which must tokenise to one length)."""
+    if torch.is_tensor(x):
+        return model.check_tokens(x)
+    from analysis.tasks.text import Example, encode, tokenizer_of
+
+    if isinstance(x, Sequence) and x and all(isinstance(e, Example) for e in x):
+        tok = tokenizer_of(model)
+        rows = [encode(tok, e.prompt) for e in x]
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError(f"prompts tokenise to lengths {sorted({len(r) for r in rows})}: circuits need one length")
+        return torch.tensor(rows, device=model.device)
+    raise TypeError(f"expected token ids [batch pos] or a list of Examples, got {type(x).__name__}")
+
+
+def pair(model: Any, clean: Any, corrupt: Any) -> tuple[Tensor, Tensor]:
+    clean, corrupt = as_tokens(model, clean), as_tokens(model, corrupt)
+    if clean.shape != corrupt.shape:
+        raise ValueError(f"clean and corrupt must have the same shape, got {tuple(clean.shape)} and "
+                         f"{tuple(corrupt.shape)}")
+    return clean.to(model.device), corrupt.to(model.device)
+
+
+def chunks(n: int, batch_size: int | None) -> list[slice]:
+    size = n if batch_size is None else max(1, int(batch_size))
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads, blocks: int = 8) -> Tensor:
+    """score[e] = diff[s_e] . grad[r_e] summed over batch, positions and d_model (+ the embedding slot).
+
+    Receivers (in stage order) are split into `blocks` runs, each multiplied with the senders up to the last
+    one linked to it: about 9/16 of senders x receivers, in large products (one small product per receiver
+    group would re-read every sender's diff each time), in the activations' dtype, summed in float64."""
+    flat_d = diff.flatten(1)
+    g = grads[0].flatten(1).to(flat_d.dtype)  # [n_receivers b*p*d]
+    per_pair = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64, device=diff.device)
+    last = torch.full((len(graph.receivers),), -1, dtype=torch.long)
+    last.scatter_reduce_(0, graph.edge_receiver, graph.edge_sender, "amax")
+    size = -(-len(graph.receivers) // blocks)
+    for start in range(0, len(graph.receivers), size):
+        stop = min(start + size, len(graph.receivers))
+        hi = int(last[start:stop].max()) + 1
+        if hi > 0:
+            per_pair[:hi, start:stop] = (flat_d[:hi] @ g[start:stop].T).double()
+    if emb_diff is not None:
+        for rs, ge in zip(graph.receiver_slices, grads[1]):
+            if ge is not None:  # embed (sender 0) reaches a side block through the embedding slot too
+                per_pair[0, rs] += ge.flatten(1).double() @ emb_diff.flatten().double()
+    return per_pair[graph.edge_sender, graph.edge_receiver]
+
+
+def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, method: str = "eap", steps: int = 5,
+                     token_edges: bool = False, attention_mask: Tensor | None = None,
+                     batch_size: int | None = None, attention: str = "scores") -> EdgeScores:
+    """Scores of every edge of the model's graph (graph.py) by EAP or EAP-IG (see the glossary).
+
+    Returns EdgeScores: `len(scores)` edges, `scores.top(n)` the n largest by |score|, each an Edge with
+    `.sender`, `.receiver`, `.score`. With token_edges=True, `scores.token` holds the token-edge
+    estimates of every mixer (`attention`: the cut they estimate on attention, "scores" or "pattern").
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "eap-ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+        raise ValueError("circuits need unpadded prompts of one length (attention_mask all ones)")
+    from analysis.circuits.graph import graph_of
+    from analysis.circuits.token_edges import TokenGradients
+
+    clean, corrupt = pair(model, clean, corrupt)
+    graph = graph_of(model)
+    total, values = None, [0.0, 0.0]
+    token = TokenGradients(model, attention) if token_edges else None
+    n = clean.shape[0]
+    for part in chunks(n, batch_size):
+        weight, m = (part.stop - part.start) / n, at_rows(metric, part)
+        c_logits, corr = record(model, graph, corrupt[part])
+        values[1] += weight * float(m(c_logits))
+        if method == "eap":
+            value, cl, grads = gradients(model, graph, clean[part], m, token=token)
+        else:
+            _, cl = record(model, graph, clean[part])
+            value, grads = _integrated(model, graph, clean[part], corr, cl, m, steps, token)
+        values[0] += weight * value
+        diff = corr.minus(cl)
+        emb_diff = None if cl.emb is None else corr.emb - cl.emb
+        s = weight * _edge_scores(graph, diff, emb_diff, grads)
+        total = s if total is None else total + s
+        if token is not None:
+            token.close_chunk(weight)
+    return EdgeScores(graph, total, method, values[0], values[1], token.scores() if token is not None else None)
+
+
+def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, metric: Metric, steps: int,
+                token: Any) -> tuple[float, Grads]:
+    """Receiver gradients averaged over embeddings interpolated from corrupt to clean (EAP-IG). Token edges
+    estimate a cut of the clean run: their gradients come from one more run, on clean."""
+    e_corr = corr.emb[0]  # the corrupt run's token embedding (hook_embed)
+    total = None
+    for k in range(steps):
+        alpha = (k + 0.5) / steps
+
+        def embed(x: Tensor, alpha: float = alpha) -> Tensor:
+            return e_corr.to(x) + alpha * (x - e_corr.to(x))
+
+        _, _, (g, ge) = gradients(model, graph, clean, metric, embed=embed)
+        g, ge = g.div_(steps), [None if e is None else e / steps for e in ge]
+        total = (g, ge) if total is None else (total[0].add_(g), [None if a is None else a + e
+                                                                 for a, e in zip(total[1], ge)])
+    if token is not None:
+        value = gradients(model, graph, clean, metric, token=token)[0]
+    else:
+        with torch.no_grad():
+            value = float(metric(model(clean)))
+    return value, total

@@ -1,0 +1,159 @@
+"""One edge graph per model, built from the block and mixer protocols (no family names).
+
+Glossary
+    step       one place where a block reads the stream: a serial sublayer, or parallel branches that
+               read one norm (writers that share their norm are one step). Steps are numbered over
+               the whole model in forward order; that number is a node's `stage`.
+    sender     what adds to the stream (analysis/circuits/senders.py): "embed", attention and Mamba-2
+               heads "L{l}{tag}{h}" (tags of hooked.models.protocol.unit_tags: H, or M beside
+               attention), experts "L{l}E{e}" and "L{l}shared", whole sublayers "mlp{l}", "mixer{l}"
+               (Mamba-1: its channels stay one node), "attn{l}", a side block's output "shared{l}"
+    receiver   what reads it (analysis/circuits/receivers.py): "L{l}{tag}{h}.q" / ".k" / ".v" (k and v
+               by key-value head), Mamba-2 heads' own inputs "L{l}{tag}{h}.x" and their groups'
+               "L{l}{tag}g{g}.B" / ".C", whole sublayers "mlp{l}", ..., side blocks "shared{l}", "logits"
+    edge       sender -> receiver through the residual stream (the standard EAP graph: a reader's input
+               is the sum of every earlier writer): every sender whose stage is before the
+               receiver's. A side block's output reaches only its own step's receivers (it enters
+               that step's input, not the stream). Edges are numbered; `Graph.edge(i)` names one.
+Token edges (target j <- source i inside one mixer) are finer edges on the side: token_edges.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from analysis.circuits.receivers import (LogitsReceiver, ModuleReceiver, NormSite, ReceiverGroup, RowsReceiver,
+                                         SideReceiver, row_parts)
+from analysis.circuits.senders import EmbedSender, SenderGroup, WholeSender, writer_senders
+from hooked.models.protocol import TokenMixer, unit_tags
+
+
+@dataclass(frozen=True)
+class Edge:
+    sender: str
+    receiver: str
+    score: float = float("nan")
+
+    def __str__(self) -> str:
+        return f"{self.sender}->{self.receiver}"
+
+
+class Graph:
+    """Senders, receivers and edges of one model; built once, reused by every run."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.sender_groups: list[SenderGroup] = [EmbedSender(model)]
+        self.receiver_groups: list[ReceiverGroup] = []
+        sites: dict[int, NormSite] = {}
+        tags = unit_tags(model)
+        stage = 0
+        for layer, block in enumerate(model.blocks):
+            writers = list(block.writers())
+            sides = {kind: (side, hook) for side, hook, kind in block.sides()}
+            steps: list[list[Any]] = []
+            for w in writers:  # writers sharing a norm are one step (parallel branches)
+                if steps and steps[-1][0].norm is w.norm:
+                    steps[-1].append(w)
+                else:
+                    steps.append([w])
+            for step in steps:
+                for w in step:
+                    if w.kind in sides:
+                        side, hook = sides[w.kind]
+                        self.receiver_groups.append(SideReceiver(side.module, f"{side.name}{layer}", layer, stage))
+                        self.sender_groups.append(WholeSender(f"{side.name}{layer}", hook, layer, stage, side=True))
+                site = sites.setdefault(id(step[0].norm), NormSite(step[0].norm))
+                for w in step:
+                    tag = tags.get(f"blocks.{layer}.{w.kind}") if isinstance(w.module, TokenMixer) else None
+                    parts = row_parts(w.module, layer, tag) if tag is not None else None
+                    if parts is not None:
+                        self.receiver_groups.append(RowsReceiver(site, w.in_scale, w.module, parts, layer, stage))
+                    else:
+                        self.receiver_groups.append(ModuleReceiver(site, w.in_scale, w.module, f"{w.kind}{layer}",
+                                                                   layer, stage))
+                    self.sender_groups.append(writer_senders(w, layer, stage, tag))
+                stage += 1
+        self.n_stages = stage
+        self.receiver_groups.append(LogitsReceiver(model.ln_final, stage, len(model.blocks)))
+        self._index()
+
+    def _index(self) -> None:
+        self.senders = [label for g in self.sender_groups for label in g.labels]
+        self.receivers = [label for g in self.receiver_groups for label in g.labels]
+        if len(set(self.senders)) != len(self.senders) or len(set(self.receivers)) != len(self.receivers):
+            raise RuntimeError("circuit graph: two nodes share a label")
+        self.sender_slices, self.receiver_slices = _slices(self.sender_groups), _slices(self.receiver_groups)
+        pairs = []
+        for rg, rs in zip(self.receiver_groups, self.receiver_slices):
+            for sg, ss in zip(self.sender_groups, self.sender_slices):
+                linked = (sg.stage == rg.stage) if sg.side else (sg.stage < rg.stage)
+                if linked and not (sg.side and isinstance(rg, SideReceiver)):
+                    pairs += [(s, r) for r in range(rs.start, rs.stop) for s in range(ss.start, ss.stop)]
+        pairs.sort(key=lambda p: (p[1], p[0]))
+        self.edge_sender = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        self.edge_receiver = torch.tensor([r for _, r in pairs], dtype=torch.long)
+        self._edge_index = {(s, r): i for i, (s, r) in enumerate(pairs)}
+        self._sender_index = {label: i for i, label in enumerate(self.senders)}
+        self._receiver_index = {label: i for i, label in enumerate(self.receivers)}
+
+    def __len__(self) -> int:
+        return len(self.edge_sender)
+
+    def __repr__(self) -> str:
+        return (f"Graph({len(self.senders)} senders, {len(self.receivers)} receivers, {len(self)} edges, "
+                f"{self.n_stages} steps)")
+
+    def edge(self, i: int, score: float = float("nan")) -> Edge:
+        return Edge(self.senders[int(self.edge_sender[i])], self.receivers[int(self.edge_receiver[i])], score)
+
+    def edges(self) -> Iterator[Edge]:
+        return (self.edge(i) for i in range(len(self)))
+
+    def index(self, edge: Any) -> int:
+        """The number of an edge given as an Edge, a (sender, receiver) pair or "sender->receiver"."""
+        if isinstance(edge, str):
+            if "->" not in edge:
+                raise ValueError(f"an edge as text is 'sender->receiver', got {edge!r}")
+            edge = tuple(edge.split("->", 1))
+        sender, receiver = (edge.sender, edge.receiver) if isinstance(edge, Edge) else edge
+        s, r = self._sender_index.get(sender), self._receiver_index.get(receiver)
+        if s is None or r is None:
+            unknown = sender if s is None else receiver
+            raise KeyError(f"no node {unknown!r} in this model's graph ({self})")
+        i = self._edge_index.get((s, r))
+        if i is None:
+            raise KeyError(f"{sender} does not reach {receiver}: no such edge (the sender writes after the "
+                           "receiver reads, or a side block's output feeds only its own step)")
+        return i
+
+    def mask(self, edges: Any) -> Tensor:
+        """Bool [n_edges]: True on the listed edges (Edges, pairs, "a->b" strings or edge numbers)."""
+        out = torch.zeros(len(self), dtype=torch.bool)
+        for e in edges:
+            out[int(e) if isinstance(e, (int, Tensor)) else self.index(e)] = True
+        return out
+
+    def dense(self, coef: Tensor) -> Tensor:
+        """[R, n_edges] edge weights -> [R, n_receivers, n_senders]."""
+        out = coef.new_zeros((coef.shape[0], len(self.receivers), len(self.senders)))
+        out[:, self.edge_receiver.to(coef.device), self.edge_sender.to(coef.device)] = coef
+        return out
+
+
+def _slices(groups: list[Any]) -> list[slice]:
+    out, start = [], 0
+    for g in groups:
+        out.append(slice(start, start + len(g.labels)))
+        start += len(g.labels)
+    return out
+
+
+def graph_of(model: Any) -> Graph:
+    """The graph of `model` (cheap: read from the blocks' protocols on every call)."""
+    return Graph(model)

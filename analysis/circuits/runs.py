@@ -1,0 +1,235 @@
+"""Forwards over the circuit graph: record the senders, take the receivers' gradients, run with edges patched.
+
+Glossary
+    record       a forward keeping every sender group's activation [n batch pos d_model] (no gradient)
+    gradients    a forward and one backward of a scalar metric: every receiver's input gradient (the
+                 gradient of the metric with respect to the residual as that receiver alone reads it,
+                 receivers.py) and the senders' activations
+    patched run  a forward of `base` tokens where edge e = (s -> r) carries coef[e] of its sender's change:
+                 receiver r reads x + delta_r,  delta_r = sum over its edges of coef[e] * (a_s^source - a_s),
+                 a_s the sender's activation in this very run (so an edge patched upstream changes what
+                 later edges carry) and a_s^source the source run's. coef = 1 on an edge: the receiver
+                 sees the source run's sender there; 0: this run's. Edge patching (EAP's verification,
+                 path patching) is this with 0/1 weights; a finite difference is this with a small weight.
+    replicas     R rows of coef in one forward: the batch tiled R times, block j of rows patched by row j
+                 (analysis.interventions.batching's rule).
+    embed        `embed(x) -> x'` replaces the token embedding (hook_embed) of a gradient run: EAP-IG's
+                 interpolation between the clean and corrupt embeddings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from analysis.circuits.graph import Graph
+from analysis.circuits.receivers import ReceiverGroup, TorchHooks
+from hooked.hook_points import scoped_hooks
+
+Grads = tuple[Tensor, list[Tensor | None]]  # (every receiver's input gradient [n_receivers b p d], embedding slots)
+
+
+@contextlib.contextmanager
+def attached(hook_points: list[tuple[Any, Callable]], torch_hooks: TorchHooks) -> Iterator[None]:
+    """Hook points (scoped to this caller) and module hooks, all removed on exit."""
+    handles = []
+    try:
+        for module, kind, fn in torch_hooks:
+            handles.append(module.register_forward_pre_hook(fn) if kind == "pre" else module.register_forward_hook(fn))
+        with scoped_hooks([(p, fn, False) for p, fn in hook_points]):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _forward(model: Any, tokens: Tensor, attention_mask: Tensor | None) -> Tensor:
+    return model(tokens, attention_mask) if attention_mask is not None else model(tokens)
+
+
+class Activations:
+    """Each sender group's activation of one run (and the embedding side blocks read)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.acts: dict[int, Tensor] = {}
+        self.emb: Tensor | None = None
+
+    def emit(self, group: Any, act: Tensor, emb: Tensor | None = None) -> None:
+        self.acts[id(group)] = act.detach()
+        if emb is not None:
+            self.emb = emb.detach()
+
+    def hooks(self) -> list[tuple[Any, Callable]]:
+        return [h for g in self.graph.sender_groups for h in g.hooks(self.emit)]
+
+    def minus(self, other: "Activations") -> Tensor:
+        """Every sender's activation here minus in `other`, in the graph's sender order [n_senders batch pos
+        d_model], written into one buffer."""
+        first = self.acts[id(self.graph.sender_groups[0])]
+        out = first.new_empty((len(self.graph.senders), *first.shape[1:]))
+        for g, ss in zip(self.graph.sender_groups, self.graph.sender_slices):
+            torch.sub(self.acts[id(g)], other.acts[id(g)], out=out[ss])
+        return out
+
+
+@torch.no_grad()
+def record(model: Any, graph: Graph, tokens: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Activations]:
+    acts = Activations(graph)
+    with attached(acts.hooks(), []):
+        logits = _forward(model, tokens, attention_mask)
+    return logits, acts
+
+
+def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor], Tensor],
+              attention_mask: Tensor | None = None,
+              embed: Callable[[Tensor], Tensor] | None = None,
+              token: Any = None) -> tuple[float, Activations, Grads]:
+    """(metric value, sender activations, (every receiver's gradient [n_receivers b p d], per receiver group
+    its embedding-slot gradient or None)).
+
+    token: a token_edges.TokenGradients that takes its gradients in the same backward."""
+    acts = Activations(graph)
+
+    def leaf(x: Tensor, hook: Any) -> Tensor:  # the graph starts here, whatever the parameters require
+        x = embed(x.detach()) if embed is not None else x.detach()
+        return x.requires_grad_(True)
+
+    sites = {id(g.site): g.site for g in graph.receiver_groups if g.site is not None}
+    torch_hooks = [h for s in sites.values() for h in s.hooks(grad=True)]
+    torch_hooks += [h for g in graph.receiver_groups for h in g.grad_hooks()]
+    points = [(model.hook_embed, leaf)] + acts.hooks() + (token.hooks() if token is not None else [])
+    with torch.enable_grad(), attached(points, torch_hooks):
+        value = metric(_forward(model, tokens, attention_mask))
+        if not torch.is_tensor(value) or value.numel() != 1:
+            raise ValueError(f"metric must return a scalar tensor, got {value!r}")
+        wanted = [t for g in graph.receiver_groups for t in g.grad_tensors()]
+        extra = token.tensors() if token is not None else []
+        grads = list(torch.autograd.grad(value.reshape(()), wanted + extra, retain_graph=True, allow_unused=True))
+        if token is not None:
+            token.take(grads[len(wanted):])
+            grads = grads[:len(wanted)]
+        x = graph.receiver_groups[-1].grad_tensors()[0]  # the final residual: every site's shape
+        resid = x.new_zeros((len(graph.receivers), *x.shape))
+        emb: list[Tensor | None] = []
+        for g, rs in zip(graph.receiver_groups, graph.receiver_slices):
+            k = len(g.grad_tensors())
+            e = g.resid_grads([t.detach() if t is not None else None for t in grads[:k]], resid[rs])
+            emb.append(None if e is None else e.detach())
+            grads = grads[k:]
+    return float(value.detach()), acts, (resid.detach(), emb)
+
+
+class Patcher:
+    """The hooks of one patched forward (see the glossary): senders emit, receivers ask for their delta.
+
+    delta_r = sum_s coef[r, s] diff_s over the senders linked to r. Verifying a circuit patches almost every
+    edge and a finite difference almost none, so both are sparse one way: with most weights 1, delta_r is
+    the sum of every earlier residual sender's diff (kept as a running sum) minus the few off-one terms;
+    with most weights 0, the few nonzero terms. Either costs the sparse terms, not senders x receivers."""
+
+    def __init__(self, graph: Graph, source: Activations, coef: Tensor) -> None:
+        self.graph, self.source = graph, source
+        self.replicas = coef.shape[0]
+        self.dense = graph.dense(coef)  # [R, n_receivers, n_senders]
+        self.linked = graph.dense(torch.ones(1, len(graph), device=coef.device))[0].bool()  # [V U]
+        self.side = torch.tensor([sg.side for sg, ss in zip(graph.sender_groups, graph.sender_slices)
+                                  for _ in range(ss.start, ss.stop)], device=coef.device)
+        self.where = [(k, i) for k, ss in enumerate(graph.sender_slices) for i in range(ss.stop - ss.start)]
+        self.diff: dict[int, Tensor] = {}  # sender group number -> [n, R*b, p, d] (source - this run)
+        self.emb_diff: Tensor | None = None
+        self._emitted: list[tuple[int, Tensor]] = []  # (stage, the group's summed diff), residual senders
+        self._cum: tuple[int, Tensor | None] = (0, None)  # (emitted entries added, their sum)
+        self._deltas: dict[int, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
+        self._number = {id(sg): k for k, sg in enumerate(graph.sender_groups)}
+
+    def _tiled(self, x: Tensor) -> Tensor:
+        return x.repeat(1, self.replicas, *([1] * (x.ndim - 2)))
+
+    def emit(self, group: Any, act: Tensor, emb: Tensor | None = None) -> None:
+        d = self._tiled(self.source.acts[id(group)].to(act)) - act
+        self.diff[self._number[id(group)]] = d
+        if not group.side:
+            self._emitted.append((group.stage, d.sum(0)))
+        if emb is not None:
+            self.emb_diff = self._tiled(self.source.emb.to(emb)) - emb
+
+    def _sum_before(self, stage: int) -> Tensor | None:
+        """Sum of the diffs of every residual sender written before `stage` (receivers ask in stage order)."""
+        done, total = self._cum
+        while done < len(self._emitted) and self._emitted[done][0] < stage:
+            total = self._emitted[done][1] if total is None else total + self._emitted[done][1]
+            done += 1
+        self._cum = (done, total)
+        return total
+
+    def delta(self, group: ReceiverGroup) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(delta [v R*b p d] or None when no receiver of the group is patched, the embedding slot's delta,
+        which receivers are patched [v] bool)."""
+        key = id(group)
+        if key not in self._deltas:
+            self._deltas[key] = self._delta(group)
+        return self._deltas[key]
+
+    def _delta(self, group: ReceiverGroup) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        g = self.graph
+        rs = g.receiver_slices[g.receiver_groups.index(group)]
+        weights, linked = self.dense[:, rs], self.linked[rs]  # [R v U], [v U]
+        active = weights.ne(0).any(-1).any(0)
+        if not bool(active.any()):
+            return None, None, None
+        residual = linked & ~self.side  # the senders the running sum holds, for every receiver of the group
+        dense_terms = int(weights.ne(0).sum())
+        off_one = torch.where(residual, weights - 1, weights)
+        base = None
+        if int(off_one.ne(0).sum()) < dense_terms and bool(residual.any()):
+            base, weights = self._sum_before(group.stage), off_one
+        chosen = weights.ne(0).any(0).any(0).nonzero()[:, 0].tolist()  # senders with a term
+        total = None if base is None else base.expand(weights.shape[1], *base.shape).clone()
+        if chosen:
+            d = torch.cat([self.diff[k][i:i + 1] for k, i in (self.where[s] for s in chosen)])
+            n, rows = d.shape[:2]
+            d = d.reshape(n, self.replicas, rows // self.replicas, *d.shape[2:])
+            part = torch.einsum("rvn,nrbpd->vrbpd", weights[:, :, chosen].to(d.dtype), d).flatten(1, 2)
+            total = part if total is None else total + part
+        emb = None
+        if group.two_slots:  # the embedding slot: only the embed sender reaches it
+            w = self.dense[:, rs, 0].to(self.emb_diff.dtype)  # [R v]
+            e = self.emb_diff.reshape(1, self.replicas, -1, *self.emb_diff.shape[2:])
+            emb = (w.T[:, :, None, None, None] * e).flatten(1, 2)
+        return total, emb, active
+
+    def hooks(self, frozen: bool = False) -> tuple[list[tuple[Any, Callable]], TorchHooks]:
+        points = [h for sg in self.graph.sender_groups for h in sg.hooks(self.emit)]
+        sites = {id(r.site): r.site for r in self.graph.receiver_groups if r.site is not None}
+        for s in sites.values():
+            s.frozen = frozen
+            points += s.points()
+        torch_hooks = [h for s in sites.values() for h in s.hooks(grad=False)]
+        torch_hooks += [h for r in self.graph.receiver_groups for h in r.patch_hooks(self.delta)]
+        return points, torch_hooks
+
+
+@torch.no_grad()
+def patched(model: Any, graph: Graph, base: Tensor, source: Activations, coef: Tensor,
+            attention_mask: Tensor | None = None, frozen: bool = False) -> Tensor:
+    """Logits [R*batch pos d_vocab] of `base` tiled R = coef.shape[0] times, block j patched by coef[j]
+    (source: the activations of a recorded run of other tokens of the same shape). frozen: receivers read
+    their norm linearised at this run's scale (receivers.NormSite.read)."""
+    if coef.ndim != 2 or coef.shape[1] != len(graph):
+        raise ValueError(f"coef must be [replicas, n_edges={len(graph)}], got {tuple(coef.shape)}")
+    patcher = Patcher(graph, source, coef.to(next(model.parameters()).device))
+    points, torch_hooks = patcher.hooks(frozen)
+    r = coef.shape[0]
+    mask = None if attention_mask is None else attention_mask.repeat(r, 1)
+    try:
+        with attached(points, torch_hooks):
+            return _forward(model, base.repeat(r, 1), mask)
+    finally:
+        for g in graph.receiver_groups:
+            if g.site is not None:
+                g.site.frozen, g.site.x, g.site.scale = False, None, None

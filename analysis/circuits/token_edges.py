@@ -1,0 +1,248 @@
+"""Token edges: (unit, target j <- source i) inside a mixer, scored from gradients and verified by knockout.
+
+Glossary
+    token edge   what unit u (an attention head, an SSM head or Mamba-1 channel) at target position j reads
+                 from source position i in one layer: a pattern entry A[u, j, i] or a kernel entry K[u, j, i]
+                 (DESIGN.md section 4). Labelled "L1H0[7<-3]". Conv taps are not scored here.
+    cut          knockout (analysis.interventions.knockout's arithmetic): an SSM's y_j loses K[j, i] u_i;
+                 attention either zeroes A[j, i] ("pattern") or sets its score to -inf so the row
+                 renormalises ("scores")
+    estimate     the first-order change of the metric when the edge alone is cut in the clean run, summed
+                 over the batch (positions are shared by the batch):
+                 SSM        -K[u, j, i] (g_y[j, u] . x_i[u])      (y is linear in the kernel: the change of y
+                            is exact, only what follows y is linearised)
+                 "pattern"  -A[u, j, i] g_A[u, j, i],   g_A[u, j, k] = g_z[j, u] . v[k, u]
+                 "scores"   A_ji / (1 - A_ji) (sum_k A_jk g_A[j, k] - g_A[j, i]): the renormalised row's
+                            change (the whole row, -A g_A, when i is the row's only key)
+                 where g_y, g_z are the metric's gradients at hook_y, hook_z and x_i the SSM input u_i.
+The scores are the metric's estimated change (negative: the cut lowers the metric).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hooked.hook_points import scoped_hooks
+from hooked.models.protocol import ATTENTION_MODES, token_mixers, unit_tags
+
+
+@dataclass(frozen=True)
+class TokenEdge:
+    unit: str
+    target: int
+    source: int
+    score: float = float("nan")
+
+    def __str__(self) -> str:
+        return f"{self.unit}[{self.target}<-{self.source}]"
+
+
+def token_sites(model: Any) -> list[tuple[str, Any, list[str]]]:
+    """(mixer name, mixer, unit labels) of every token mixer, in forward order."""
+    tags = unit_tags(model)
+    out = []
+    for layer, block in enumerate(model.blocks):
+        for name, m in token_mixers(block):
+            full = f"blocks.{layer}.{name}"
+            out.append((full, m, [f"L{layer}{tags[full]}{h}" for h in range(m.heads().n)]))
+    return out
+
+
+class TokenGradients:
+    """Hooks for a gradient run (runs.gradients) that score every token edge of every mixer."""
+
+    def __init__(self, model: Any, attention: str = "scores") -> None:
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        self.attention = attention
+        self.sites = token_sites(model)
+        self._seen: dict[str, dict[str, Tensor]] = {}
+        self._pending: dict[str, Tensor] = {}
+        self._total: dict[str, Tensor] = {}
+
+    def hooks(self) -> list[tuple[Any, Callable]]:
+        self._seen = {name: {} for name, _, _ in self.sites}
+        out = []
+        for name, m, _ in self.sites:
+            seen = self._seen[name]
+
+            def keep(key: str, seen: dict = seen) -> Callable:
+                def fn(x: Tensor, hook: Any) -> None:
+                    seen[key] = x.detach()
+                return fn
+
+            def grad_at(key: str, seen: dict = seen) -> Callable:
+                def fn(x: Tensor, hook: Any) -> Tensor:
+                    seen[key] = x.clone()
+                    return seen[key]
+                return fn
+
+            if m.heads().kind == "attn":
+                out += [(m.hook_v, keep("v")), (m.hook_pattern, keep("A")), (m.hook_z, grad_at("out"))]
+            else:
+                out += [(m.hook_ssm_in, keep("u")), (m.hook_kernel, keep("K")), (m.hook_y, grad_at("out"))]
+        return out
+
+    def tensors(self) -> list[Tensor]:
+        return [self._seen[name]["out"] for name, _, _ in self.sites]
+
+    def take(self, grads: Sequence[Tensor | None]) -> None:
+        for (name, m, labels), g in zip(self.sites, grads):
+            seen = self._seen[name]
+            if g is None:
+                score = None
+            elif m.heads().kind == "attn":
+                score = _attention_scores(seen["A"], m.repeat_kv(seen["v"]), g, self.attention)
+            else:
+                score = _kernel_scores(seen["K"], seen["u"], g, len(labels))
+            if score is not None:
+                self._pending[name] = self._pending.get(name, 0) + score
+        self._seen = {}
+
+    def close_chunk(self, weight: float) -> None:
+        for name, s in self._pending.items():
+            self._total[name] = self._total.get(name, 0) + weight * s
+        self._pending = {}
+
+    def scores(self) -> "TokenEdgeScores":
+        return TokenEdgeScores({name: (labels, self._total[name]) for name, _, labels in self.sites
+                                if name in self._total}, self.attention)
+
+
+def _attention_scores(A: Tensor, v: Tensor, g_z: Tensor, mode: str) -> Tensor:
+    g_A = torch.einsum("bjhd,bkhd->bhjk", g_z.double(), v.double())
+    A = A.double()
+    if mode == "pattern":
+        s = -A * g_A
+    else:
+        whole = (A * g_A).sum(-1, keepdim=True)
+        alone = A >= 1.0  # the row's only key: cutting it empties the row
+        s = torch.where(alone, -A * g_A, A / (1.0 - A).clamp(min=1e-300) * (whole - g_A))
+    return s.sum(0)  # [units q k]
+
+
+def _kernel_scores(K: Tensor, u: Tensor, g_y: Tensor, n: int) -> Tensor:
+    b, l = u.shape[:2]
+    uu, gg = u.reshape(b, l, n, -1).double(), g_y.reshape(b, l, n, -1).double()
+    return -(K.double() * torch.einsum("bjcr,bicr->bcji", gg, uu)).sum(0)  # [units j i]
+
+
+class TokenEdgeScores:
+    """Token-edge estimates of every mixer: `len()`, `.top(n)`, `.of(unit)` ([target source])."""
+
+    def __init__(self, sites: dict[str, tuple[list[str], Tensor]], attention: str) -> None:
+        self.sites, self.attention = sites, attention
+        self._units = {label: (name, i) for name, (labels, _) in sites.items() for i, label in enumerate(labels)}
+
+    def __len__(self) -> int:
+        return sum(s.shape[0] * s.shape[1] * (s.shape[1] + 1) // 2 for _, s in self.sites.values())
+
+    def of(self, unit: str) -> Tensor:
+        name, i = self._units[unit]
+        return self.sites[name][1][i]
+
+    def top(self, n: int, absolute: bool = True) -> list[TokenEdge]:
+        flat, index = [], []
+        for name, (labels, s) in self.sites.items():
+            causal = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+            u, j, i = (causal[None].expand_as(s)).nonzero(as_tuple=True)
+            flat.append(s[u, j, i])
+            index += [(labels[a], int(b), int(c)) for a, b, c in zip(u.tolist(), j.tolist(), i.tolist())]
+        values = torch.cat(flat)
+        order = torch.argsort(values.abs() if absolute else values, descending=True, stable=True)[:n]
+        return [TokenEdge(*index[k], float(values[k])) for k in order.tolist()]
+
+
+# ------------------------------------------------------------------------------------ knockout
+def _as_triples(edges: Sequence[Any]) -> list[tuple[str, int, int]]:
+    out = []
+    for e in edges:
+        out.append((e.unit, e.target, e.source) if isinstance(e, TokenEdge) else (str(e[0]), int(e[1]), int(e[2])))
+    return out
+
+
+@contextlib.contextmanager
+def cut_token_edges(model: Any, edges: Sequence[Any], attention: str = "scores") -> Iterator[Any]:
+    """Cut exactly the listed token edges (TokenEdges or (unit, target, source)) while open: attention per
+    head (the other heads keep the entry), SSM per unit (mixer.cut_edges restricted to that unit)."""
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    units = {label: (m, h) for _, m, labels in token_sites(model) for h, label in enumerate(labels)}
+    by_unit: dict[str, list[tuple[int, int]]] = {}
+    for unit, j, i in _as_triples(edges):
+        if unit not in units:
+            raise KeyError(f"no unit {unit!r} in this model's mixers")
+        if i > j:
+            raise ValueError(f"{unit}[{j}<-{i}]: a source after its target is no edge")
+        by_unit.setdefault(unit, []).append((j, i))
+    hooks: list[tuple[Any, Callable]] = []
+    attn_cuts: dict[int, tuple[Any, dict[int, list[tuple[int, int]]]]] = {}
+    for unit, pairs in by_unit.items():
+        m, h = units[unit]
+        if m.heads().kind == "attn":
+            attn_cuts.setdefault(id(m), (m, {}))[1][h] = pairs
+            continue
+        channels = torch.zeros(m.heads().n, dtype=torch.bool)
+        channels[h] = True
+        targets: dict[int, list[int]] = {}
+        for j, i in pairs:
+            targets.setdefault(j, []).append(i)
+        for j, sources in targets.items():
+            hooks += [(p, fn) for p, fn in m.cut_edges(_masks(j, sources), channels)]
+    for m, per_head in attn_cuts.values():
+        hooks += _head_cut_hooks(m, per_head, attention)
+    with scoped_hooks([(p, fn, False) for p, fn in hooks]):
+        yield model
+
+
+def _masks(target: int, sources: list[int]) -> Callable[[int, int, torch.device], tuple[Tensor, Tensor]]:
+    def masks(batch: int, pos: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        t = torch.zeros(batch, pos, dtype=torch.bool, device=device)
+        s = torch.zeros_like(t)
+        t[:, target] = True
+        s[:, sources] = True
+        return t, s
+    return masks
+
+
+def _head_cut_hooks(m: Any, per_head: dict[int, list[tuple[int, int]]], mode: str) -> list[tuple[Any, Callable]]:
+    state: dict[str, Tensor] = {}
+
+    def cut_of(x: Tensor) -> Tensor:
+        cut = torch.zeros(x.shape[1:], dtype=torch.bool, device=x.device)  # [heads q k]
+        for h, pairs in per_head.items():
+            j, i = zip(*pairs)
+            cut[h, list(j), list(i)] = True
+        return cut[None]
+
+    def on_scores(scores: Tensor, hook: Any) -> Tensor:
+        cut = cut_of(scores)
+        live = scores > torch.finfo(scores.dtype).min / 2
+        state["dead"] = (live & cut).any(-1) & ~(live & ~cut).any(-1)
+        return scores.masked_fill(cut, float("-inf"))
+
+    def on_pattern(pattern: Tensor, hook: Any) -> Tensor:
+        if mode == "pattern":
+            return pattern.masked_fill(cut_of(pattern), 0.0)
+        dead = state.pop("dead")
+        return pattern.masked_fill(dead[..., None], 0.0) if bool(dead.any()) else pattern
+
+    return ([(m.hook_attn_scores, on_scores)] if mode == "scores" else []) + [(m.hook_pattern, on_pattern)]
+
+
+@torch.no_grad()
+def verify_token_edges(model: Any, tokens: Tensor, edges: Sequence[Any], metric: Callable[[Tensor], Tensor],
+                       attention: str = "scores") -> dict[str, float]:
+    """The metric's exact change when the listed token edges are all cut, beside the sum of their estimates
+    (TokenEdges carry theirs): {"exact", "estimated", "clean"}."""
+    clean = float(metric(model(tokens)))
+    with cut_token_edges(model, edges, attention):
+        cut = float(metric(model(tokens)))
+    estimated = sum(e.score for e in edges if isinstance(e, TokenEdge))
+    return {"clean": clean, "exact": cut - clean, "estimated": float(estimated)}
