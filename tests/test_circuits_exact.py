@@ -22,6 +22,8 @@ from analysis.circuits.runs import patched, record
 from analysis.circuits.token_edges import TokenEdge
 
 EPS = 1e-4
+# mixers whose token edges have no score yet (refused by name; knockout still cuts them exactly)
+NO_TOKEN_SCORES = {"kimi_linear": "LatentAttention", "lfm2": "GatedShortConv"}
 
 
 def metric(logits):
@@ -50,6 +52,26 @@ def test_patching_nothing_is_clean_and_everything_is_corrupt(run):
     with torch.no_grad():
         assert _rel(logits[:2], model(clean)) < 1e-12
         assert _rel(logits[2:], model(corrupt)) < 1e-12
+
+
+def test_running_sums_equal_the_plain_sum_over_senders(run, monkeypatch):
+    """A mixed patch (most edges on, some off, some scaled) through the running sum minus off-one terms
+    equals every receiver's delta summed sender by sender."""
+    from analysis.circuits.runs import Patcher
+
+    _, model, clean, corrupt = run
+    graph = graph_of(model)
+    _, src = record(model, graph, corrupt)
+    gen = torch.Generator().manual_seed(4)
+    mostly_on = (torch.rand(len(graph), generator=gen) < 0.8).double()
+    mostly_off = (torch.rand(len(graph), generator=gen) < 0.2).double() * 0.7
+    coef = torch.stack([mostly_on, mostly_off, torch.where(mostly_on.bool(), 1.0, 0.3).double()])
+    fast = patched(model, graph, clean, src, coef)
+    monkeypatch.setattr(Patcher, "running_sums", False)
+    plain = patched(model, graph, clean, src, coef)
+    assert _rel(fast, plain) < 1e-10
+    with torch.no_grad():
+        assert _rel(fast[:2], model(clean)) > 1e-6  # the patch does something
 
 
 def test_eap_equals_the_finite_difference_of_every_edge(run):
@@ -112,6 +134,10 @@ def test_token_edge_scores_equal_scaled_cuts(run, mode):
     """SSM: d/d alpha of y_j -= alpha K_ji u_i. Attention: d/d alpha of pattern + alpha dA, dA the cut's exact
     change of the pattern row (the entry zeroed; with "scores" the rest of its row renormalised)."""
     name, model, clean, corrupt = run
+    if name in NO_TOKEN_SCORES:
+        with pytest.raises(NotImplementedError, match=NO_TOKEN_SCORES[name]):
+            edge_attribution(model, clean, corrupt, metric, token_edges=True, attention=mode)
+        return
     scores = edge_attribution(model, clean, corrupt, metric, token_edges=True, attention=mode).token
     assert len(scores) > 0
     checked = 0
@@ -140,8 +166,9 @@ def test_token_edge_scores_equal_scaled_cuts(run, mode):
             fd = float((vals[0] - vals[1]) / (2 * EPS))
         else:
             with torch.no_grad():
-                _, cache = model.run_with_cache(clean, names_filter=[m.hook_kernel.name, m.hook_ssm_in.name])
-            fd = _ssm_fd(model, clean, m, h, j, i, cache[m.hook_kernel.name], cache[m.hook_ssm_in.name])
+                u = m.hook_ssm_in if hasattr(m, "hook_ssm_in") else m.hook_v  # a delta rule's values
+                _, cache = model.run_with_cache(clean, names_filter=[m.hook_kernel.name, u.name])
+            fd = _ssm_fd(model, clean, m, h, j, i, cache[m.hook_kernel.name], cache[u.name])
         est = float(s[h, j, i])
         assert abs(est - fd) <= 1e-4 * max(abs(fd), float(s.abs().max())), (name, site_name, est, fd)
         checked += 1
@@ -157,12 +184,14 @@ def test_token_knockout_cuts_one_unit_only(run):
     from analysis.circuits.token_edges import token_sites
 
     labels = next(lab for n, _, lab in token_sites(model) if n == mixer_name)
-    point = (m.hook_z if m.heads().kind == "attn" else m.hook_y).name  # before any norm mixes the units
+    # before any norm mixes the units (a short conv has no y: its gated output, one channel per unit)
+    point = (m.hook_z if m.heads().kind == "attn" else getattr(m, "hook_y", m.heads().write_hook)).name
     with torch.no_grad():
         _, base = model.run_with_cache(clean, names_filter=[point])
-        with cut_token_edges(model, [TokenEdge(labels[0], 5, 2)]):
+        with cut_token_edges(model, [TokenEdge(labels[0], 5, 4)]):
             _, cut = model.run_with_cache(clean, names_filter=[point])
     n = m.heads().n
     before, after = base[point][:, 5].reshape(clean.shape[0], n, -1), cut[point][:, 5].reshape(clean.shape[0], n, -1)
-    changed = (before - after).abs().amax((0, 2)) > 0
+    # beyond rounding: the cut layer runs the exact (eager) path, the plain one may run SDPA
+    changed = (before - after).abs().amax((0, 2)) > 1e-12 * before.abs().max()
     assert changed[0] and not changed[1:].any(), (name, layer, changed)

@@ -42,7 +42,7 @@ def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, T
     """(label, linear, rows) of every receiver inside `module`, or None when it is read whole. The one place
     that knows the row layout of an input projection."""
     heads = module.heads() if hasattr(module, "heads") else None
-    if heads is not None and heads.kind == "attn":
+    if heads is not None and heads.kind == "attn" and _plain_qkv(module):
         q, k, v = module.input_linears()
         n, n_kv, d = module.hook_q.sizes["n_heads"], module.hook_k.sizes["n_kv_heads"], module.hook_q.sizes["d_head"]
         return ([(f"L{layer}{tag}{h}.q", q, _span(h * d, d)) for h in range(n)]
@@ -58,6 +58,20 @@ def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, T
                   for off, name in ((0, "B"), (1, "C")) for g in range(module.n_groups)]
         return own + groups
     return None
+
+
+def _plain_qkv(module: Any) -> bool:
+    """Whether the attention's inputs are three plain projections q [n_heads d_head], k and v [n_kv_heads
+    d_head] (rows per head); a gated query (Qwen3-Next), latent attention (Kimi) is read whole instead."""
+    linears = module.input_linears()
+    if len(linears) != 3 or not all(type(lin) is nn.Linear for lin in linears):
+        return False
+    sizes = module.hook_q.sizes
+    n, d = sizes.get("n_heads"), sizes.get("d_head")
+    n_kv = module.hook_k.sizes.get("n_kv_heads")
+    if None in (n, d, n_kv):
+        return False
+    return [lin.out_features for lin in linears] == [n * d, n_kv * d, n_kv * d]
 
 
 def _span(start: int, n: int) -> Tensor:

@@ -132,6 +132,8 @@ class Patcher:
     the sum of every earlier residual sender's diff (kept as a running sum) minus the few off-one terms;
     with most weights 0, the few nonzero terms. Either costs the sparse terms, not senders x receivers."""
 
+    running_sums = True  # False: every receiver's delta as the plain sum over its senders (tests compare)
+
     def __init__(self, graph: Graph, source: Activations, coef: Tensor) -> None:
         self.graph, self.source = graph, source
         self.replicas = coef.shape[0]
@@ -186,7 +188,7 @@ class Patcher:
         dense_terms = int(weights.ne(0).sum())
         off_one = torch.where(residual, weights - 1, weights)
         base = None
-        if int(off_one.ne(0).sum()) < dense_terms and bool(residual.any()):
+        if self.running_sums and int(off_one.ne(0).sum()) < dense_terms and bool(residual.any()):
             base, weights = self._sum_before(group.stage), off_one
         chosen = weights.ne(0).any(0).any(0).nonzero()[:, 0].tolist()  # senders with a term
         total = None if base is None else base.expand(weights.shape[1], *base.shape).clone()

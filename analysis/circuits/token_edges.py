@@ -62,6 +62,8 @@ class TokenGradients:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.attention = attention
         self.sites = token_sites(model)
+        for name, m, _ in self.sites:
+            _check_scorable(name, m)
         self._seen: dict[str, dict[str, Tensor]] = {}
         self._pending: dict[str, Tensor] = {}
         self._total: dict[str, Tensor] = {}
@@ -86,7 +88,9 @@ class TokenGradients:
             if m.heads().kind == "attn":
                 out += [(m.hook_v, keep("v")), (m.hook_pattern, keep("A")), (m.hook_z, grad_at("out"))]
             else:
-                out += [(m.hook_ssm_in, keep("u")), (m.hook_kernel, keep("K")), (m.hook_y, grad_at("out"))]
+                # y_j = sum_i K[j, i] u_i: u is the SSM input, or a delta rule's values (its kernel reads q, k)
+                u = m.hook_ssm_in if hasattr(m, "hook_ssm_in") else m.hook_v
+                out += [(u, keep("u")), (m.hook_kernel, keep("K")), (m.hook_y, grad_at("out"))]
         return out
 
     def tensors(self) -> list[Tensor]:
@@ -113,6 +117,20 @@ class TokenGradients:
     def scores(self) -> "TokenEdgeScores":
         return TokenEdgeScores({name: (labels, self._total[name]) for name, _, labels in self.sites
                                 if name in self._total}, self.attention)
+
+
+def _check_scorable(name: str, m: Any) -> None:
+    """Token-edge scores read attention's pattern and values per key-value head, or a recurrent mixer's
+    kernel, its input and its output y (y_j = sum_i K[j, i] u_i); other mixers are refused by name."""
+    if m.heads().kind == "attn":
+        ok = hasattr(m, "repeat_kv")
+    else:
+        ok = all(hasattr(m, h) for h in ("hook_kernel", "hook_y")) and (hasattr(m, "hook_ssm_in") or hasattr(m, "hook_v"))
+    if not ok:
+        raise NotImplementedError(
+            f"token-edge scores: {name} ({type(m).__name__}) has no per-head pattern with values, nor a kernel "
+            "with y = K u; score this model's residual edges (token_edges=False), or cut its token edges with "
+            "knockout")
 
 
 def _attention_scores(A: Tensor, v: Tensor, g_z: Tensor, mode: str) -> Tensor:
