@@ -19,11 +19,11 @@ from tiny_families import FAMILIES, tiny
 
 from analysis.circuits import cut_token_edges, edge_attribution, graph_of
 from analysis.circuits.runs import patched, record
-from analysis.circuits.token_edges import TokenEdge
+from analysis.circuits.token_edges import TokenEdge, kernel_io
 
 EPS = 1e-4
 # mixers whose token edges have no score yet (refused by name; knockout still cuts them exactly)
-NO_TOKEN_SCORES = {"kimi_linear": "LatentAttention", "lfm2": "GatedShortConv"}
+NO_TOKEN_SCORES = {"kimi_linear": "LatentAttention"}
 
 
 def metric(logits):
@@ -124,7 +124,7 @@ def _ssm_fd(model, clean, unit_mixer, h, j, i, kernel, u):
             y[:, j, h] -= alpha * k.reshape(k.shape + (1,) * (y.ndim - 3)) * u[:, i, h].to(y)
             return y
 
-        with torch.no_grad(), model.hooks(fwd_hooks=[(unit_mixer.hook_y.name, fn)]):
+        with torch.no_grad(), model.hooks(fwd_hooks=[(kernel_io(unit_mixer)[1].name, fn)]):
             out.append(metric(model(clean)))
     return float((out[0] - out[1]) / (2 * EPS))
 
@@ -166,7 +166,7 @@ def test_token_edge_scores_equal_scaled_cuts(run, mode):
             fd = float((vals[0] - vals[1]) / (2 * EPS))
         else:
             with torch.no_grad():
-                u = m.hook_ssm_in if hasattr(m, "hook_ssm_in") else m.hook_v  # a delta rule's values
+                u, _ = kernel_io(m)
                 _, cache = model.run_with_cache(clean, names_filter=[m.hook_kernel.name, u.name])
             fd = _ssm_fd(model, clean, m, h, j, i, cache[m.hook_kernel.name], cache[u.name])
         est = float(s[h, j, i])

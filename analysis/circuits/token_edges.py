@@ -88,9 +88,8 @@ class TokenGradients:
             if m.heads().kind == "attn":
                 out += [(m.hook_v, keep("v")), (m.hook_pattern, keep("A")), (m.hook_z, grad_at("out"))]
             else:
-                # y_j = sum_i K[j, i] u_i: u is the SSM input, or a delta rule's values (its kernel reads q, k)
-                u = m.hook_ssm_in if hasattr(m, "hook_ssm_in") else m.hook_v
-                out += [(u, keep("u")), (m.hook_kernel, keep("K")), (m.hook_y, grad_at("out"))]
+                u, y = kernel_io(m)
+                out += [(u, keep("u")), (m.hook_kernel, keep("K")), (y, grad_at("out"))]
         return out
 
     def tensors(self) -> list[Tensor]:
@@ -119,13 +118,22 @@ class TokenGradients:
                                 if name in self._total}, self.attention)
 
 
+def kernel_io(m: Any) -> tuple[Any, Any] | None:
+    """(u, y) hook points of a recurrent mixer with y_j = sum_i K[j, i] u_i (K at hook_kernel, S0 = 0): the
+    SSM input and output, a delta rule's values and output (its kernel reads q, k, beta, alpha), or a short
+    conv's input B x and gated output C * conv (its bias is no kernel term); None when it has none."""
+    if not hasattr(m, "hook_kernel"):
+        return None
+    for u_name, y_name in (("hook_ssm_in", "hook_y"), ("hook_v", "hook_y"), ("hook_in", "hook_gated")):
+        if hasattr(m, u_name) and hasattr(m, y_name):
+            return getattr(m, u_name), getattr(m, y_name)
+    return None
+
+
 def _check_scorable(name: str, m: Any) -> None:
     """Token-edge scores read attention's pattern and values per key-value head, or a recurrent mixer's
-    kernel, its input and its output y (y_j = sum_i K[j, i] u_i); other mixers are refused by name."""
-    if m.heads().kind == "attn":
-        ok = hasattr(m, "repeat_kv")
-    else:
-        ok = all(hasattr(m, h) for h in ("hook_kernel", "hook_y")) and (hasattr(m, "hook_ssm_in") or hasattr(m, "hook_v"))
+    kernel with its input and output (kernel_io); other mixers are refused by name."""
+    ok = hasattr(m, "repeat_kv") if m.heads().kind == "attn" else kernel_io(m) is not None
     if not ok:
         raise NotImplementedError(
             f"token-edge scores: {name} ({type(m).__name__}) has no per-head pattern with values, nor a kernel "
