@@ -22,8 +22,6 @@ from analysis.circuits.runs import patched, record
 from analysis.circuits.token_edges import TokenEdge, kernel_io
 
 EPS = 1e-4
-# mixers whose token edges have no score yet (refused by name; knockout still cuts them exactly)
-NO_TOKEN_SCORES = {"kimi_linear": "LatentAttention"}
 
 
 def metric(logits):
@@ -134,10 +132,6 @@ def test_token_edge_scores_equal_scaled_cuts(run, mode):
     """SSM: d/d alpha of y_j -= alpha K_ji u_i. Attention: d/d alpha of pattern + alpha dA, dA the cut's exact
     change of the pattern row (the entry zeroed; with "scores" the rest of its row renormalised)."""
     name, model, clean, corrupt = run
-    if name in NO_TOKEN_SCORES:
-        with pytest.raises(NotImplementedError, match=NO_TOKEN_SCORES[name]):
-            edge_attribution(model, clean, corrupt, metric, token_edges=True, attention=mode)
-        return
     scores = edge_attribution(model, clean, corrupt, metric, token_edges=True, attention=mode).token
     assert len(scores) > 0
     checked = 0
@@ -195,3 +189,13 @@ def test_token_knockout_cuts_one_unit_only(run):
     # beyond rounding: the cut layer runs the exact (eager) path, the plain one may run SDPA
     changed = (before - after).abs().amax((0, 2)) > 1e-12 * before.abs().max()
     assert changed[0] and not changed[1:].any(), (name, layer, changed)
+
+
+def test_a_mixer_without_a_scorable_form_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from analysis.circuits.token_edges import _check_scorable
+
+    odd = SimpleNamespace(heads=lambda: SimpleNamespace(kind="ssm"))  # no kernel, no input / output points
+    with pytest.raises(NotImplementedError, match="blocks.0.mixer .*token_edges=False"):
+        _check_scorable("blocks.0.mixer", odd)

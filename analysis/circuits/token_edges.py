@@ -101,7 +101,7 @@ class TokenGradients:
             if g is None:
                 score = None
             elif m.heads().kind == "attn":
-                score = _attention_scores(seen["A"], m.repeat_kv(seen["v"]), g, self.attention)
+                score = _attention_scores(seen["A"], _per_query_head(m, seen["v"]), g, self.attention)
             else:
                 score = _kernel_scores(seen["K"], seen["u"], g, len(labels))
             if score is not None:
@@ -130,10 +130,20 @@ def kernel_io(m: Any) -> tuple[Any, Any] | None:
     return None
 
 
+def _values_per_head(m: Any) -> bool:
+    """Whether hook_v holds values per query head (latent attention) or per key-value head (repeat_kv)."""
+    axes = getattr(getattr(m, "hook_v", None), "axes", ())
+    return len(axes) == 4 and (axes[2] == "n_heads" or (axes[2] == "n_kv_heads" and hasattr(m, "repeat_kv")))
+
+
+def _per_query_head(m: Any, v: Tensor) -> Tensor:
+    return m.repeat_kv(v) if m.hook_v.axes[2] == "n_kv_heads" else v
+
+
 def _check_scorable(name: str, m: Any) -> None:
     """Token-edge scores read attention's pattern and values per key-value head, or a recurrent mixer's
     kernel with its input and output (kernel_io); other mixers are refused by name."""
-    ok = hasattr(m, "repeat_kv") if m.heads().kind == "attn" else kernel_io(m) is not None
+    ok = _values_per_head(m) if m.heads().kind == "attn" else kernel_io(m) is not None
     if not ok:
         raise NotImplementedError(
             f"token-edge scores: {name} ({type(m).__name__}) has no per-head pattern with values, nor a kernel "
