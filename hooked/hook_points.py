@@ -211,6 +211,13 @@ class HookPoint(nn.Module):
         self.ctx: dict[Any, Any] = {}  # scratch space for hook functions (TL's hook.ctx), cleared by reset_hooks()
         self._taps: tuple[nn.Module, ...] = ()  # run after the hooks, in order (SAE splices, views)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (deepcopy, unpickling) holds its own model hooks: they count as attached (hook-free reads
+        the count); it holds no scoped hook, which lives in its scope under the original point."""
+        super().__setstate__(state)
+        self._n_scoped = 0
+        _count_attached(len(self._hooks))
+
     def shape(self, batch: int, pos: int) -> tuple[int, ...]:
         """The activation's shape for a [batch, pos] input of a full forward (no decoding state)."""
         out = []

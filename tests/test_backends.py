@@ -494,3 +494,19 @@ def test_on_cuda_the_default_path_equals_the_exact_path(family, dtype, rel, cuda
     assert all(b == "sdpa" or family == "gemma2" for b in chosen.values() if b in ATTENTIONS)
     real = mask.bool()
     rel_close(fast[real].float(), exact[real].float(), rel)
+
+
+def test_a_copy_of_a_hooked_model_keeps_the_original_on_the_exact_path():
+    """Removing a deep copy's hooks leaves the original's counted: its pattern hook still fires (eager)."""
+    model = copy.deepcopy(tiny("llama"))
+    fired = []
+    remove = model.add_hook("blocks.0.attn.hook_pattern", lambda x, hook: fired.append(x.shape))[0]
+    try:
+        twin = copy.deepcopy(model)
+        twin.reset_hooks()
+        del twin
+        with torch.no_grad():
+            model(batch()[0])
+        assert fired and model.blocks[0].attn.last_backend == "eager"
+    finally:
+        remove()
