@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.decode_state import stepping_state
-from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer
+from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer, along
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import delta_rule_chunked, delta_rule_propagate, l2norm
 from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
@@ -209,7 +209,7 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
                 self._check_overlap(hook.name, t, s, channels)
                 return self._cut_step(
                     step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y,
-                    lambda only, h0: delta_rule_chunked(q, k, v * only[..., None, None].to(v.dtype), beta, alpha, h0,
+                    lambda only, h0: delta_rule_chunked(q, k, v * along(only, v), beta, alpha, h0,
                                                         chunk_size=chunk))
             t, s = masks(y.shape[0], y.shape[1], y.device)
             self._check_overlap(hook.name, t, s, channels)

@@ -50,7 +50,7 @@ SourceScan = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]]  # (only_s
 ATTENTION_MODES = ("scores", "pattern")
 
 
-def _along(mask: Tensor, x: Tensor) -> Tensor:
+def along(mask: Tensor, x: Tensor) -> Tensor:
     """A bool [batch pos] mask as x's dtype, broadcastable against x [batch pos ...]."""
     return mask.reshape(mask.shape + (1,) * (x.ndim - 2)).to(x.dtype)
 
@@ -184,7 +184,7 @@ class RecurrentCut:
         step.add_cut(self, CutRecord(spec, t, s, h_cut, parent))
         if not t_new.any() or (channels is not None and not channels.any()):
             return None
-        keep_at = t_new.reshape(t_new.shape + (1,) * (y.ndim - 2)).to(y_cut.dtype)
+        keep_at = along(t_new, y_cut)
         if channels is not None:
             keep_at = keep_at * channels.to(y.device).reshape((-1,) + (1,) * (y.ndim - 3)).to(y_cut.dtype)
         return y - (y_cut * keep_at).to(y.dtype)
@@ -288,7 +288,7 @@ class StateSpaceMixer(RecurrentCut):
                 t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
                 self._check_overlap(hook.name, t, s, channels)
                 return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y,
-                                      lambda only, h0: self.state_scan(u * _along(only, u), dt, B, C, h0))
+                                      lambda only, h0: self.state_scan(u * along(only, u), dt, B, C, h0))
             t, s = masks(y.shape[0], y.shape[1], y.device)
             self._check_overlap(hook.name, t, s, channels)
             if not (t.any() and s.any()) or (channels is not None and not channels.any()):
