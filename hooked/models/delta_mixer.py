@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.decode_state import stepping_state
+from hooked.models.head_writes import written_by_units
 from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer, along
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import delta_rule_chunked, delta_rule_propagate, l2norm
@@ -331,11 +332,7 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
 
     def _out_proj(self, gated: Float[Tensor, "batch pos value_dim"]) -> Float[Tensor, "batch pos d_model"]:
         """out_proj(gated); with hook_head_out active, each head's write, summed when edited."""
-        if not self.hook_head_out.is_active:
-            return self.out_proj(gated)
-        head_out_fn = lambda: self.head_writes(gated)  # noqa: E731
-        head_out, head_out_was = through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
-        return self.out_proj(gated) if head_out_was is None else head_out.sum(dim=2)
+        return written_by_units(self.out_proj, gated, self.hook_head_out, self.head_writes)
 
     def head_writes(self, gated: Float[Tensor, "*batch pos value_dim"]) -> Float[Tensor, "*batch pos n_heads d_model"]:
         """Each value head's write to the residual (what hook_head_out holds; out_proj has no bias)."""

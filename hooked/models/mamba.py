@@ -62,6 +62,7 @@ from hooked.models.base import Context
 from hooked.models.decode_state import DecodeState
 from hooked.models.block import ResidualBlock, Sublayer
 from hooked.models.config import derived
+from hooked.models.head_writes import written_by_units
 from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
 from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
@@ -336,12 +337,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
                 f"{HEAD_OUT_BUDGET_BYTES / 2**30:.1f} GiB); hook fewer tokens, or leave hook_head_out out of "
                 "names_filter and use hook_gated with out_proj.weight instead"
             )
-        head_out = self.head_writes(gated)
-        head_out, head_out_was = through_hook(self.hook_head_out, head_out)
-        if head_out_was is None:
-            return self.out_proj(gated)
-        mixer_out = head_out.sum(dim=-2)
-        return mixer_out if self.out_proj.bias is None else mixer_out + self.out_proj.bias
+        return written_by_units(self.out_proj, gated, self.hook_head_out, self.head_writes)
 
 
 def _weightless_rms_norm(t: Float[Tensor, "batch pos d"], eps: float) -> Float[Tensor, "batch pos d"]:

@@ -57,6 +57,7 @@ from hooked.models.base import Context
 from hooked.models.block import ResidualBlock, Sublayer
 from hooked.models.config import derived
 from hooked.models.gated_norm import GatedRMSNorm, NormThenGate, SiluGate
+from hooked.models.head_writes import written_by_units
 from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
 from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
@@ -357,17 +358,7 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
 
     def _out_proj(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
         """out_proj(gated); with hook_head_out active, each head's write, summed when edited."""
-        if not self.hook_head_out.is_active:
-            return self.out_proj(gated)
-
-        def head_out_fn() -> Tensor:
-            return self.head_writes(gated)
-
-        head_out, head_out_was = through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
-        if head_out_was is None:
-            return self.out_proj(gated)
-        out = head_out.sum(dim=2)
-        return out if self.out_proj.bias is None else out + self.out_proj.bias
+        return written_by_units(self.out_proj, gated, self.hook_head_out, self.head_writes)
 
 
     def head_writes(self, gated: Float[Tensor, "*batch pos d_inner"]) -> Float[Tensor, "*batch pos n_heads d_model"]:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
+from hooked.models.head_writes import written_by_units
 from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.conv_kernel import conv_kernel, conv_kernel_cols, conv_kernel_rows
@@ -115,14 +116,7 @@ class GatedShortConv(RecurrentCut, TokenMixer, nn.Module):
             if kernel_was is not None:  # y_j += sum_i (K' - K)[j, i] (B x)_i
                 gated = gated + einsum(kernel - kernel_was, Bx, "b c j i, b i c -> b j c")
         gated = self.hook_gated(gated)
-        if not self.hook_head_out.is_active:
-            return self.out_proj(gated)
-        head_out_fn = lambda: self.head_writes(gated)  # noqa: E731
-        head_out, head_out_was = through_hook(self.hook_head_out, head_out_fn(), head_out_fn)
-        if head_out_was is None:
-            return self.out_proj(gated)
-        out = head_out.sum(dim=2)
-        return out if self.out_proj.bias is None else out + self.out_proj.bias
+        return written_by_units(self.out_proj, gated, self.hook_head_out, self.head_writes)
 
     def head_writes(self, gated: Float[Tensor, "*batch pos channels"]) -> Float[Tensor, "*batch pos channels d_model"]:
         """Each channel's write to the residual (out_proj without its bias)."""
