@@ -360,7 +360,6 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         """out_proj(gated); with hook_head_out active, each head's write, summed when edited."""
         return written_by_units(self.out_proj, gated, self.hook_head_out, self.head_writes)
 
-
     def head_writes(self, gated: Float[Tensor, "*batch pos d_inner"]) -> Float[Tensor, "*batch pos n_heads d_model"]:
         """Each head's write to the residual, out_proj without its bias (what hook_head_out holds)."""
         W_out = rearrange(self.out_proj.weight, "m (h p) -> h p m", p=self.d_head)
