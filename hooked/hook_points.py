@@ -107,7 +107,7 @@ _RECORDING: contextvars.ContextVar[Callable[[str, Tensor], None] | None] = conte
 # progress. They only over-count while a scope is open, so a hook is never skipped.
 _COUNT_LOCK = threading.Lock()
 _recordings = 0
-_attached = 0  # model and scoped hooks attached to any HookPoint
+_attached = 0  # model hooks, scoped hooks and taps attached to any HookPoint
 
 
 def hook_free() -> bool:
@@ -212,11 +212,11 @@ class HookPoint(nn.Module):
         self._taps: tuple[nn.Module, ...] = ()  # run after the hooks, in order (SAE splices, views)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy (deepcopy, unpickling) holds its own model hooks: they count as attached (hook-free reads
-        the count); it holds no scoped hook, which lives in its scope under the original point."""
+        """A copy (deepcopy, unpickling) holds its own model hooks and taps: they count as attached (hook-free
+        reads the count); it holds no scoped hook, which lives in its scope under the original point."""
         super().__setstate__(state)
         self._n_scoped = 0
-        _count_attached(len(self._hooks))
+        _count_attached(len(self._hooks) + len(self._taps))
 
     def shape(self, batch: int, pos: int) -> tuple[int, ...]:
         """The activation's shape for a [batch, pos] input of a full forward (no decoding state)."""
@@ -275,11 +275,13 @@ class HookPoint(nn.Module):
             raise ValueError(f"{self.name!r} already has a tap named {name!r}")
         self._modules[name] = tap
         self._taps = (*self._taps, tap)
+        _count_attached(1)  # a tap listens as a hook does: the layer's exact path builds what it reads
 
     def remove_tap(self, name: str) -> nn.Module:
         """Detach and return the tap registered as `name`."""
         tap = self._modules.pop(name)
         self._taps = tuple(t for t in self._taps if t is not tap)
+        _count_attached(-1)
         return tap
 
     def add_hook(self, fn: HookFn, dir: str = "fwd", is_permanent: bool = False, level: Any = None,

@@ -510,3 +510,32 @@ def test_a_copy_of_a_hooked_model_keeps_the_original_on_the_exact_path():
         assert fired and model.blocks[0].attn.last_backend == "eager"
     finally:
         remove()
+
+
+class _CountingTap(torch.nn.Module):
+    is_active = True
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+def test_a_tap_alone_keeps_its_layer_on_the_exact_path():
+    """A tap (an SAE splice) on hook_pattern with no hook anywhere: the layer runs eager, the tap runs."""
+    model = copy.deepcopy(tiny("llama"))
+    point = model.blocks[0].attn.hook_pattern
+    tap = _CountingTap()
+    point.add_tap("counting", tap)
+    try:
+        with torch.no_grad():
+            model(batch()[0])
+        assert tap.calls == 1 and model.blocks[0].attn.last_backend == "eager"
+    finally:
+        point.remove_tap("counting")
+    with torch.no_grad():
+        model(batch()[0])
+    assert model.blocks[0].attn.last_backend == "sdpa"
