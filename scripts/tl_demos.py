@@ -2,6 +2,8 @@
 changing only the model line, and compare cell by cell.
 
     python scripts/tl_demos.py DIR [--only Main_Demo,Exploratory_Analysis_Demo] [--out tl_demos.md]
+    python scripts/tl_demos.py DIR --only Activation_Patching_in_TL_Demo --no-slow-runs \
+        --skip Attribution_Patching_Demo:34,36          # where a CPU cannot afford the by-position sweeps
     HOOKED_ROOT=/path/to/older/checkout python scripts/tl_demos.py DIR ...   # the same on other code
 
 DIR holds the notebooks (TL v2.18.0's demos/*.ipynb: Main_Demo, Exploratory_Analysis_Demo,
@@ -22,6 +24,11 @@ A cell is "equal" when it ran on both sides and every tensor, array or number it
 (its last expression, new or rebound names) agrees within 1e-4 of the TL value's magnitude; "differs"
 otherwise (the names are listed); "fails in hooked only" / "fails in TL only" / "fails in both".
 Writes a markdown table per notebook and the totals to --out.
+
+`--no-slow-runs` sets the notebooks' own switch `DO_SLOW_RUNS = False` (Activation_Patching_in_TL_Demo:
+its by-head-and-position sweeps, tens of thousands of forwards per side); `--skip NOTEBOOK:CELL,...` leaves
+cells out (reported as "skipped"). Both are departures from "only the model line changed": the report
+says which were used.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class _Anything:
     def __call__(self, *args: Any, **kwargs: Any) -> "_Anything":
         return _Anything()
 
+    def __getitem__(self, key: Any) -> "_Anything":  # torchtyping's TT["batch", "pos"] in annotations
+        return _Anything()
+
     def __bool__(self) -> bool:
         return True
 
@@ -75,14 +85,15 @@ class _Anything:
 
 
 def install_stubs() -> list[str]:
-    """Stand-ins for the notebooks' display dependencies when they are missing; fancy_einsum's
+    """Stand-ins for the notebooks' display dependencies when they are missing (and torchtyping, whose
+    TensorType only annotates); fancy_einsum's
     einsum(equation, *tensors) as einops'. Returns the names stubbed (the report lists them)."""
     import importlib
     import types
 
     stubbed = []
     for name in ("IPython", "IPython.display", "circuitsvis", "circuitsvis.attention", "circuitsvis.activations",
-                 "pysvelte", "neel_plotly", "fancy_einsum"):
+                 "pysvelte", "neel_plotly", "fancy_einsum", "torchtyping"):
         try:
             importlib.import_module(name)
             continue
@@ -107,6 +118,14 @@ def install_stubs() -> list[str]:
         if parent in sys.modules:
             setattr(sys.modules[parent], child, module)
         stubbed.append(name)
+    try:  # tqdm.notebook's bars need ipywidgets: the console bar instead
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        import tqdm.notebook
+        import tqdm.std
+
+        tqdm.notebook.tqdm, tqdm.notebook.trange = tqdm.std.tqdm, tqdm.std.trange
+        stubbed.append("tqdm.notebook (console bars)")
     try:  # figures are drawn, not shown (no notebook frontend here)
         import plotly.basedatatypes
 
@@ -178,7 +197,9 @@ def _plain_loader():
     return load
 
 
-def rewrite(src: str, side: str, keep_tl_imports: bool) -> str:
+def rewrite(src: str, side: str, keep_tl_imports: bool, slow_runs: bool = True) -> str:
+    if not slow_runs:
+        src = re.sub(r"^DO_SLOW_RUNS = True", "DO_SLOW_RUNS = False", src, flags=re.M)
     src = re.sub(r"HookedTransformer\.from_pretrained_no_processing\(", "__load_model__(_no_processing=True, ", src)
     src = re.sub(r"HookedTransformer\.from_pretrained\(", "__load_model__(", src)
     if side == "hooked" and not keep_tl_imports:
@@ -264,7 +285,7 @@ def memoized(load):
     return get
 
 
-def compare(path: Path, keep_tl_imports: bool) -> list[dict]:
+def compare(path: Path, keep_tl_imports: bool, slow_runs: bool = True, skip: frozenset = frozenset()) -> list[dict]:
     import matplotlib
     import numpy as np
 
@@ -274,12 +295,16 @@ def compare(path: Path, keep_tl_imports: bool) -> list[dict]:
               "hooked": {"__load_model__": memoized(hooked_loader()), **shown}}
     rows = []
     for i, src in enumerate(cells(path)):
+        if i in skip:
+            rows.append({"cell": i, "status": "skipped", "note": "left out (--skip)"})
+            print(f"  {path.stem} cell {i}: skipped", file=sys.stderr, flush=True)
+            continue
         result = {}
         for side, ns in spaces.items():
             torch.manual_seed(0)
             np.random.seed(0)
             before = dict(ns)
-            ok, shown, err = run(rewrite(src, side, keep_tl_imports), ns)
+            ok, shown, err = run(rewrite(src, side, keep_tl_imports, slow_runs), ns)
             result[side] = (ok, values(ns, before, shown) if ok else {}, err)
         (ok_tl, v_tl, e_tl), (ok_h, v_h, e_h) = result["tl"], result["hooked"]
         if ok_tl and ok_h:
@@ -305,19 +330,28 @@ def main() -> None:
     ap.add_argument("--only", default="")
     ap.add_argument("--out", type=Path, default=Path("tl_demos.md"))
     ap.add_argument("--keep-tl-imports", action="store_true")
+    ap.add_argument("--no-slow-runs", action="store_true", help="set the notebooks' DO_SLOW_RUNS = False")
+    ap.add_argument("--skip", action="append", default=[], help="NOTEBOOK:CELL,CELL (code cells from 0)")
     args = ap.parse_args()
+    skips: dict[str, frozenset] = {}
+    for item in args.skip:
+        stem, _, numbers = item.partition(":")
+        skips[stem] = skips.get(stem, frozenset()) | {int(c) for c in numbers.split(",") if c}
     stubbed = install_stubs()
     names = [n for n in args.only.split(",") if n]
     paths = [p for p in sorted(args.dir.glob("*.ipynb")) if not names or p.stem in names]
     lines, totals = [], {}
     for path in paths:
-        rows = compare(path, args.keep_tl_imports)
+        rows = compare(path, args.keep_tl_imports, not args.no_slow_runs, skips.get(path.stem, frozenset()))
         lines += [f"## {path.stem}", "", "| cell | status | note |", "|---|---|---|"]
         lines += [f"| {r['cell']} | {r['status']} | {r['note'][:120]} |" for r in rows] + [""]
         for r in rows:
             totals[r["status"]] = totals.get(r["status"], 0) + 1
         print(path.stem, {s: sum(r["status"] == s for r in rows) for s in {r["status"] for r in rows}}, flush=True)
     summary = f"cells run: {sum(totals.values())}; " + "; ".join(f"{k}: {v}" for k, v in sorted(totals.items()))
+    if args.no_slow_runs or skips:
+        summary += (f"\n\nleft out: {'DO_SLOW_RUNS = False; ' if args.no_slow_runs else ''}"
+                    + "; ".join(f"{k} cells {sorted(v)}" for k, v in skips.items()))
     if stubbed:
         summary += f"\n\nstand-ins for missing display modules: {', '.join(stubbed)}"
     args.out.write_text("# TL demos: TL 3.9 vs hooked on SmolLM2\n\n" + summary + "\n\n" + "\n".join(lines))

@@ -18,6 +18,7 @@ CASES = [  # (function, archs): k / v on the GQA model have n_kv_heads columns i
     ("get_act_patch_attn_head_pattern_by_pos", ["gpt2"]),
     ("get_act_patch_attn_head_pattern_dest_src_pos", ["gpt2"]),
     ("get_act_patch_attn_head_all_pos_every", ["gpt2", "llama_gqa"]),
+    ("get_act_patch_attn_head_by_pos_every", ["gpt2", "llama_gqa"]),  # the demos' DO_SLOW_RUNS sweeps
     ("get_act_patch_block_every", ["gpt2"]),
 ]
 _RUNS: dict = {}

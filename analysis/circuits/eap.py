@@ -106,11 +106,11 @@ def chunks(n: int, batch_size: int | None) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads, blocks: int = 8) -> Tensor:
+def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads, blocks: int = 4) -> Tensor:
     """score[e] = diff[s_e] . grad[r_e] summed over batch, positions and d_model (+ the embedding slot).
 
     Receivers (in stage order) are split into `blocks` runs, each multiplied with the senders up to the last
-    one linked to it: about 9/16 of senders x receivers, in large products (one small product per receiver
+    one linked to it: about 5/8 of senders x receivers, in large products (one small product per receiver
     group would re-read every sender's diff each time), in the activations' dtype, summed in float64."""
     flat_d = diff.flatten(1)
     g = grads[0].flatten(1).to(flat_d.dtype)  # [n_receivers b*p*d]

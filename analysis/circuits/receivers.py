@@ -88,6 +88,7 @@ class NormSite:
     def __init__(self, norm: nn.Module) -> None:
         self.norm = norm
         self.x: Tensor | None = None
+        self.out: Tensor | None = None  # the norm's output in a gradient run
         self.scale: Tensor | None = None
         self.frozen = False
 
@@ -101,7 +102,22 @@ class NormSite:
             self.x = x
             return None
 
-        return [(self.norm, "pre", pre)]
+        def post(module: nn.Module, args: tuple, out: Tensor) -> None:
+            self.out = out
+
+        return [(self.norm, "pre", pre)] + ([(self.norm, "fwd", post)] if grad else [])
+
+    def pull_(self, reader_input: Tensor, grads: Tensor) -> Tensor:
+        """d metric / d x for a stack of gradients at `reader_input` [n *x.shape] (a tensor computed from x in
+        this gradient run). When the reader reads the norm's output itself and the norm is plain (its hook
+        points unhooked, an `input_grads_`), the norm's closed form, written over `grads`; otherwise
+        autograd through whatever lies between (one batched product)."""
+        points = [getattr(self.norm, name, None) for name in ("hook_scale", "hook_normalized")]
+        hooked = any(p is not None and p.has_hooks for p in points)
+        if reader_input is self.out and hasattr(self.norm, "input_grads_") and not hooked:
+            with torch.no_grad():
+                return self.norm.input_grads_(self.x, grads)
+        return _vjp(reader_input, self.x, grads)
 
     def points(self) -> list[tuple[Any, Callable]]:
         """Hook points a frozen run needs (the norm's scale)."""
@@ -137,8 +153,9 @@ class ReceiverGroup:
         raise NotImplementedError
 
     def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> Tensor | None:
-        """Write d metric / d residual as each receiver reads it into out [n b p d] (zeros on entry: one
-        buffer for every receiver, so no copy joins them); return the embedding slot's or None."""
+        """Write d metric / d residual as each receiver reads it into out [n b p d], zeros where the metric
+        does not reach it (out is uninitialised on entry: one buffer for every receiver, so no copy joins
+        them); return the embedding slot's or None."""
         raise NotImplementedError
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
@@ -191,17 +208,15 @@ class RowsReceiver(ReceiverGroup):
         return list(self._outs)
 
     def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
-        x, result = self.site.x, out
-        by_input: dict[int, tuple[Tensor, list[int], list[Tensor]]] = {}  # linears reading one tensor: one product
+        x = self.site.x
+        by_input: dict[int, tuple[Tensor, list[int]]] = {}  # linears reading one tensor: pulled back at once
         for lin, y, u, g, parts in zip(self.linears, self._outs, self._ins, grads, self.rows):
             if g is None:
+                out[[i for i, _ in parts]] = 0
                 continue
-            if type(lin) is nn.Linear:  # each part's rows back to the linear's input: one backward matmul, split
-                _, idx, g_u = by_input.setdefault(id(u), (u, [], []))
-                for i, rows in parts:
-                    rows = rows.to(g.device)
-                    idx.append(i)
-                    g_u.append(g[..., rows] @ lin.weight[rows])
+            if type(lin) is nn.Linear:  # each part's rows back to the linear's input, into out
+                _, idx = by_input.setdefault(id(u), (u, []))
+                idx += _rows_back(lin.weight, g, parts, out)
                 continue
             masked = g.new_zeros((len(parts), *g.shape))
             for j, (_, rows) in enumerate(parts):
@@ -209,9 +224,13 @@ class RowsReceiver(ReceiverGroup):
                 masked[j, ..., rows] = g[..., rows]
             pulled = _vjp(y, x, masked)
             for j, (i, _) in enumerate(parts):
-                result[i] = pulled[j]
-        for u, idx, g_u in by_input.values():  # then through the norm, every part at once
-            result[idx] = _vjp(u, x, torch.stack(g_u))
+                out[i] = pulled[j]
+        for u, idx in by_input.values():  # then through the norm, every part at once
+            lo, hi = min(idx), max(idx) + 1
+            if sorted(idx) == list(range(lo, hi)):
+                out[lo:hi] = self.site.pull_(u, out[lo:hi])
+            else:
+                out[idx] = self.site.pull_(u, out[idx])
         return None
 
     # ------------------------------------------------------------------- patching
@@ -243,6 +262,26 @@ class RowsReceiver(ReceiverGroup):
         return [(self.module, "pre", pre)] + [(lin, "fwd", make(parts)) for lin, parts in zip(self.linears, self.rows)]
 
 
+def _rows_back(weight: Tensor, g: Tensor, parts: list[tuple[int, Tensor]], out: Tensor) -> list[int]:
+    """out[i] = g[..., rows_i] @ weight[rows_i] for every part (i, rows_i): the gradient at a linear's input
+    when only those output rows are read. Parts with as many rows share one batched product. Returns the i."""
+    by_size: dict[int, list[tuple[int, Tensor]]] = {}
+    for i, rows in parts:
+        by_size.setdefault(len(rows), []).append((i, rows.to(g.device)))
+    flat = g.reshape(-1, g.shape[-1])
+    for size, same in by_size.items():
+        idx = torch.cat([rows for _, rows in same])
+        gs = flat.index_select(1, idx).view(flat.shape[0], len(same), size).transpose(0, 1)  # [n M r]
+        ws = weight.detach().index_select(0, idx).view(len(same), size, weight.shape[1]).to(g.dtype)  # [n r d]
+        number = [i for i, _ in same]
+        lo = number[0]
+        if number == list(range(lo, lo + len(same))):
+            torch.bmm(gs, ws, out=out[lo:lo + len(same)].view(len(same), flat.shape[0], -1))
+        else:
+            out[number] = torch.bmm(gs, ws).view(len(same), *out.shape[1:])
+    return [i for i, _ in parts]
+
+
 def _rows_of(lin: nn.Module, u: Tensor, rows: Tensor) -> Tensor:
     """lin(u)[..., rows]: only those rows of a plain nn.Linear, the whole map otherwise (module hooks skipped)."""
     if type(lin) is nn.Linear:
@@ -264,9 +303,11 @@ class ModuleReceiver(ReceiverGroup):
         self.site, self.in_scale, self.module, self.labels, self.layer, self.stage = (
             site, in_scale, module, [label], layer, stage)
         self._in: Tensor | None = None
+        self._read: Tensor | None = None  # the module's input as it came (the norm's output, or a multiple)
 
     def grad_hooks(self) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple:
+            self._read = args[0]
             self._in = args[0].clone()
             return (self._in, *args[1:])
 
@@ -276,8 +317,10 @@ class ModuleReceiver(ReceiverGroup):
         return [self._in]
 
     def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
-        if grads[0] is not None:
-            out[0] = torch.autograd.grad(self._in, self.site.x, grads[0], retain_graph=True)[0]
+        if grads[0] is None:
+            out.zero_()
+        else:
+            out[0:1] = self.site.pull_(self._read, grads[0][None].clone())
         return None
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
@@ -311,8 +354,7 @@ class SideReceiver(ReceiverGroup):
         return list(self._args)
 
     def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> Tensor:
-        if grads[0] is not None:
-            out[0] = grads[0]
+        out[0] = _zeros_none(grads[0], out[0])
         return _zeros_none(grads[1], self._args[1])[None]
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
@@ -341,8 +383,7 @@ class LogitsReceiver(ReceiverGroup):
         return [self._x]
 
     def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
-        if grads[0] is not None:
-            out[0] = grads[0]
+        out[0] = _zeros_none(grads[0], out[0])
         return None
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:

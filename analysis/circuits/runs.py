@@ -28,6 +28,7 @@ from torch import Tensor
 
 from analysis.circuits.graph import Graph
 from analysis.circuits.receivers import ReceiverGroup, TorchHooks
+from analysis.circuits.senders import Parts
 from hooked.hook_points import scoped_hooks
 
 Grads = tuple[Tensor, list[Tensor | None]]  # (every receiver's input gradient [n_receivers b p d], embedding slots)
@@ -59,21 +60,32 @@ class Activations:
         self.acts: dict[int, Tensor] = {}
         self.emb: Tensor | None = None
 
-    def emit(self, group: Any, act: Tensor, emb: Tensor | None = None) -> None:
-        self.acts[id(group)] = act.detach()
+    def emit(self, group: Any, act: Tensor | Parts, emb: Tensor | None = None) -> None:
+        self.acts[id(group)] = act.detach()  # a unit group's Parts stay unbuilt until asked for
         if emb is not None:
             self.emb = emb.detach()
 
     def hooks(self) -> list[tuple[Any, Callable]]:
         return [h for g in self.graph.sender_groups for h in g.hooks(self.emit)]
 
+    def get(self, group: Any) -> Tensor:
+        """The group's activation [n batch pos d_model] (built once)."""
+        act = self.acts[id(group)]
+        if isinstance(act, Parts):
+            act = self.acts[id(group)] = act.tensor()
+        return act
+
     def minus(self, other: "Activations") -> Tensor:
         """Every sender's activation here minus in `other`, in the graph's sender order [n_senders batch pos
-        d_model], written into one buffer."""
-        first = self.acts[id(self.graph.sender_groups[0])]
+        d_model], written into one buffer (a unit group's from the two runs' differences: senders.Parts)."""
+        first = self.get(self.graph.sender_groups[0])
         out = first.new_empty((len(self.graph.senders), *first.shape[1:]))
         for g, ss in zip(self.graph.sender_groups, self.graph.sender_slices):
-            torch.sub(self.acts[id(g)], other.acts[id(g)], out=out[ss])
+            a, b = self.acts[id(g)], other.acts[id(g)]
+            if isinstance(a, Parts) and isinstance(b, Parts):
+                out[ss] = a.minus(b)
+            else:
+                torch.sub(self.get(g), other.get(g), out=out[ss])
         return out
 
 
@@ -114,7 +126,7 @@ def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor
             token.take(grads[len(wanted):])
             grads = grads[:len(wanted)]
         x = graph.receiver_groups[-1].grad_tensors()[0]  # the final residual: every site's shape
-        resid = x.new_zeros((len(graph.receivers), *x.shape))
+        resid = x.new_empty((len(graph.receivers), *x.shape))  # every receiver group writes its slots
         emb: list[Tensor | None] = []
         for g, rs in zip(graph.receiver_groups, graph.receiver_slices):
             k = len(g.grad_tensors())
@@ -152,8 +164,9 @@ class Patcher:
     def _tiled(self, x: Tensor) -> Tensor:
         return x.repeat(1, self.replicas, *([1] * (x.ndim - 2)))
 
-    def emit(self, group: Any, act: Tensor, emb: Tensor | None = None) -> None:
-        d = self._tiled(self.source.acts[id(group)].to(act)) - act
+    def emit(self, group: Any, act: Tensor | Parts, emb: Tensor | None = None) -> None:
+        act = act.tensor() if isinstance(act, Parts) else act
+        d = self._tiled(self.source.get(group).to(act)) - act
         self.diff[self._number[id(group)]] = d
         if not group.side:
             self._emitted.append((group.stage, d.sum(0)))

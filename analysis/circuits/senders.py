@@ -14,7 +14,9 @@ Glossary
                   sublayer's `hook_{kind}_out` exactly and every run decomposes on its own terms
     emit          `emit(group, activation, emb=None)`: called once per forward when a group's
                   activation is known (its out hook); the embed group also passes `emb`, the token
-                  embedding (hook_embed: what side blocks read as Context.embedding, without positions)
+                  embedding (hook_embed: what side blocks read as Context.embedding, without positions).
+                  A unit group passes `Parts`: its activation unbuilt (`.tensor()` builds it), so a
+                  recording that only subtracts two runs builds the difference once (`.minus`)
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class _Writes(SenderGroup):
             parts = w.post_norm.normalize_with_scale(parts, scale).to(out.dtype)
         if w.scale != 1.0:
             parts = parts * w.scale
-        return parts + (out - parts.sum(0)) / parts.shape[0]
+        return parts.add_((out - parts.sum(0)) / parts.shape[0])  # parts is new here: added in place
 
     def _scale_hooks(self, seen: dict[str, Tensor]) -> Hooks:
         if self.scale_hook is None:
@@ -84,6 +86,32 @@ class _Writes(SenderGroup):
             seen["scale"] = s
 
         return [(self.scale_hook, on_scale)]
+
+
+class Parts:
+    """A unit group's activation in one run, kept as what it is built from: the units' input to the output
+    projection (`write`), the sublayer's output and the post-norm's scale. `tensor()` builds it.
+
+    Without a post-norm the activation is linear in (write, out): parts(w) * s + (out - sum parts(w) * s) / n
+    with parts linear and s a constant, so two runs' difference is built once from the differences
+    (`minus`): one per-unit product instead of two, on the difference."""
+
+    def __init__(self, group: "UnitSender", write: Tensor, out: Tensor, scale: Tensor | None) -> None:
+        self.group, self.write, self.out, self.scale = group, write, out, scale
+
+    def detach(self) -> "Parts":
+        return Parts(self.group, self.write.detach(), self.out.detach(),
+                     None if self.scale is None else self.scale.detach())
+
+    @torch.no_grad()  # recordings and patched runs: no graph through the build
+    def tensor(self) -> Tensor:
+        return self.group.build(self.write, self.out, self.scale)
+
+    @torch.no_grad()
+    def minus(self, other: "Parts") -> Tensor:
+        if self.group.writer.post_norm is not None:  # scaled by each run's own norm: not linear
+            return self.tensor() - other.tensor()
+        return self.group.build(self.write - other.write, self.out - other.out, None)
 
 
 class UnitSender(_Writes):
@@ -102,10 +130,14 @@ class UnitSender(_Writes):
             seen["write"] = x
 
         def on_out(out: Tensor, hook: Any) -> None:
-            parts = self.writer.module.head_writes(seen.pop("write")).movedim(-2, 0)  # [n b p d]
-            emit(self, self._to_stream(parts, out, seen.pop("scale", None)))
+            emit(self, Parts(self, seen.pop("write"), out, seen.pop("scale", None)))
 
         return [(self.write_hook, on_write)] + self._scale_hooks(seen) + [(self.writer.out_hook, on_out)]
+
+    def build(self, write: Tensor, out: Tensor, scale: Tensor | None) -> Tensor:
+        """The activation [n b p d] from the units' input to the output projection and the sublayer's output."""
+        parts = self.writer.module.head_writes(write).movedim(-2, 0)  # [n b p d]
+        return self._to_stream(parts, out, scale)
 
 
 class ExpertSender(_Writes):

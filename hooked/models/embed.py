@@ -24,12 +24,12 @@ parameters separately). The embedding is kept out of the module tree here, so it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
 from hooked.models.softcap import SoftCap
+from hooked.ops.row_sparse import row_sparse_linear
 
 
 class Embed(nn.Embedding):
@@ -81,7 +81,7 @@ class Unembed(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
         x = self.hook_in(x)
-        logits = F.linear(x, self.weight, self.bias)  # bias: only weight processing (fold_ln) gives one
+        logits = row_sparse_linear(x, self.weight, self.bias)  # bias: only weight processing (fold_ln) gives one
         logits = logits if self.scale == 1.0 else logits * self.scale
         logits = self.hook_out(logits)
         return logits if self.softcap is None else self.softcap(logits)

@@ -15,6 +15,10 @@ scale of the full residual (a cached hook_scale), so that the map stays linear a
 of a decomposition still sum to the normalised residual (bias left out); `normalize_fresh(stack)`
 normalises each component with its own statistics (the logit lens).
 
+`input_grads_(x, grads)` gives the plain norm's vector-Jacobian products at x for a stack of output
+gradients [n *x.shape] (written over grads; hooks left out): what autograd would give through the
+unhooked norm, in one pass instead of a graph per gradient (circuits' receivers use it).
+
 `UnitOffsetRMSNorm` is Gemma's RMSNorm: its stored weight w acts as (1 + w). RMSNorms also serve as
 per-head q/k norms (Qwen3, Gemma 3), on [batch pos heads d_head] (hook_scale [batch pos heads 1]):
 any leading axes are accepted.
@@ -27,7 +31,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
-from hooked.ops.norms import layer_norm, rms_norm, rms_norm_unit_offset
+from hooked.ops.norms import layer_norm, layer_norm_vjp_, rms_norm, rms_norm_unit_offset, rms_norm_vjp_
 
 
 def _scale_in_graph(fast: Tensor, explicit: Tensor, scale: Tensor) -> Tensor:
@@ -64,6 +68,9 @@ class RMSNorm(nn.Module):
     def normalize_fresh(self, stack: Float[Tensor, "*comp d"]) -> Float[Tensor, "*comp d"]:
         """The norm applied to each component with its own statistics (no hooks fire)."""
         return rms_norm(stack, self.weight, self.eps)
+
+    def input_grads_(self, x: Float[Tensor, "*lead d"], grads: Float[Tensor, "n *lead d"]) -> Float[Tensor, "n *lead d"]:
+        return rms_norm_vjp_(x, self.weight + getattr(self, "weight_offset", 0.0), self.eps, grads)
 
 
 class UnitOffsetRMSNorm(RMSNorm):
@@ -126,3 +133,6 @@ class LayerNorm(nn.Module):
     def normalize_fresh(self, stack: Float[Tensor, "*comp d"]) -> Float[Tensor, "*comp d"]:
         """The norm applied to each component with its own statistics, bias included (no hooks fire)."""
         return layer_norm(stack, self.weight, self.bias, self.eps)
+
+    def input_grads_(self, x: Float[Tensor, "batch pos d"], grads: Float[Tensor, "n batch pos d"]) -> Float[Tensor, "n batch pos d"]:
+        return layer_norm_vjp_(x, self.weight, self.eps, grads)

@@ -45,3 +45,37 @@ def rms_norm_gated(x: Float[Tensor, "... d"], gate: Float[Tensor, "... d"], weig
     x32 = x.to(compute)
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * normed * gate_fn(gate.to(compute))).to(x.dtype)
+
+
+def rms_norm_vjp_(x: Float[Tensor, "... d"], gain: Float[Tensor, "d"], eps: float,
+                  grads: Float[Tensor, "n ... d"]) -> Float[Tensor, "n ... d"]:
+    """Vector-Jacobian products of y = gain * x / s, s = sqrt(mean(x^2) + eps), for a stack of output
+    gradients g (written over `grads`, which is returned):
+
+        dL/dx = gain * g / s  -  x * sum(gain * g * x) / (d * s^3)
+
+    the statistic in at least float32, as the forward computes it (`gain`: the weight, or 1 + weight)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x32 = x.to(compute)
+    inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # 1 / s
+    grads.mul_((gain.to(compute) * inv).to(grads.dtype))  # a = gain * g / s
+    dot = torch.einsum("n...d,...d->n...", grads, x32.to(grads.dtype)).unsqueeze(-1)  # sum(a * x)
+    return grads.addcmul_(x32.to(grads.dtype), dot * (inv * inv / x.shape[-1]).to(grads.dtype), value=-1.0)
+
+
+def layer_norm_vjp_(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float,
+                    grads: Float[Tensor, "n ... d"]) -> Float[Tensor, "n ... d"]:
+    """Vector-Jacobian products of y = weight * (x - mean) / s + bias, s = sqrt(var(x) + eps), for a stack
+    of output gradients g (written over `grads`, which is returned): with a = weight * g / s and
+    x^ = (x - mean) / s,
+
+        dL/dx = a - mean(a) - x^ * mean(a * x^)"""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x32 = x.to(compute)
+    mean = x32.mean(-1, keepdim=True)
+    inv = torch.rsqrt(x32.var(-1, keepdim=True, unbiased=False) + eps)
+    xhat = ((x32 - mean) * inv).to(grads.dtype)
+    grads.mul_((weight.to(compute) * inv).to(grads.dtype))
+    dot = torch.einsum("n...d,...d->n...", grads, xhat).unsqueeze(-1) / x.shape[-1]
+    grads.sub_(grads.mean(-1, keepdim=True))
+    return grads.addcmul_(xhat, dot, value=-1.0)
