@@ -79,3 +79,15 @@ def test_the_unembedding_uses_it():
     assert logits.grad_fn is not None and "RowSparse" in type(logits.grad_fn).__name__
     torch.testing.assert_close(g[:, -1], unembed.weight[3].expand(2, 8))
     assert torch.equal(g[:, :-1], torch.zeros_like(g[:, :-1]))
+
+
+def test_weight_gradient_still_flows_to_training():
+    """Skipping the weight's gradient when autograd.grad does not ask for it must not starve .backward()."""
+    x, w, b = _inputs(True)
+    upstream = torch.zeros(3, 5, 11, dtype=torch.float64)
+    upstream[:, -1] = 1.0
+    row_sparse_linear(x, w, b).backward(upstream)
+    expected = upstream.reshape(-1, 11).T @ x.detach().reshape(-1, 8)
+    torch.testing.assert_close(w.grad, expected)
+    (gx,) = torch.autograd.grad(row_sparse_linear(x, w, b), x, upstream)  # the weight's left out: x's unchanged
+    torch.testing.assert_close(gx, upstream @ w.detach())

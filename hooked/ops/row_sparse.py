@@ -31,6 +31,7 @@ class _RowSparseLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
+        need_w = need_w and _engine_wants(weight)
         g = grad.reshape(-1, grad.shape[-1])
         xs = x.reshape(-1, x.shape[-1])
         live = _live_rows(g)
@@ -48,6 +49,16 @@ class _RowSparseLinear(torch.autograd.Function):
         gw = g_live.T @ xs.index_select(0, live) if need_w else None
         gb = g_live.sum(0) if need_b and ctx.has_bias else None
         return gx, gw, gb
+
+
+def _engine_wants(leaf: Tensor) -> bool:
+    """Whether this backward will use the gradient of `leaf` (a parameter): torch.autograd.grad of other
+    inputs (circuits' receivers) leaves a tied unembedding's d_vocab x d_model gradient unused, which
+    needs_input_grad cannot tell. True whenever the engine cannot say."""
+    try:
+        return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node))
+    except (AttributeError, RuntimeError):  # a private call: absent, or refused inside autograd.grad(leaf)
+        return True
 
 
 def _live_rows(g: Tensor) -> Tensor | None:
