@@ -30,7 +30,7 @@ from torch import Tensor
 
 from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.metrics import at_rows
-from analysis.circuits.runs import Grads, gradients, record
+from analysis.circuits.runs import Grads, ReceiverGrads, gradients, record
 
 METHODS = ("eap", "eap-ig")
 Metric = Callable[[Tensor], Tensor]
@@ -106,25 +106,30 @@ def chunks(n: int, batch_size: int | None) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads, blocks: int = 4) -> Tensor:
+def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads | ReceiverGrads,
+                 blocks: int = 4) -> Tensor:
     """score[e] = diff[s_e] . grad[r_e] summed over batch, positions and d_model (+ the embedding slot).
 
-    Receivers (in stage order) are split into `blocks` runs, each multiplied with the senders up to the last
-    one linked to it: about 5/8 of senders x receivers, in large products (one small product per receiver
-    group would re-read every sender's diff each time), in the activations' dtype, summed in float64."""
+    Receivers (in stage order) are split into `blocks` runs of whole groups, each multiplied with the senders
+    up to the last one linked to it: about 5/8 of senders x receivers, in large products (one small product
+    per receiver group would re-read every sender's diff each time), in the activations' dtype, summed in
+    float64. Pending gradients (runs.ReceiverGrads) are pulled back one run at a time into one buffer."""
     flat_d = diff.flatten(1)
-    g = grads[0].flatten(1).to(flat_d.dtype)  # [n_receivers b*p*d]
     per_pair = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64, device=diff.device)
     last = torch.full((len(graph.receivers),), -1, dtype=torch.long)
     last.scatter_reduce_(0, graph.edge_receiver, graph.edge_sender, "amax")
-    size = -(-len(graph.receivers) // blocks)
-    for start in range(0, len(graph.receivers), size):
-        stop = min(start + size, len(graph.receivers))
+    if isinstance(grads, ReceiverGrads):
+        runs = grads.blocks(blocks)
+    else:
+        size = -(-len(graph.receivers) // blocks)
+        runs = ((a, min(a + size, len(graph.receivers)), grads[0][a:a + size]) for a in range(0, len(graph.receivers), size))
+    for start, stop, g in runs:
         hi = int(last[start:stop].max()) + 1
         if hi > 0:
-            per_pair[:hi, start:stop] = (flat_d[:hi] @ g[start:stop].T).double()
+            per_pair[:hi, start:stop] = (flat_d[:hi] @ g.flatten(1).to(flat_d.dtype).T).double()
+    emb = grads.emb if isinstance(grads, ReceiverGrads) else grads[1]
     if emb_diff is not None:
-        for rs, ge in zip(graph.receiver_slices, grads[1]):
+        for rs, ge in zip(graph.receiver_slices, emb):
             if ge is not None:  # embed (sender 0) reaches a side block through the embedding slot too
                 per_pair[0, rs] += ge.flatten(1).double() @ emb_diff.flatten().double()
     return per_pair[graph.edge_sender, graph.edge_receiver]
@@ -158,7 +163,7 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
         c_logits, corr = record(model, graph, corrupt[part])
         values[1] += weight * float(m(c_logits))
         if method == "eap":
-            value, cl, grads = gradients(model, graph, clean[part], m, token=token)
+            value, cl, grads = gradients(model, graph, clean[part], m, token=token, pending=True)
         else:
             _, cl = record(model, graph, clean[part])
             value, grads = _integrated(model, graph, clean[part], corr, cl, m, steps, token)

@@ -97,12 +97,55 @@ def record(model: Any, graph: Graph, tokens: Tensor, attention_mask: Tensor | No
     return logits, acts
 
 
+class ReceiverGrads:
+    """The receivers' input gradients of one gradient run, pulled back (ReceiverGroup.resid_grads) when
+    asked: `full()` gives all of them as Grads; `blocks(n)` gives them n runs of whole receiver groups at a
+    time in one reused buffer, for a caller that consumes each run before the next (EAP's score product:
+    it never holds [n_receivers b p d], nor faults in its pages). `emb` holds each group's embedding-slot
+    gradient once the group is pulled."""
+
+    def __init__(self, graph: Graph, raw: list[list[Tensor | None]], like: Tensor) -> None:
+        self.graph, self.raw, self.like = graph, raw, like
+        self.emb: list[Tensor | None] = [None] * len(graph.receiver_groups)
+
+    def _fill(self, lo: int, hi: int, out: Tensor) -> None:
+        slices, base = self.graph.receiver_slices, self.graph.receiver_slices[lo].start
+        for k in range(lo, hi):
+            rs = slices[k]
+            e = self.graph.receiver_groups[k].resid_grads(self.raw[k], out[rs.start - base:rs.stop - base])
+            self.emb[k] = None if e is None else e.detach()
+
+    def full(self) -> Grads:
+        out = self.like.new_empty((len(self.graph.receivers), *self.like.shape))  # every group writes its slots
+        self._fill(0, len(self.graph.receiver_groups), out)
+        return out, list(self.emb)
+
+    def blocks(self, n: int) -> Iterator[tuple[int, int, Tensor]]:
+        """(first receiver, last + 1, their gradients [m b p d]) for n runs of whole groups of about equal size."""
+        slices, total = self.graph.receiver_slices, len(self.graph.receivers)
+        cuts, k = [0], 0
+        for j in range(1, n):
+            while k < len(slices) and slices[k].stop <= j * total / n:
+                k += 1
+            if k > cuts[-1]:
+                cuts.append(k)
+        cuts.append(len(slices))
+        runs = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        size = max(slices[b - 1].stop - slices[a].start for a, b in runs)
+        buffer = self.like.new_empty((size, *self.like.shape))
+        for a, b in runs:
+            start, stop = slices[a].start, slices[b - 1].stop
+            out = buffer[:stop - start]
+            self._fill(a, b, out)
+            yield start, stop, out
+
+
 def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor], Tensor],
               attention_mask: Tensor | None = None,
               embed: Callable[[Tensor], Tensor] | None = None,
-              token: Any = None) -> tuple[float, Activations, Grads]:
+              token: Any = None, pending: bool = False) -> tuple[float, Activations, Grads | ReceiverGrads]:
     """(metric value, sender activations, (every receiver's gradient [n_receivers b p d], per receiver group
-    its embedding-slot gradient or None)).
+    its embedding-slot gradient or None)); with pending=True a ReceiverGrads that pulls them when asked.
 
     token: a token_edges.TokenGradients that takes its gradients in the same backward."""
     acts = Activations(graph)
@@ -125,15 +168,14 @@ def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor
         if token is not None:
             token.take(grads[len(wanted):])
             grads = grads[:len(wanted)]
-        x = graph.receiver_groups[-1].grad_tensors()[0]  # the final residual: every site's shape
-        resid = x.new_empty((len(graph.receivers), *x.shape))  # every receiver group writes its slots
-        emb: list[Tensor | None] = []
-        for g, rs in zip(graph.receiver_groups, graph.receiver_slices):
+        raw = []
+        for g in graph.receiver_groups:
             k = len(g.grad_tensors())
-            e = g.resid_grads([t.detach() if t is not None else None for t in grads[:k]], resid[rs])
-            emb.append(None if e is None else e.detach())
+            raw.append([t.detach() if t is not None else None for t in grads[:k]])
             grads = grads[k:]
-    return float(value.detach()), acts, (resid.detach(), emb)
+        x = graph.receiver_groups[-1].grad_tensors()[0].detach()  # the final residual: every site's shape
+        pulled = ReceiverGrads(graph, raw, x)
+        return float(value.detach()), acts, (pulled if pending else pulled.full())
 
 
 class Patcher:
