@@ -298,12 +298,13 @@ def _constant(u: Tensor, m: Tensor, lin: nn.Module) -> float:
     return c
 
 
-class ModuleReceiver(ReceiverGroup):
-    def __init__(self, site: NormSite, in_scale: float, module: nn.Module, label: str, layer: int, stage: int) -> None:
-        self.site, self.in_scale, self.module, self.labels, self.layer, self.stage = (
-            site, in_scale, module, [label], layer, stage)
-        self._in: Tensor | None = None
-        self._read: Tensor | None = None  # the module's input as it came (the norm's output, or a multiple)
+class _WholeInput(ReceiverGroup):
+    """A receiver that reads one module's first argument whole (a sublayer, the final norm): its gradient is
+    taken at a copy of that argument; a patched run replaces the argument (`_patched`)."""
+
+    module: nn.Module
+    _in: Tensor | None = None
+    _read: Tensor | None = None  # the argument as it came (a norm's output, or a multiple of it)
 
     def grad_hooks(self) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple:
@@ -316,21 +317,35 @@ class ModuleReceiver(ReceiverGroup):
     def grad_tensors(self) -> list[Tensor]:
         return [self._in]
 
-    def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
-        if grads[0] is None:
-            out.zero_()
-        else:
-            out[0:1] = self.site.pull_(self._read, grads[0][None].clone())
-        return None
+    def _patched(self, x: Tensor, delta: Tensor) -> Tensor:
+        """The argument a patched run gives the module, from its own and delta [1 b p d]."""
+        raise NotImplementedError
 
     def patch_hooks(self, delta: Delta) -> TorchHooks:
         def pre(module: nn.Module, args: tuple) -> tuple | None:
             d, _, _ = delta(self)
             if d is None:
                 return None
-            return (self.site.read(d)[0] * self.in_scale, *args[1:])
+            return (self._patched(args[0], d), *args[1:])
 
         return [(self.module, "pre", pre)]
+
+
+class ModuleReceiver(_WholeInput):
+    def __init__(self, site: NormSite, in_scale: float, module: nn.Module, label: str, layer: int, stage: int) -> None:
+        self.site, self.in_scale, self.module, self.labels, self.layer, self.stage = (
+            site, in_scale, module, [label], layer, stage)
+
+    def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
+        if grads[0] is None:
+            out.zero_()
+        else:
+            out[0] = grads[0]
+            out[0:1] = self.site.pull_(self._read, out[0:1])
+        return None
+
+    def _patched(self, x: Tensor, delta: Tensor) -> Tensor:
+        return self.site.read(delta)[0] * self.in_scale
 
 
 class SideReceiver(ReceiverGroup):
@@ -367,30 +382,13 @@ class SideReceiver(ReceiverGroup):
         return [(self.module, "pre", pre)]
 
 
-class LogitsReceiver(ReceiverGroup):
+class LogitsReceiver(_WholeInput):
     def __init__(self, final_norm: nn.Module, stage: int, layer: int) -> None:
-        self.norm, self.labels, self.stage, self.layer = final_norm, ["logits"], stage, layer
-        self._x: Tensor | None = None
-
-    def grad_hooks(self) -> TorchHooks:
-        def pre(module: nn.Module, args: tuple) -> tuple:
-            self._x = args[0].clone()
-            return (self._x, *args[1:])
-
-        return [(self.norm, "pre", pre)]
-
-    def grad_tensors(self) -> list[Tensor]:
-        return [self._x]
+        self.module, self.labels, self.stage, self.layer = final_norm, ["logits"], stage, layer
 
     def resid_grads(self, grads: list[Tensor | None], out: Tensor) -> None:
         out[0] = _zeros_none(grads[0], out[0])
         return None
 
-    def patch_hooks(self, delta: Delta) -> TorchHooks:
-        def pre(module: nn.Module, args: tuple) -> tuple | None:
-            d, _, _ = delta(self)
-            if d is None:
-                return None
-            return (args[0] + d[0], *args[1:])
-
-        return [(self.norm, "pre", pre)]
+    def _patched(self, x: Tensor, delta: Tensor) -> Tensor:
+        return x + delta[0]
