@@ -199,3 +199,30 @@ def test_a_mixer_without_a_scorable_form_is_refused_by_name():
     odd = SimpleNamespace(heads=lambda: SimpleNamespace(kind="ssm"))  # no kernel, no input / output points
     with pytest.raises(NotImplementedError, match="blocks.0.mixer .*token_edges=False"):
         _check_scorable("blocks.0.mixer", odd)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_receivers_pull_back_through_the_norm_in_closed_form_or_by_autograd_alike(family, monkeypatch):
+    """The receivers' norm step: the closed form (`input_grads_`) on a plain pre-norm model, autograd when a
+    hook listens on the norm; the scores agree, and the closed form is the path taken when nothing listens."""
+    from analysis.circuits import receivers
+
+    model = copy.deepcopy(tiny(family)).double()
+    gen = torch.Generator().manual_seed(3)
+    clean = torch.randint(1, model.cfg.d_vocab, (2, 6), generator=gen)
+    corrupt = torch.randint(1, model.cfg.d_vocab, (2, 6), generator=gen)
+    calls = {"autograd": 0}
+    vjp = receivers._vjp
+
+    def counted(*args, **kwargs):
+        calls["autograd"] += 1
+        return vjp(*args, **kwargs)
+
+    monkeypatch.setattr(receivers, "_vjp", counted)
+    closed = edge_attribution(model, clean, corrupt, metric)
+    assert calls["autograd"] == 0
+    listen = [("blocks.0.ln1.hook_scale", lambda s, hook: s)]  # a hook that keeps the value: autograd through it
+    with model.hooks(fwd_hooks=listen):
+        by_autograd = edge_attribution(model, clean, corrupt, metric)
+    assert calls["autograd"] > 0
+    assert _rel(closed.scores, by_autograd.scores) < 1e-10
