@@ -109,7 +109,7 @@ if "gpt2-kv" in available_for("kv"):
 # ## Mamba-2-kv: the lookup is one layer of SSM heads
 # Layer 0's whole mixer is the lookup: ablating its eight heads takes accuracy to chance, layer 1's
 # barely matters. The kernel (DESIGN.md section 4) shows why: at the query `?`, each layer-0 head's
-# |kernel| row puts about three times more weight on the queried pair's *value* token than on any
+# |kernel| row puts four to five times more weight on the queried pair's *value* token than on any
 # other value. The conv (width 4) has already mixed the pair's key into the value's position, so the
 # SSM matches keys without a separate Gather step.
 
