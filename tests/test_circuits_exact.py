@@ -226,3 +226,57 @@ def test_receivers_pull_back_through_the_norm_in_closed_form_or_by_autograd_alik
         by_autograd = edge_attribution(model, clean, corrupt, metric)
     assert calls["autograd"] > 0
     assert _rel(closed.scores, by_autograd.scores) < 1e-10
+
+
+def test_a_metric_reading_the_last_positions_gets_only_their_logits_and_the_same_numbers(run):
+    """AnswerDiff(pos=-1) says `tail = 1`: the runs unembed the last position only; EAP, EAP-IG, verification
+    and the patched logits equal those of the same metric given every position's logits."""
+    from analysis.circuits import verify_circuit
+    from analysis.circuits.metrics import AnswerDiff
+    from analysis.circuits.runs import forward_logits
+
+    name, model, clean, corrupt = run
+    seen, seen_tailed = [], []
+
+    class Tailed(AnswerDiff):
+        def __call__(self, logits):
+            seen_tailed.append(logits.shape[1])
+            return super().__call__(logits)
+
+        def rows(self, part):
+            return Tailed(self.right[part], self.wrong[part], self.pos)
+
+    tailed = Tailed([3, 3], [5, 5])
+    assert tailed.tail == 1 and AnswerDiff([3, 3], [5, 5], pos=2).tail is None
+
+    plain = AnswerDiff([3, 3], [5, 5])
+
+    def whole(logits):  # the same metric, without a tail: it is given every position
+        seen.append(logits.shape[1])
+        return plain(logits)
+
+    for method in ("eap", "eap-ig"):
+        a = edge_attribution(model, clean, corrupt, tailed, method=method, steps=2)
+        b = edge_attribution(model, clean, corrupt, whole, method=method, steps=2)
+        assert _rel(a.scores, b.scores) < 1e-10 and a.clean_metric == pytest.approx(b.clean_metric, abs=1e-12), name
+    top = a.top(5)
+    assert verify_circuit(model, top, clean, corrupt, tailed) == pytest.approx(
+        verify_circuit(model, top, clean, corrupt, whole), abs=1e-10)
+    assert set(seen) == {clean.shape[1]} and set(seen_tailed) == {1}, (seen, seen_tailed)
+    with torch.no_grad():
+        full = model(clean)
+        assert _rel(forward_logits(model, clean, None, 2), full[:, -2:]) < 1e-12
+        assert forward_logits(model, clean, None, 99).shape == full.shape
+
+
+def test_a_bad_tail_is_refused_by_name():
+    from analysis.circuits.metrics import tail_of
+
+    def m(logits):
+        return logits.sum()
+
+    m.tail = 0
+    with pytest.raises(ValueError, match="metric.tail must be a positive integer"):
+        tail_of(m)
+    m.tail = None
+    assert tail_of(m) is None

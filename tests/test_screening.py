@@ -159,7 +159,7 @@ def _shipped(name: str) -> bool:
 CIRCUITS = {
     "llama-kv": dict(top=3, layer0=3),  # key and value movers then a layer-0 head; the readers via pairs
     "gpt2-kv": dict(top=4, layer0=1),  # key mover first, value movers within the top 4
-    "mamba2-kv": dict(top=2, layer0=4),  # layer-0 SSM heads (the 3rd to 7th differ by a prompt or two: noise)
+    "mamba2-kv": dict(top=2, layer0=4),  # layer-0 SSM heads 0, 1, 4, 2 (then 5, 3; 6, 7 and layer 1 write nothing)
     "zamba2-kv": dict(top=3, layer0=3),  # layer-0 Mamba-2 heads L0H0, L0H1, L0H5
 }
 

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from analysis.circuits.graph import Edge, Graph
-from analysis.circuits.metrics import at_rows
-from analysis.circuits.runs import Grads, ReceiverGrads, gradients, record
+from analysis.circuits.metrics import at_rows, tail_of
+from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
 
 METHODS = ("eap", "eap-ig")
 Metric = Callable[[Tensor], Tensor]
@@ -160,12 +160,12 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     n = clean.shape[0]
     for part in chunks(n, batch_size):
         weight, m = (part.stop - part.start) / n, at_rows(metric, part)
-        c_logits, corr = record(model, graph, corrupt[part])
+        c_logits, corr = record(model, graph, corrupt[part], tail=tail_of(m))
         values[1] += weight * float(m(c_logits))
         if method == "eap":
             value, cl, grads = gradients(model, graph, clean[part], m, token=token, pending=True)
         else:
-            _, cl = record(model, graph, clean[part])
+            _, cl = record(model, graph, clean[part], tail=tail_of(m))
             value, grads = _integrated(model, graph, clean[part], corr, cl, m, steps, token)
         values[0] += weight * value
         diff = corr.minus(cl)
@@ -197,5 +197,5 @@ def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, met
         value = gradients(model, graph, clean, metric, token=token)[0]
     else:
         with torch.no_grad():
-            value = float(metric(model(clean)))
+            value = float(metric(forward_logits(model, clean, None, tail_of(metric))))
     return value, total

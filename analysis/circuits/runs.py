@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from analysis.circuits.graph import Graph
+from analysis.circuits.metrics import tail_of
 from analysis.circuits.receivers import ReceiverGroup, TorchHooks
 from analysis.circuits.senders import Parts
 from hooked.hook_points import scoped_hooks
@@ -48,8 +49,14 @@ def attached(hook_points: list[tuple[Any, Callable]], torch_hooks: TorchHooks) -
             h.remove()
 
 
-def _forward(model: Any, tokens: Tensor, attention_mask: Tensor | None) -> Tensor:
-    return model(tokens, attention_mask) if attention_mask is not None else model(tokens)
+def forward_logits(model: Any, tokens: Tensor, attention_mask: Tensor | None, tail: int | None = None) -> Tensor:
+    """The logits [b p d_vocab], or with `tail` only the last `tail` positions' [b tail d_vocab] (metrics.py's
+    glossary): the final norm still reads every position, as the logits receiver reads it whole."""
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    if tail is None or tail >= tokens.shape[1]:
+        return model(tokens, **kwargs)
+    resid = model(tokens, stop_at_layer=model.cfg.n_layers, **kwargs)
+    return model.unembed(model.ln_final(resid)[:, -tail:])
 
 
 class Activations:
@@ -90,10 +97,11 @@ class Activations:
 
 
 @torch.no_grad()
-def record(model: Any, graph: Graph, tokens: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Activations]:
+def record(model: Any, graph: Graph, tokens: Tensor, attention_mask: Tensor | None = None,
+           tail: int | None = None) -> tuple[Tensor, Activations]:
     acts = Activations(graph)
     with attached(acts.hooks(), []):
-        logits = _forward(model, tokens, attention_mask)
+        logits = forward_logits(model, tokens, attention_mask, tail)
     return logits, acts
 
 
@@ -159,7 +167,7 @@ def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor
     torch_hooks += [h for g in graph.receiver_groups for h in g.grad_hooks()]
     points = [(model.hook_embed, leaf)] + acts.hooks() + (token.hooks() if token is not None else [])
     with torch.enable_grad(), attached(points, torch_hooks):
-        value = metric(_forward(model, tokens, attention_mask))
+        value = metric(forward_logits(model, tokens, attention_mask, tail_of(metric)))
         if not torch.is_tensor(value) or value.numel() != 1:
             raise ValueError(f"metric must return a scalar tensor, got {value!r}")
         wanted = [t for g in graph.receiver_groups for t in g.grad_tensors()]
@@ -273,10 +281,11 @@ class Patcher:
 
 @torch.no_grad()
 def patched(model: Any, graph: Graph, base: Tensor, source: Activations, coef: Tensor,
-            attention_mask: Tensor | None = None, frozen: bool = False) -> Tensor:
+            attention_mask: Tensor | None = None, frozen: bool = False, tail: int | None = None) -> Tensor:
     """Logits [R*batch pos d_vocab] of `base` tiled R = coef.shape[0] times, block j patched by coef[j]
     (source: the activations of a recorded run of other tokens of the same shape). frozen: receivers read
-    their norm linearised at this run's scale (receivers.NormSite.read)."""
+    their norm linearised at this run's scale (receivers.NormSite.read). tail: only the last positions'
+    logits (_forward)."""
     if coef.ndim != 2 or coef.shape[1] != len(graph):
         raise ValueError(f"coef must be [replicas, n_edges={len(graph)}], got {tuple(coef.shape)}")
     patcher = Patcher(graph, source, coef.to(next(model.parameters()).device))
@@ -285,7 +294,7 @@ def patched(model: Any, graph: Graph, base: Tensor, source: Activations, coef: T
     mask = None if attention_mask is None else attention_mask.repeat(r, 1)
     try:
         with attached(points, torch_hooks):
-            return _forward(model, base.repeat(r, 1), mask)
+            return forward_logits(model, base.repeat(r, 1), mask, tail)
     finally:
         for g in graph.receiver_groups:
             if g.site is not None:

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from analysis.circuits.metrics import tail_of
+from analysis.circuits.runs import forward_logits
 from hooked.hook_points import scoped_hooks
 from hooked.models.protocol import ATTENTION_MODES, token_mixers, unit_tags
 
@@ -277,8 +279,9 @@ def verify_token_edges(model: Any, tokens: Tensor, edges: Sequence[Any], metric:
                        attention: str = "scores") -> dict[str, float]:
     """The metric's exact change when the listed token edges are all cut, beside the sum of their estimates
     (TokenEdges carry theirs): {"exact", "estimated", "clean"}."""
-    clean = float(metric(model(tokens)))
+    tail = tail_of(metric)
+    clean = float(metric(forward_logits(model, tokens, None, tail)))
     with cut_token_edges(model, edges, attention):
-        cut = float(metric(model(tokens)))
+        cut = float(metric(forward_logits(model, tokens, None, tail)))
     estimated = sum(e.score for e in edges if isinstance(e, TokenEdge))
     return {"clean": clean, "exact": cut - clean, "estimated": float(estimated)}

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from analysis.circuits.eap import EdgeScores, chunks, pair
 from analysis.circuits.graph import Edge, Graph, graph_of
-from analysis.circuits.metrics import at_rows
-from analysis.circuits.runs import patched, record
+from analysis.circuits.metrics import at_rows, tail_of
+from analysis.circuits.runs import forward_logits, patched, record
 from analysis.interventions.batching import tiles_for
 
 Metric = Callable[[Tensor], Tensor]
@@ -72,7 +72,7 @@ def sweep(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Metri
         r = replicas or tiles_for(model, rows, base.shape[1])
         for start in range(0, coefs.shape[0], r):
             block = coefs[start:start + r]
-            logits = patched(model, graph, base[part], src, block.to(dtype), frozen=frozen)
+            logits = patched(model, graph, base[part], src, block.to(dtype), frozen=frozen, tail=tail_of(m))
             for k in range(block.shape[0]):
                 out[start + k] += (rows / n) * float(m(logits[k * rows:(k + 1) * rows]))
     return out
@@ -82,7 +82,11 @@ def sweep(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Metri
 def metric_of(model: Any, tokens: Tensor, metric: Metric, batch_size: int | None = None) -> float:
     """The metric of an unpatched run (chunked as `sweep`)."""
     n = tokens.shape[0]
-    return sum((p.stop - p.start) / n * float(at_rows(metric, p)(model(tokens[p]))) for p in chunks(n, batch_size))
+    total = 0.0
+    for p in chunks(n, batch_size):
+        m = at_rows(metric, p)
+        total += (p.stop - p.start) / n * float(m(forward_logits(model, tokens[p], None, tail_of(m))))
+    return total
 
 
 def circuit_metric(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
