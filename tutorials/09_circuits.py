@@ -6,7 +6,7 @@
 # head's `.x` and its group's `.B` / `.C`, MLPs, the logits). EAP-IG scores every edge from a few
 # forwards; exact verification runs the model with only the circuit's edges carrying the clean run.
 #
-# 1. the KV circuit of a transformer organism (gpt2-kv) and of an SSM organism (zamba2-kv);
+# 1. the KV circuit of a transformer organism (gpt2-kv) and of two SSM organisms (mamba2-kv, zamba2-kv);
 # 2. the subject -> last-token circuit of SmolLM2's known facts (`/work/shared/data/known_1000.json`,
 #    read by `analysis.tasks.known_facts`).
 
@@ -32,7 +32,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 
 # %%
 results = {}
-for name, fmt in (("gpt2-kv", "?k"), ("zamba2-kv", "k?")):
+for name, fmt in (("gpt2-kv", "?k"), ("mamba2-kv", "k?"), ("zamba2-kv", "k?")):
     model = from_pretrained(f"organism/{name}")
     clean, corrupt, metric = kv_pairs(8, 16, 0, fmt, "swap")
     scores = edge_attribution(model, clean, corrupt, metric, method="eap-ig", steps=8)
@@ -47,8 +47,10 @@ for name, fmt in (("gpt2-kv", "?k"), ("zamba2-kv", "k?")):
 
 # %% [markdown]
 # gpt2-kv: `embed->L0H3.v` (L0H3 moves each key into its pair), `L0H3->L1H0.k` (L1H0 finds the queried
-# pair by that key), `L1H0->logits`, plus a second route. zamba2-kv: the conv carries the key into the
-# Mamba-2 layer's B (`embed->L0Hg0.B`) and a few heads write the value to the logits.
+# pair by that key), `L1H0->logits`, plus a second route. mamba2-kv and zamba2-kv: the conv carries the
+# key into the first Mamba-2 layer's B (`embed->L0Hg0.B`) and a few heads write the value to the logits
+# (mamba2-kv: L0H0, L0H1, L0H2, L0H4; it was trained with a group lasso on each head's write, and its
+# first checkpoint, without it, spread the lookup over all sixteen heads: no 5% circuit held it).
 #
 # ## 2. SmolLM2's known facts
 # Pairs of facts of one relation template and token length (the subject swapped), both answered right.
