@@ -265,6 +265,8 @@ def train(name: str, recipe: Recipe, work: Path, save_every: int = 100, log: Any
                                      or recipe.config.get("attn_implementation") != "eager"):
         raise ValueError("guide needs an attention model trained through HF (engine 'hf') with eager attention "
                          "on the KV task")
+    if recipe.head_lasso and recipe.model_class != "Mamba2ForCausalLM":
+        raise ValueError(f"head_lasso needs an HF Mamba-2 model (Mamba2ForCausalLM), got {recipe.model_class}")
     work.mkdir(parents=True, exist_ok=True)
     model = build(recipe)
     trainee = forward_model(model, recipe)

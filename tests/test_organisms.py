@@ -24,7 +24,7 @@ from analysis.tasks import token_kv as kv_task
 from analysis.tasks.token_kv import KEY0, NL, VALUE0, make_tokenizer, prompts, to_text, training_batch
 from loaders import from_pretrained
 from loaders.organisms import accuracy, available_for, organism_path
-from scripts.train_organisms import RECIPES, build, export, train
+from scripts.train_organisms import RECIPES, build, export, head_lasso, train
 
 SHIPPED = available_for("kv")  # facts: test_facts_organisms.py
 KV_RECIPES = sorted(n for n, r in RECIPES.items() if r.task == "kv")
@@ -343,6 +343,39 @@ def test_guide_refuses_what_it_cannot_supervise(change, tmp_path):
     recipe = dataclasses.replace(RECIPES["gpt2-kv"], **change)
     with pytest.raises(ValueError, match="guide needs an attention model"):
         train("gpt2-kv", recipe, tmp_path, log=lambda s: None)
+    assert not (tmp_path / "state.pt").exists()
+
+
+def _head_write_norms(model):
+    """[layers heads] Frobenius norm of each SSM head's write (out_proj columns x the gated norm's weight), by loops."""
+    out = []
+    for layer in model.backbone.layers:
+        m = layer.mixer
+        w = (m.out_proj.weight * m.norm.weight).detach()
+        out.append([float(w[:, h * m.head_dim:(h + 1) * m.head_dim].norm()) for h in range(m.num_heads)])
+    return torch.tensor(out)
+
+
+def test_head_lasso_is_the_sum_of_the_head_write_norms():
+    model = build(RECIPES["mamba2-kv"])
+    norms = _head_write_norms(model)
+    assert float(head_lasso(model)) == pytest.approx(float(norms.sum()), rel=1e-6)
+    with torch.no_grad():
+        model.backbone.layers[1].mixer.out_proj.weight[:, 3 * 16:4 * 16] = 0.0  # silence L1H3
+    assert float(head_lasso(model)) == pytest.approx(float(norms.sum() - norms[1, 3]), rel=1e-6)
+
+
+def test_head_lasso_steps_shrink_the_head_writes(tmp_path):
+    """A few steps with a large lasso weight leave smaller head writes than the same steps without it."""
+    base = dataclasses.replace(RECIPES["mamba2-kv"], steps=15, batch=4, n_max=3, warmup=1)
+    with_lasso, _ = train("mamba2-kv", dataclasses.replace(base, head_lasso=1.0), tmp_path / "a", log=lambda s: None)
+    without, _ = train("mamba2-kv", dataclasses.replace(base, head_lasso=0.0), tmp_path / "b", log=lambda s: None)
+    assert float(_head_write_norms(with_lasso).sum()) < 0.9 * float(_head_write_norms(without).sum())
+
+
+def test_head_lasso_refuses_a_model_without_ssm_heads(tmp_path):
+    with pytest.raises(ValueError, match="head_lasso needs an HF Mamba-2 model"):
+        train("llama-kv", dataclasses.replace(RECIPES["llama-kv"], head_lasso=0.1), tmp_path, log=lambda s: None)
     assert not (tmp_path / "state.pt").exists()
 
 
