@@ -263,6 +263,11 @@ def test_a_metric_reading_the_last_positions_gets_only_their_logits_and_the_same
     assert verify_circuit(model, top, clean, corrupt, tailed) == pytest.approx(
         verify_circuit(model, top, clean, corrupt, whole), abs=1e-10)
     assert set(seen) == {clean.shape[1]} and set(seen_tailed) == {1}, (seen, seen_tailed)
+    second_last = AnswerDiff([3, 3], [5, 5], pos=-2)  # tail 2: it reads logits[:, -2] of the last two
+    assert second_last.tail == 2
+    a = edge_attribution(model, clean, corrupt, second_last)
+    b = edge_attribution(model, clean, corrupt, lambda logits: AnswerDiff([3, 3], [5, 5], pos=-2)(logits))
+    assert _rel(a.scores, b.scores) < 1e-10, name
     with torch.no_grad():
         full = model(clean)
         assert _rel(forward_logits(model, clean, None, 2), full[:, -2:]) < 1e-12

@@ -285,7 +285,7 @@ def patched(model: Any, graph: Graph, base: Tensor, source: Activations, coef: T
     """Logits [R*batch pos d_vocab] of `base` tiled R = coef.shape[0] times, block j patched by coef[j]
     (source: the activations of a recorded run of other tokens of the same shape). frozen: receivers read
     their norm linearised at this run's scale (receivers.NormSite.read). tail: only the last positions'
-    logits (_forward)."""
+    logits (forward_logits)."""
     if coef.ndim != 2 or coef.shape[1] != len(graph):
         raise ValueError(f"coef must be [replicas, n_edges={len(graph)}], got {tuple(coef.shape)}")
     patcher = Patcher(graph, source, coef.to(next(model.parameters()).device))
