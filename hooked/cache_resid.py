@@ -208,17 +208,18 @@ class ResidualStreamMethods:
 
     def compute_head_results(self) -> None:
         """Add each unit's write (the mixers' result hooks: `attn.hook_result`, `mixer.hook_head_out`)
-        to the cache where it is missing, from the write hook (hook_z, hook_gated), as TL does."""
+        to the cache where it is missing, asked from the mixer (`unit_writes`) with the activations it
+        names (`write_reads`: hook_z, and hook_gate for gated attention; hook_gated for SSMs)."""
         for block in self.model.blocks:
             for _, mixer in token_mixers(block):
-                heads = mixer.heads()
-                name, source = heads.result_hook.name, heads.write_hook.name
-                if name in self.cache_dict or source not in self.cache_dict:
+                name = mixer.heads().result_hook.name
+                sources = [h.name for h in mixer.write_reads()]
+                if name in self.cache_dict or any(s not in self.cache_dict for s in sources):
                     continue
                 with onloaded(self.model, mixer):
-                    x = self.cache_dict[source]
+                    reads = [self.cache_dict[s] for s in sources]
                     device = next(mixer.parameters()).device
-                    self.cache_dict[name] = mixer.head_writes(x.to(device)).to(x.device)
+                    self.cache_dict[name] = mixer.unit_writes(*(r.to(device) for r in reads)).to(reads[0].device)
 
     @checked(return_labels=Flag(), incl_remainder=Flag(), apply_ln=Flag(), incl_shared=Flag())
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,

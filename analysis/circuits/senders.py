@@ -115,24 +115,30 @@ class Parts:
 
 
 class UnitSender(_Writes):
-    """A token mixer's units (attention heads, Mamba-2 heads): each one's write, `mixer.head_writes`."""
+    """A token mixer's units (attention heads, Mamba-2 heads): each one's write as the mixer gives it,
+    `head_writes` of its `unit_inputs` (a gated head's z times its gate) read at its `write_reads`."""
 
     def __init__(self, writer: Any, layer: int, stage: int, tag: str) -> None:
         super().__init__(writer, layer, stage)
         heads = writer.module.heads()
-        self.write_hook = heads.write_hook
+        self.reads = writer.module.write_reads()
         self.labels = [f"L{layer}{tag}{h}" for h in range(heads.n)]
 
     def hooks(self, emit: Emit) -> Hooks:
         seen: dict[str, Tensor] = {}
 
-        def on_write(x: Tensor, hook: Any) -> None:
-            seen["write"] = x
+        def keep(i: int) -> Callable[[Tensor, Any], None]:
+            def on_read(x: Tensor, hook: Any) -> None:
+                seen[f"read{i}"] = x
+            return on_read
 
         def on_out(out: Tensor, hook: Any) -> None:
-            emit(self, Parts(self, seen.pop("write"), out, seen.pop("scale", None)))
+            reads = [seen.pop(f"read{i}") for i in range(len(self.reads))]
+            write = self.writer.module.unit_inputs(*reads)  # linear in what build maps: Parts.minus holds
+            emit(self, Parts(self, write, out, seen.pop("scale", None)))
 
-        return [(self.write_hook, on_write)] + self._scale_hooks(seen) + [(self.writer.out_hook, on_out)]
+        return ([(h, keep(i)) for i, h in enumerate(self.reads)] + self._scale_hooks(seen)
+                + [(self.writer.out_hook, on_out)])
 
     def build(self, write: Tensor, out: Tensor, scale: Tensor | None) -> Tensor:
         """The activation [n b p d] from the units' input to the output projection and the sublayer's output."""

@@ -6,7 +6,8 @@
 
 HF fuses the gate into q_proj ([query_h | gate_h] per head, 2 d_head rows each); the loader splits
 those rows into q_proj and gate_proj, so every other part is attention.py's. Zeroing a head's z still
-zeroes its write (the gate multiplies it).
+zeroes its write (the gate multiplies it). A head's write from a cache is o_proj's columns times
+z * sigmoid(gate) (`write_reads` names both hooks, `unit_inputs` gates), never z alone.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ class GatedAttention(Attention):
                    x: Float[Tensor, "batch pos d_in"]) -> Float[Tensor, "batch pos n_heads d_head"]:
         gate = rearrange(self.gate_proj(x), "batch pos (n_heads d_head) -> batch pos n_heads d_head", d_head=self.d_head)
         gate = self.hook_gate(gate)
+        return self.unit_inputs(z, gate)
+
+    def write_reads(self) -> tuple[HookPoint, ...]:
+        """A head's write needs its gate too: hook_z and hook_gate (both in a bare cache)."""
+        return (self.hook_z, self.hook_gate)
+
+    def unit_inputs(self, z: Float[Tensor, "*batch pos n_heads d_head"],
+                    gate: Float[Tensor, "*batch pos n_heads d_head"]) -> Float[Tensor, "*batch pos n_heads d_head"]:
+        """What each head gives o_proj: z times the sigmoid of its gate."""
         return z * torch.sigmoid(gate)
 
     def input_linears(self) -> list[nn.Module]:

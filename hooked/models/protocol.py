@@ -72,6 +72,26 @@ class TokenMixer:
     def heads(self) -> Heads:
         raise NotImplementedError
 
+    def write_reads(self) -> tuple[HookPoint, ...]:
+        """The hooks each unit's write is computed from, in `unit_inputs`' argument order; a bare
+        run_with_cache() caches them (all linear in pos x width). The write hook alone unless the
+        mixer changes its units' output after it (gated attention: hook_z and hook_gate)."""
+        return (self.heads().write_hook,)
+
+    def unit_inputs(self, *reads: Tensor) -> Tensor:
+        """The output projection's input split by unit [.. pos n width] from the activations at
+        `write_reads()`: what `head_writes` maps, linearly, to each unit's write."""
+        return reads[0]
+
+    def unit_writes(self, *reads: Tensor) -> Tensor:
+        """Each unit's write [.. pos n d_out] (the output projection's bias left out) from the
+        activations at `write_reads()`: what `heads().result_hook` shows when it is hooked."""
+        return self.head_writes(self.unit_inputs(*reads))
+
+    def head_writes(self, inputs: Tensor) -> Tensor:
+        """[.. pos n width] -> [.. pos n d_out]: each unit's part of the output projection (linear)."""
+        raise NotImplementedError
+
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
         raise NotImplementedError
