@@ -11,6 +11,7 @@ from typing import Any
 
 from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
                      mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
+from loaders import gemma, gpt_neox, olmo2, olmo3, phi3
 from loaders.architecture import Architecture, Key
 
 __all__ = ["ARCHITECTURES", "REGISTRY", "Architecture", "Key", "find_architecture", "register"]
@@ -33,6 +34,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     gemma2.ARCHITECTURE,
     gemma3.ARCHITECTURE,
     gemma3.MULTIMODAL,
+    gpt_neox.ARCHITECTURE,
+    gemma.ARCHITECTURE,
+    phi3.ARCHITECTURE,
+    olmo2.ARCHITECTURE,
+    olmo3.ARCHITECTURE,
     qwen3_next.ARCHITECTURE,
     qwen3_next.QWEN3_5,
     qwen3_next.QWEN3_5_MOE,

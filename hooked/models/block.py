@@ -6,7 +6,8 @@ Glossary
     Sublayer    a serial step:  resid = resid + scale * post_norm(module(norm(resid [+ side])))
     Parallel    branches that read one normalised input and add their sum:
                 resid = resid + (out_1 * b_1(in_1 * x) + out_2 * b_2(in_2 * x)),  x = norm(resid)
-                (Falcon-H1: an SSM mixer beside attention)
+                (Falcon-H1: an SSM mixer beside attention); or each branch its own norm of the same
+                residual: resid = resid + b_1(norm_1(resid)) + b_2(norm_2(resid)) (GPT-NeoX)
     Side        an extra input of a step, computed from the residual and the token embedding and
                 added to what the step's norm reads, never to the stream (Zamba2's shared
                 transformer: side = linear(shared([resid, embedding])))
@@ -19,7 +20,9 @@ sandwich norms); the sublayer is registered under its kind. Hooks, all [batch po
     hook_resid_pre
     step:      hook_{kind}_in (what the norm reads: the residual, plus the side input if any),
                ln{i}.*, {kind}.*, [ln{i}_post.*], hook_{kind}_out (what is added: scaled, post-normed)
-    parallel:  ln{i}.*, then per branch {kind}.*, hook_{kind}_out (its scaled output, before the sum)
+    parallel:  ln{i}.*, then per branch {kind}.*, hook_{kind}_out (its scaled output, before the sum);
+               branches with their own norms: per branch hook_{kind}_in, ln{j}.* (j = 1, 2, .. in branch
+               order; such a step is the block's only step), {kind}.*, hook_{kind}_out
     side:      {side}.* and hook_{side}_out, before the step's hook_{kind}_in
     hook_resid_mid between two steps, hook_resid_post at the end.
 
@@ -68,12 +71,18 @@ class Branch:
     module: nn.Module
     in_scale: float = 1.0
     out_scale: float = 1.0
+    norm: nn.Module | None = None  # the branch's own norm of the residual (GPT-NeoX); None: the step's
 
 
 @dataclass(frozen=True)
 class Parallel:
-    norm: nn.Module
+    norm: nn.Module | None  # None when every branch has its own norm
     branches: tuple[Branch, ...]
+
+    def __post_init__(self) -> None:
+        own = [b.norm is not None for b in self.branches]
+        if self.norm is None and not all(own) or self.norm is not None and any(own):
+            raise ValueError("a parallel step has one shared norm or a norm per branch, not both or neither")
 
 
 Step = Sublayer | Parallel
@@ -117,8 +126,14 @@ class ResidualBlock(nn.Module):
         if bad or len(set(kinds)) != len(kinds):
             raise ValueError(f"step {i}: sublayer kinds must be distinct ones of {KINDS} within a block, got {kinds}")
         if isinstance(step, Parallel):
-            self.add_module(f"ln{i}", step.norm)
-            for b in step.branches:
+            if step.norm is not None:
+                self.add_module(f"ln{i}", step.norm)
+            elif i != 1:
+                raise ValueError("a parallel step with a norm per branch must be the block's only step")
+            for j, b in enumerate(step.branches, start=1):
+                if b.norm is not None:
+                    self.add_module(f"hook_{b.kind}_in", HookPoint("batch pos d_model"))
+                    self.add_module(f"ln{j}", b.norm)
                 self.add_module(b.kind, b.module)
                 self.add_module(f"hook_{b.kind}_out", HookPoint("batch pos d_model"))
             return ("parallel", i, step)
@@ -140,10 +155,11 @@ class ResidualBlock(nn.Module):
     def writers(self) -> Iterator[Writer]:
         """What this block adds to the residual, in forward order."""
         for how, i, step in self._plan:
-            norm = getattr(self, f"ln{i}")
+            norm = getattr(self, f"ln{i}", None)
             if how == "parallel":
                 for b in step.branches:
-                    yield Writer(b.kind, getattr(self, b.kind), getattr(self, f"hook_{b.kind}_out"), norm,
+                    yield Writer(b.kind, getattr(self, b.kind), getattr(self, f"hook_{b.kind}_out"),
+                                 norm if b.norm is None else b.norm,
                                  b.in_scale, b.out_scale)
             else:
                 yield Writer(step.kind, getattr(self, step.kind), getattr(self, f"hook_{step.kind}_out"), norm,
@@ -202,9 +218,11 @@ class ResidualBlock(nn.Module):
         return getattr(self, f"hook_{step.kind}_out")(out)
 
     def _parallel(self, resid: Tensor, i: int, step: Parallel, ctx: Context) -> Tensor:
-        x = getattr(self, f"ln{i}")(resid)
+        x = getattr(self, f"ln{i}")(resid) if step.norm is not None else None
         total = None
-        for b in step.branches:
+        for j, b in enumerate(step.branches, start=1):
+            if b.norm is not None:  # its own norm of the residual
+                x = getattr(self, f"ln{j}")(getattr(self, f"hook_{b.kind}_in")(resid))
             out = getattr(self, b.kind)(x if b.in_scale == 1.0 else x * b.in_scale, ctx)
             out = getattr(self, f"hook_{b.kind}_out")(out if b.out_scale == 1.0 else out * b.out_scale)
             total = out if total is None else total + out

@@ -6,9 +6,12 @@ from typing import Any
 
 from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
                            mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
+from hooked.models import gemma, gpt_neox, olmo2
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
 from hooked.models.mistral import MistralConfig
+from hooked.models.olmo3 import Olmo3Config
+from hooked.models.phi3 import Phi3Config
 from hooked.models.qwen2 import Qwen2Config
 from hooked.models.qwen3 import Qwen3Config
 from hooked.models.qwen3_5 import Qwen3_5Config
@@ -21,6 +24,11 @@ BUILDERS = {
     Qwen3Config: llama.build,
     gemma2.Gemma2Config: gemma2.build,
     Gemma3Config: gemma2.build,
+    gpt_neox.GPTNeoXConfig: gpt_neox.build,
+    gemma.GemmaConfig: gemma.build,
+    Phi3Config: llama.build,
+    olmo2.Olmo2Config: olmo2.build,
+    Olmo3Config: olmo2.build,
     mamba.MambaConfig: mamba.build,
     mamba2.Mamba2Config: mamba2.build,
     zamba2.Zamba2Config: zamba2.build,
