@@ -13,8 +13,10 @@ Glossary
                   block to the main device for its forward and drops it (to meta) after
     tie group     modules that hold one tensor: tied embeddings (one Parameter, or an Unembed that borrows
                   the embedding's `weight`) and Zamba2's shared blocks (one nn.Linear in every
-                  invocation). A group gets one device, the first of its members' in the map; a module
-                  that lends its weight to another's forward must be resident
+                  invocation). A group gets one device, the first of its members' in the map. A module
+                  that lends its weight to another's forward (a tied Unembed reads the embedding's) may be
+                  offloaded with it: the borrower's forward then onloads the lender's weight first and
+                  drops it after (`_lend`), as accelerate's tied offload reads one stored tensor for both
     offload index accelerate's {parameter name (every alias of a shared one): where to read it}: the
                   checkpoint's own safetensors file when the tensor needs no conversion (no copy at
                   all), else `offload.safetensors` in `offload_folder`, written here tensor by tensor
@@ -55,8 +57,7 @@ def plan_device_map(model: nn.Module, device_map: str | DeviceMap, *, max_memory
     """A device map for `model` (built on meta): a planner's name, or a dict checked and completed.
 
     Tie groups get one device (a planner's map: the first member's; a dict: it must agree already).
-    Raises ValueError for an unknown planner, a dict that leaves parameters out or splits a tie group,
-    or a weight lent to another module's forward that would be offloaded.
+    Raises ValueError for an unknown planner, or a dict that leaves parameters out or splits a tie group.
     """
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
@@ -231,11 +232,6 @@ def _tie(model: nn.Module, devices: DeviceMap, strict: bool) -> DeviceMap:
             first = min(entries, key=list(devices).index)
             for e in entries:
                 devices[e] = devices[first]
-        if lent and offloaded(devices[entries[0]], main):
-            owner, borrower = names[0].rsplit(".", 1)[0], names[-1].rsplit(".", 1)[0]
-            raise ValueError(f"{owner} lends its weight to {borrower}, so it cannot "
-                             f"be offloaded ({devices[entries[0]]!r}); give it (and its borrower) a resident device"
-                             f"{' or more max_memory' if not strict else ''}")
     return devices
 
 
@@ -279,8 +275,37 @@ def dispatch_from_source(model: nn.Module, plan: dict[str, tuple[str, Any]], sou
     dispatch_model(model, device_map=devices, main_device=main, state_dict=cpu_state or None,
                    offload_dir=str(offload_folder) if on_disk else None, offload_index=index,
                    preload_module_classes=unit_classes(model), force_hooks=True)
+    _lend(model, devices, main)
     model.hf_device_map = devices
     return model.eval()
+
+
+def _lend(model: nn.Module, devices: DeviceMap, main: Any) -> None:
+    """A lent weight on an offloaded device: the borrower's forward onloads the lender first and drops it
+    after (`hooked.devices.onloaded`), unless the lender's offload hook already spans the borrower's
+    forward (one holder above both, e.g. device_map={"": "disk"})."""
+    from hooked.devices import offload_holders, onloaded
+
+    for names, lent in tie_groups(model):
+        if not (lent and offloaded(devices[entry_of(names[0], devices)], main)):
+            continue
+        lender = model.get_submodule(names[0].rsplit(".", 1)[0])
+        borrower = model.get_submodule(names[-1].rsplit(".", 1)[0])
+        holders = offload_holders(model, lender)
+        if any(any(m is borrower for m in h.modules()) for h in holders):
+            continue
+        stack: list[contextlib.AbstractContextManager] = []
+
+        def enter(module: nn.Module, args: Any, lender: nn.Module = lender, stack: list = stack) -> None:
+            stack.append(onloaded(model, lender))
+            stack[-1].__enter__()
+
+        def leave(module: nn.Module, args: Any, output: Any, stack: list = stack) -> None:
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        borrower.register_forward_pre_hook(enter)
+        borrower.register_forward_hook(leave, always_call=True)
 
 
 def _place(model: nn.Module, dtype: torch.dtype, where: dict[str, torch.device], main: torch.device) -> None:

@@ -190,7 +190,7 @@ def test_planned_tie_groups_share_one_device(checkpoints, name, tied):
     ({"embed": "cpu"}, "places no device for"),
     ({"embed": "cpu", "blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": "cpu", "blocks.3": "disk",
       "ln_final": "cpu", "unembed": "cpu"}, "splits tensors shared by blocks.1, blocks.3"),
-    ({"": "disk"}, "lends its weight"),
+    ({"": "disk"}, "pass offload_folder="),  # a lent weight may go to disk (tests/test_offload_tied.py)
     ({"embed": "cpu", "blocks": "disk", "ln_final": "cpu", "unembed": "cpu"}, "pass offload_folder="),
 ])
 def test_bad_device_maps_are_refused(checkpoints, device_map, match):
