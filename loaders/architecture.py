@@ -43,3 +43,4 @@ class Architecture:
     key_map: Callable[[Any], dict[str, Key]]
     ignore: tuple[str, ...] = ()  # regexes of checkpoint names HF itself does not load (not "unexpected")
     adapt: Callable[[Any], Any] | None = None  # source -> source: an original layout seen as the key map's
+    recognise: Callable[[dict[str, Any]], bool] | None = None  # a config with neither class nor model_type

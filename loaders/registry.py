@@ -1,8 +1,9 @@
 """Which hooked model a checkpoint becomes: the table of every family loader's `Architecture`.
 
 `ARCHITECTURES` lists them explicitly (loaders/architecture.py says what one holds);
-`find_architecture` picks one by the HF config's `architectures`, then its `model_type`, first
-match in table order. `register` adds another (a test's toy model, a family outside this package).
+`find_architecture` picks one by the HF config's `architectures`, then its `model_type`, then its
+`recognise` (a layout known by its fields), first match in table order. `register` adds another
+(a test's toy model, a family outside this package).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
-                     mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
+                     llamba, mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
 from loaders import gemma, gpt_neox, olmo2, olmo3, phi3
 from loaders.architecture import Architecture, Key
 
@@ -45,6 +46,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     olmo_hybrid.ARCHITECTURE,
     kimi_linear.ARCHITECTURE,
     lfm2.ARCHITECTURE,
+    llamba.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}
@@ -65,6 +67,9 @@ def find_architecture(hf_config: dict[str, Any]) -> Architecture:
     model_type = hf_config.get("model_type")
     for arch in REGISTRY.values():
         if model_type in arch.model_types:
+            return arch
+    for arch in REGISTRY.values():  # a layout known by its fields (Cartesia's Llamba config.json)
+        if arch.recognise is not None and arch.recognise(hf_config):
             return arch
     known = sorted(c for a in REGISTRY.values() for c in a.hf_classes)
     raise ValueError(f"unknown architecture {classes or model_type!r}; supported: {', '.join(known)}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
-                           mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
+from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, llamba,
+                           mamba, mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
 from hooked.models import gemma, gpt_neox, olmo2
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
@@ -42,6 +42,7 @@ BUILDERS = {
     olmo_hybrid.OlmoHybridConfig: olmo_hybrid.build,
     kimi_linear.KimiLinearConfig: kimi_linear.build,
     lfm2.Lfm2Config: lfm2.build,
+    llamba.LlambaConfig: llamba.build,
 }
 
 
