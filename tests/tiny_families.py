@@ -11,6 +11,7 @@ import functools
 import torch
 import transformers
 from delta_oracles import TINY as DELTA
+from llamba_reference import LlambaReference, LlambaReferenceConfig
 
 from loaders.load import from_hf
 
@@ -67,6 +68,7 @@ CONFIGS = {
 }
 for _name in DELTA:  # the delta-rule families and LFM2, as tests/delta_oracles.py builds them
     CONFIGS[_name] = lambda _name=_name: (DELTA[_name][1], DELTA[_name][0](**DELTA[_name][2]))
+CONFIGS["llamba"] = lambda: (LlambaReference, LlambaReferenceConfig())  # Cartesia's layout, no HF class
 FAMILIES = tuple(CONFIGS)
 
 
