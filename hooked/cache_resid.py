@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from hooked.devices import onloaded
-from hooked.models.protocol import ExpertMixture, token_mixers, unit_tags
+from hooked.models.model_map import model_map
+from hooked.models.protocol import ExpertMixture
 from hooked.validate import Flag, Integer, checked, pos_index, token_ids
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
@@ -188,44 +189,38 @@ class ResidualStreamMethods:
 
     def _head_parts(self, l: int, incl_shared: bool) -> list[tuple[Tensor, list[str]]]:
         """Block l's per-unit writes [units, .., pos, d_model] in the residual (biases left out), with labels."""
-        tags = unit_tags(self.model)
-        block = self.model.blocks[l]
-        writers = {id(w.module): w for w in block.writers()}
         out = []
-        for name, mixer in token_mixers(block):
-            w = writers.get(id(mixer))
-            if w is None and not incl_shared:
-                continue  # writes into a side input (Zamba2's shared block), not the residual
-            key = mixer.heads().result_hook.name
+        for site in model_map(self.model).layer_sites(l):
+            if not site.mixes_tokens or (site.writer is None and not incl_shared):
+                continue  # experts: _expert_parts; a side block's units write into its input, not the residual
+            key = site.result_hook().name
             if key not in self.cache_dict:
                 continue
             res = self.cache_dict[key].movedim(-2, 0)  # [units .. pos d]
-            if w is not None:
-                res = self._to_resid(w, res)
-            tag = tags[f"blocks.{l}.{name}"]
-            out.append((res, [f"L{l}{tag}{h}" for h in range(res.shape[0])]))
+            if site.writer is not None:
+                res = self._to_resid(site.writer, res)
+            out.append((res, site.labels()))
         return out
 
     def compute_head_results(self) -> None:
         """Add each unit's write (the mixers' result hooks: `attn.hook_result`, `mixer.hook_head_out`)
-        to the cache where it is missing, asked from the mixer (`unit_writes`) with the activations it
-        names (`write_reads`: hook_z, and hook_gate for gated attention; hook_gated for SSMs)."""
-        for block in self.model.blocks:
-            for _, mixer in token_mixers(block):
-                name = mixer.heads().result_hook.name
-                sources = [h.name for h in mixer.write_reads()]
-                if name in self.cache_dict or any(s not in self.cache_dict for s in sources):
-                    continue
-                with onloaded(self.model, mixer):
-                    reads = [self.cache_dict[s] for s in sources]
-                    device = next(mixer.parameters()).device
-                    self.cache_dict[name] = mixer.unit_writes(*(r.to(device) for r in reads)).to(reads[0].device)
+        to the cache where it is missing, asked from the mixer through the model map (`Site.writes_from`:
+        hook_z, and hook_gate for gated attention; hook_gated for SSMs)."""
+        for site in model_map(self.model):
+            if not site.mixes_tokens or site.result_hook().name in self.cache_dict:
+                continue
+            reads = [self.cache_dict.get(h.name) for h in site.reads]
+            if any(r is None for r in reads):
+                continue
+            with onloaded(self.model, site.module):
+                device = next(site.module.parameters()).device
+                self.cache_dict[site.result_hook().name] = site.writes(*(r.to(device) for r in reads)).to(reads[0].device)
 
     @checked(return_labels=Flag(), incl_remainder=Flag(), apply_ln=Flag(), incl_shared=Flag())
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: SliceInput = None, apply_ln: bool = False, incl_shared: bool = False):
         """Each unit's write to the residual for blocks < layer (-1: all): [unit, (batch,) pos, d_model],
-        labels "L{l}{tag}{h}" (hooked.models.protocol.unit_tags: H, M beside attention, SH shared).
+        labels of the model map (hooked.models.model_map: H, M beside attention, SH shared, C channels).
 
         Attention heads from `attn.hook_result`, SSM units (Mamba-2 heads, Mamba-1 channels) from
         `mixer.hook_head_out`; where those were not cached they are computed from hook_z / hook_gated
@@ -298,17 +293,13 @@ class ResidualStreamMethods:
         return (stack, labels) if return_labels else stack
 
     def _expert_parts(self, l: int, w: Any) -> tuple[list[Tensor], list[str]]:
-        """A mixture of experts' output split by expert (routing weight times expert output, summed over
-        the slots that chose it; "L{l}E{e}"), plus its always-on shared MLP whole ("L{l}shared")."""
-        p = w.out_hook.name.rsplit(".", 1)[0] + ".mlp."
-        chosen, weights = self.cache_dict[p + "hook_chosen"], self.cache_dict[p + "hook_routing_weights"]
-        out = self.cache_dict[p + "hook_expert_out"]  # [.. pos top_k d_model]
-        n = w.module.n_experts
-        onehot = torch.nn.functional.one_hot(chosen, n).to(out.dtype)  # [.. pos k E]
-        per_expert = torch.einsum("...ke,...k,...kd->e...d", onehot, weights.to(out.dtype), out)
-        parts, labels = [self._to_resid(w, per_expert)], [f"L{l}E{e}" for e in range(n)]
+        """A mixture of experts' output split by expert (its write, asked of the mixture through the model
+        map: routing weight times expert output), plus its always-on shared MLP whole ("L{l}shared")."""
+        site = model_map(self.model).site(w.out_hook.name.rsplit(".", 1)[0] + "." + w.kind)
+        per_expert = site.writes_from(self.cache_dict).movedim(-2, 0)  # [E .. pos d]
+        parts, labels = [self._to_resid(w, per_expert)], site.labels()
         if w.module.shared is not None:
-            parts.append(self._to_resid(w, self.cache_dict[p + "hook_shared_out"][None]))
+            parts.append(self._to_resid(w, self.cache_dict[w.module.hook_shared_out.name][None]))
             labels.append(f"L{l}shared")
         return parts, labels
 

@@ -247,3 +247,50 @@ def test_decoding_with_the_state_equals_recomputing(name):
             steps.append(model(toks[:, t:t + 1], state=state))
         whole = model(toks)
     torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=0, atol=1e-10)
+
+
+# ------------------------------------------------------------------ the analyses, with no edits
+def test_the_analyses_run_on_llamba_and_agree_with_the_weights():
+    """knockout, ablate_heads (== out_proj columns zeroed), kernel_rows (== hook_kernel's rows), act_patch,
+    rank_heads, ga_scores and info_flow run on Llamba as they do on Mamba-2."""
+    from analysis.ga import ga_scores, head_units, rank_heads
+    from analysis.info_flow import info_flow
+    from analysis.interventions import ablate_heads, act_patch
+    from analysis.kernel_rows import kernel_rows
+    from analysis.tasks.known_facts import load_facts
+    from analysis.tasks.text import char_tokenizer, kv_retrieval
+
+    torch.manual_seed(0)
+    ref = LlambaReference(LlambaReferenceConfig(vocab_size=128, n_layer=3)).double().eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    model = from_hf(ref)
+    model.tokenizer = char_tokenizer()
+    toks = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    units = head_units(model)
+    assert [u.label for u in units][:4] == ["L0H0", "L0H1", "L0H2", "L0H3"] and len(units) == 12  # the paper's labels
+    with torch.no_grad():
+        plain, cache = model.run_with_cache(toks, names_filter=lambda n: n.endswith(("hook_kernel", "hook_resid_pre")))
+        with ablate_heads(model, [(1, 2)]):
+            ablated = model(toks)
+        out = model.blocks[1].mixer.out_proj
+        kept = out.weight.clone()
+        out.weight[:, 8:12] = 0  # head 2's d_head = 4 columns
+        zeroed = model(toks)
+        out.weight.copy_(kept)
+    torch.testing.assert_close(ablated, zeroed, rtol=0, atol=1e-12)
+    rows = kernel_rows(model, toks, [3, 8])
+    for layer in range(3):
+        dense = cache[f"blocks.{layer}.mixer.hook_kernel"]
+        torch.testing.assert_close(rows[f"blocks.{layer}.mixer"], dense[:, :, [3, 8]], rtol=0, atol=1e-12)
+    sweep = act_patch(model, toks, cache, lambda logits: logits[:, -1, 0].sum(), "blocks.{layer}.hook_resid_pre")
+    assert sweep.shape == (3, 9) and torch.allclose(sweep, plain[:, -1, 0].sum().expand(3, 9))  # patched with itself
+    examples = kv_retrieval(2, 2, seed=3)
+    scores = ga_scores(model, examples, units, batch_size=2)
+    assert set(scores) == {u.label for u in units} and all(0 <= v["gather"] <= 1 for v in scores.values())
+    ranking = rank_heads(model, examples, units[:4], batch_size=2, progress=False, pairs_top_k=0)
+    assert ranking.matrix().shape[0] >= 1
+    flow = info_flow(model, load_facts()[:2], window=1, sources=("last",), batch_size=2, require_correct=False,
+                     progress=False)
+    assert flow.changes.shape == (2, 1, 3) and torch.isfinite(flow.changes).all()

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from hooked.models.mamba2 import Mamba2Mixer
+from hooked.models.model_map import label
 
 TorchHooks = list[tuple[nn.Module, str, Callable[..., Any]]]  # (module, "pre" | "fwd", fn)
 Delta = Callable[["ReceiverGroup"], tuple[Tensor | None, Tensor | None, Tensor | None]]
@@ -45,14 +46,14 @@ def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, T
     if heads is not None and heads.kind == "attn" and _plain_qkv(module):
         q, k, v = module.input_linears()
         n, n_kv, d = module.hook_q.sizes["n_heads"], module.hook_k.sizes["n_kv_heads"], module.hook_q.sizes["d_head"]
-        return ([(f"L{layer}{tag}{h}.q", q, _span(h * d, d)) for h in range(n)]
-                + [(f"L{layer}{tag}{h}.{name}", lin, _span(h * d, d)) for name, lin in (("k", k), ("v", v))
+        return ([(f"{label(layer, tag, h)}.q", q, _span(h * d, d)) for h in range(n)]
+                + [(f"{label(layer, tag, h)}.{name}", lin, _span(h * d, d)) for name, lin in (("k", k), ("v", v))
                    for h in range(n_kv)])
     if isinstance(module, Mamba2Mixer):  # in_proj writes [z | x, B, C | dt] (mamba2.py's forward)
         (lin,) = module.input_linears()
         p, di, gn = module.d_head, module.d_inner, module.d_state
         dt0 = di + module.conv_dim
-        own = [(f"L{layer}{tag}{h}.x", lin, torch.cat([_span(h * p, p), _span(di + h * p, p), _span(dt0 + h, 1)]))
+        own = [(f"{label(layer, tag, h)}.x", lin, torch.cat([_span(h * p, p), _span(di + h * p, p), _span(dt0 + h, 1)]))
                for h in range(module.n_heads)]
         groups = [(f"L{layer}{tag}g{g}.{name}", lin, _span(2 * di + off * module.n_groups * gn + g * gn, gn))
                   for off, name in ((0, "B"), (1, "C")) for g in range(module.n_groups)]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hooked.models.model_map import label
 from hooked.models.protocol import ExpertMixture
 
 Emit = Callable[..., None]
@@ -122,7 +123,7 @@ class UnitSender(_Writes):
         super().__init__(writer, layer, stage)
         heads = writer.module.heads()
         self.reads = writer.module.write_reads()
-        self.labels = [f"L{layer}{tag}{h}" for h in range(heads.n)]
+        self.labels = [label(layer, tag, h) for h in range(heads.n)]
 
     def hooks(self, emit: Emit) -> Hooks:
         seen: dict[str, Tensor] = {}
@@ -154,7 +155,7 @@ class ExpertSender(_Writes):
     def __init__(self, writer: Any, layer: int, stage: int) -> None:
         super().__init__(writer, layer, stage)
         moe = writer.module
-        self.labels = [f"L{layer}E{e}" for e in range(moe.n_experts)] + ([f"L{layer}shared"] if moe.shared else [])
+        self.labels = [label(layer, "E", e) for e in range(moe.n_experts)] + ([f"L{layer}shared"] if moe.shared else [])
 
     def hooks(self, emit: Emit) -> Hooks:
         moe, seen = self.writer.module, {}

@@ -31,7 +31,8 @@ from torch import Tensor
 from analysis.circuits.metrics import tail_of
 from analysis.circuits.runs import forward_logits
 from hooked.hook_points import scoped_hooks
-from hooked.models.protocol import ATTENTION_MODES, token_mixers, unit_tags
+from hooked.models.model_map import model_map
+from hooked.models.protocol import ATTENTION_MODES
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,8 @@ class TokenEdge:
 
 
 def token_sites(model: Any) -> list[tuple[str, Any, list[str]]]:
-    """(mixer name, mixer, unit labels) of every token mixer, in forward order."""
-    tags = unit_tags(model)
-    out = []
-    for layer, block in enumerate(model.blocks):
-        for name, m in token_mixers(block):
-            full = f"blocks.{layer}.{name}"
-            out.append((full, m, [f"L{layer}{tags[full]}{h}" for h in range(m.heads().n)]))
-    return out
+    """(mixer name, mixer, unit labels) of every token mixer, in forward order (the model map's sites)."""
+    return [(s.path, s.module, s.labels()) for s in model_map(model) if s.mixes_tokens]
 
 
 class TokenGradients:

@@ -109,8 +109,9 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         conv = self._conv(xBC, ctx, backend)
         conv = self.hook_conv(conv)
         xBC = conv if mask is None else conv * mask  # identity activation
-        u, B, C = xBC.to(ssm_dtype).split([self.d_inner, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
-        x_heads = rearrange(u, "b l (h p) -> b l h p", p=self.d_head)
+        gs = self.n_groups * self.d_state
+        x_in, B, C = xBC.to(ssm_dtype).split([self.d_inner, gs, gs], -1)
+        x_heads = rearrange(x_in, "b l (h p) -> b l h p", p=self.d_head)
         dt = F.softplus(dt.to(ssm_dtype))
         ssm_in = self.hook_ssm_in(x_heads / dt[..., None])
         dt = self.hook_dt(dt)

@@ -64,6 +64,17 @@ class Heads:
     result_hook: HookPoint  # each unit's write after the output projection [.. pos n d_out] (lazy)
 
 
+@dataclass(frozen=True)
+class Mixing:
+    """A mixer's positions mixed by one matrix per unit: output[j] = sum_i matrix[unit, j, i] value[i]
+    (attention: hook_pattern, per query head from hook_v, into hook_z; the recurrent mixers: hook_kernel,
+    their input u into y; DESIGN.md section 4)."""
+
+    matrix: HookPoint  # [batch n target source]
+    value: HookPoint
+    output: HookPoint
+
+
 class TokenMixer:
     """Base class of the sublayers that mix positions (see the module glossary)."""
 
@@ -96,6 +107,10 @@ class TokenMixer:
                   cut_conv: bool = False) -> CutHooks:
         raise NotImplementedError
 
+    def mixing(self) -> Mixing | None:
+        """The unit x target x source matrix this mixer mixes positions with, or None when it has none."""
+        return None
+
     def decay_norms(self) -> Tensor:
         """||exp(A)||_1 over d_state at dt = 1 per unit: large = slow decay (long memory)."""
         raise TypeError(f"{type(self).__name__} has no state decay (decay_norms is for state-space mixers)")
@@ -115,6 +130,11 @@ class AttentionCut:
 
     hook_attn_scores: HookPoint
     hook_pattern: HookPoint
+    hook_v: HookPoint
+    hook_z: HookPoint
+
+    def mixing(self) -> Mixing:
+        return Mixing(self.hook_pattern, self.hook_v, self.hook_z)
 
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
@@ -282,6 +302,9 @@ class StateSpaceMixer(RecurrentCut):
     def A(self) -> Tensor:
         raise NotImplementedError
 
+    def mixing(self) -> Mixing:
+        return Mixing(self.hook_kernel, self.hook_ssm_in, self.hook_y)
+
     def decay_norms(self) -> Tensor:
         A = self.A().double()
         return torch.exp(A).sum(-1) if A.ndim == 2 else torch.exp(A) * self.d_state
@@ -358,6 +381,19 @@ class ExpertMixture:
     None) and the hooks hook_chosen, hook_routing_weights, hook_expert_out, hook_shared_out."""
 
     n_experts: int
+    hook_chosen: HookPoint
+    hook_routing_weights: HookPoint
+    hook_expert_out: HookPoint
+
+    def write_reads(self) -> tuple[HookPoint, ...]:
+        """The hooks each expert's write is computed from (`unit_writes`' arguments, in order)."""
+        return (self.hook_chosen, self.hook_routing_weights, self.hook_expert_out)
+
+    def unit_writes(self, chosen: Tensor, weights: Tensor, expert_out: Tensor) -> Tensor:
+        """Each expert's write [.. pos n_experts d_model]: its routing weight times its output, summed over
+        the slots that chose it (the shared MLP left out)."""
+        onehot = torch.nn.functional.one_hot(chosen, self.n_experts).to(expert_out.dtype)  # [.. pos k E]
+        return torch.einsum("...ke,...k,...kd->...ed", onehot, weights.to(expert_out.dtype), expert_out)
 
 
 def unit_tags(model: Any) -> dict[str, str]:
