@@ -34,16 +34,16 @@ from torch import Tensor
 from hooked.devices import onloaded
 from hooked.models.model_map import model_map
 from hooked.models.protocol import ExpertMixture
-from hooked.validate import Flag, Integer, checked, pos_index, token_ids
+from hooked.validate import Flag, checked, pos_index, resid_layer, token_ids
 
 SliceInput = Any  # None | int | tuple | slice | list | Tensor
 
 
-def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2, name: str = "pos_slice") -> Tensor:
+def slice_pos(t: Tensor, pos_slice: SliceInput, dim: int = -2, name: str = "pos_slice", unit: str = "positions") -> Tensor:
     """TransformerLens's Slice(pos_slice).apply(t, dim); `name` is the argument's, for messages."""
     if pos_slice is None:
         return t
-    pos_slice = pos_index(pos_slice, t.shape[dim], name)  # refuses what selects nothing or is no position
+    pos_slice = pos_index(pos_slice, t.shape[dim], name, unit)  # refuses what selects nothing or is no position
     if torch.is_tensor(pos_slice):
         pos_slice = pos_slice.to(t.device)
     index = [slice(None)] * t.ndim
@@ -64,15 +64,7 @@ class ResidualStreamMethods:
 
     # ------------------------------------------------------------------------------- helpers
     def _final_layer(self, layer: int | None) -> int:
-        n = self.n_layers
-        if layer is None:
-            return n
-        layer = Integer().check(layer, "layer")
-        if layer == -1:
-            return n
-        if not 0 <= layer <= n:
-            raise ValueError(f"layer={layer} is outside [0, {n}] (or -1 / None for the final residual)")
-        return layer
+        return resid_layer(layer, self.n_layers)
 
     def _norm_at(self, layer: int, mlp_input: bool) -> tuple[Any, str]:
         """The norm reading the residual at `layer` (the block's first step, or its MLP's with
@@ -260,8 +252,8 @@ class ResidualStreamMethods:
             W_out = mlp.down_proj.weight.T.to(post.device)  # [d_mlp d_model]
             W_out = W_out * getattr(mlp, "out_multiplier", 1.0)
         if neuron_slice is not None:
-            post = slice_pos(post, neuron_slice, dim=-1, name="neuron_slice")
-            W_out = slice_pos(W_out, neuron_slice, dim=0, name="neuron_slice")
+            post = slice_pos(post, neuron_slice, dim=-1, name="neuron_slice", unit="neurons")
+            W_out = slice_pos(W_out, neuron_slice, dim=0, name="neuron_slice", unit="neurons")
         return post[..., None] * W_out
 
     def _mlp_writer(self, l: int) -> Any:
@@ -280,7 +272,7 @@ class ResidualStreamMethods:
             res = self._to_resid(self._mlp_writer(l), self.get_neuron_results(l, neuron_slice).movedim(-2, 0))
             parts.append(slice_pos(res, pos_slice))
             ids = slice_pos(torch.arange(self.model.cfg.d_mlp if neuron_slice is not None else res.shape[0]),
-                            neuron_slice, dim=0, name="neuron_slice")
+                            neuron_slice, dim=0, name="neuron_slice", unit="neurons")
             labels += [f"L{l}N{int(i)}" for i in ids.reshape(-1)]
         like = slice_pos(self["embed"], pos_slice) if not parts or (incl_remainder and layer == 0) else None
         stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))  # a hook_z-only cache needs no embed

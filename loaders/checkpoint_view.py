@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loaders.errors import CheckpointError, where
 from loaders.safetensors_io import MappingSource
 
 EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<i>\d+)\.(?P<part>\w+)\.weight$")
@@ -87,16 +88,39 @@ def expert_view(renames: Sequence[tuple[str, str]] = (),
             if ids != list(range(len(ids))):
                 raise ValueError(f"{prefix}: experts {ids} are not numbered 0..{len(ids) - 1}")
             for target, parts in stacks.items():
-                if all(p in per_expert[0] for p in parts):
-                    stacked[f"{prefix}.{target}"] = [[per_expert[i][p] for p in parts] for i in ids]
+                complete = [i for i in ids if all(p in per_expert[i] for p in parts)]
+                if not complete:
+                    continue
+                if len(complete) < len(ids):
+                    _missing_parts(source, prefix, per_expert, parts, complete[0])
+                stacked[f"{prefix}.{target}"] = [[per_expert[i][p] for p in parts] for i in ids]
             used = {p for target, parts in stacks.items() for p in parts if f"{prefix}.{target}" in stacked}
             for i in ids:  # parts no target took stay visible (and are reported as unexpected)
                 plain.update({f"{prefix}.{i}.{p}.weight": n for p, n in per_expert[i].items() if p not in used})
         view = _View(source, plain, stacked)
-        return MappingSource(view, origin=getattr(source, "origin", "checkpoint"),
-                             shapes={n: view.shape(n) for n in view})
+        return _with_files(MappingSource(view, origin=getattr(source, "origin", "checkpoint"),
+                                         shapes={n: view.shape(n) for n in view}), view)
 
     return adapt
+
+
+def _with_files(adapted: MappingSource, view: _View) -> MappingSource:
+    """`adapted.file_named(name)`: the file of the original tensor (a stacked one's first part), for error
+    messages only (not `file_of`: disk offload reads `file_of`'s file under the name asked, which a view renames)."""
+    def file_named(name: str) -> str:
+        return where(view.source, view.plain[name] if name in view.plain else view.stacked[name][0][0])
+    adapted.file_named = file_named
+    return adapted
+
+
+def _missing_parts(source: Any, prefix: str, per_expert: dict[int, dict[str, str]], parts: Sequence[str],
+                   ref: int) -> None:
+    """Raise a CheckpointError naming each expert tensor that is absent while expert `ref` stores it."""
+    missing = [f"{prefix}.{i}.{p}.weight" for i, have in per_expert.items() for p in parts if p not in have]
+    expected = {n: tuple(source.shape(per_expert[ref][n.split(".")[-2]])) for n in missing}
+    raise CheckpointError(getattr(source, "origin", "checkpoint"), "its experts", missing, [], [],
+                          hints=[f"expert {ref} stores every part, in {where(source, per_expert[ref][parts[0]])}: "
+                                 f"each expert needs {', '.join(parts)}"], expected=expected)
 
 
 class _Concat(_View):
@@ -133,7 +157,8 @@ def concat_view(parts: Sequence[str], target: str) -> Callable[[Any], Any]:
         used = {n for members in groups.values() for n in members}
         view = _Concat(source, {n: n for n in names if n not in used},
                        {prefix + target: [members] for prefix, members in groups.items()})
-        return MappingSource(view, origin=getattr(source, "origin", "checkpoint"), shapes={n: view.shape(n) for n in view})
+        return _with_files(MappingSource(view, origin=getattr(source, "origin", "checkpoint"),
+                                         shapes={n: view.shape(n) for n in view}), view)
 
     return adapt
 

@@ -48,11 +48,13 @@ from loaders.checks import (ConfigError, check_float_dtype, check_hf_config, che
                             read_json, shard_path, weight_map)
 from hooked.validate import Device, Flag, Text, check, checked
 from loaders.dispatch import check_placement
+from loaders.errors import CheckpointError, layer_hint, where
 from loaders.hub import looks_like_repo_id, resolve_repo
 from loaders.meta import build_on_meta, materialise
 from loaders.placement import Placement
 from loaders.registry import Architecture, find_architecture
 from loaders.safetensors_io import INDEX_FILE, SINGLE_FILE, MappingSource, SafetensorsCheckpoint
+from loaders.stored_head import follow_stored_head
 from loaders.tokenizer import load_gguf_tokenizer, load_tokenizer, prepare_tokenizer
 
 IGNORED_KEYS = (  # checkpoint tensors HF models recompute instead of loading
@@ -70,21 +72,6 @@ def _smollm2() -> Path:
 
 
 ALIASES: dict[str, Callable[[], Path]] = {"smollm2-135m": _smollm2}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model; `.missing`, `.unexpected`, `.mismatched` list all of it."""
-
-    def __init__(self, origin: str, arch: str, missing: list[str], unexpected: list[str], mismatched: list[str],
-                 unmapped: list[str] = ()) -> None:
-        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
-        self.unmapped = list(unmapped)
-        parts = [f"missing ({len(missing)}): {', '.join(missing)}" if missing else "",
-                 f"unexpected ({len(unexpected)}): {', '.join(unexpected)}" if unexpected else "",
-                 f"mis-shaped ({len(mismatched)}): {'; '.join(mismatched)}" if mismatched else "",
-                 f"parameters the {arch} key map does not cover ({len(self.unmapped)}): {', '.join(self.unmapped)}"
-                 if self.unmapped else ""]
-        super().__init__(f"{origin}: checkpoint does not fit {arch}:\n  " + "\n  ".join(p for p in parts if p))
 
 
 # ------------------------------------------------------------------------------------- entry points
@@ -227,13 +214,26 @@ def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False, *
     hf_config = hf_model.config.to_dict()
     p = next(hf_model.parameters())
     source = MappingSource(hf_model.state_dict(), origin=type(hf_model).__name__)
-    model = build_from_source(hf_config, source, Placement(dtype=p.dtype, device=p.device, mmap=False))
+    try:
+        model = build_from_source(hf_config, source, Placement(dtype=p.dtype, device=p.device, mmap=False))
+    except CheckpointError as e:
+        if _has_head(hf_model):
+            raise
+        name = type(hf_model).__name__
+        raise ValueError(f"from_hf: {name} is a base model without a language-model head (its "
+                         f"get_output_embeddings() is None): load its causal LM, e.g. "
+                         f"transformers.{name.removesuffix('Model') + 'ForCausalLM'}, and pass that") from e
     model.tokenizer = prepare_tokenizer(tokenizer)
     if share_weights:
         if any(processing.values()):
             raise ValueError("weight processing with share_weights=True would rewrite the HF model's weights")
         _share(model, hf_config, source, type(hf_model).__name__)
     return _processed(model, processing)
+
+
+def _has_head(hf_model: Any) -> bool:
+    get = getattr(hf_model, "get_output_embeddings", None)
+    return get is None or get() is not None
 
 
 def _share(model: nn.Module, hf_config: dict[str, Any], source: Any, origin: str) -> None:
@@ -261,9 +261,27 @@ def load_dir(directory: str | Path, placement: Placement = Placement(), *, allow
         source = SafetensorsCheckpoint.from_dir(d)
     else:
         source = _pickle_source(d, allow_pickle)
-    model = build_from_source(hf_config, source, placement)
+    try:
+        model = build_from_source(hf_config, source, placement)
+    except CheckpointError as e:
+        hint = _defaulted_text_config(d, hf_config)
+        if hint is None:
+            raise
+        raise CheckpointError(e.origin, e.arch, e.missing, e.unexpected, e.mismatched, e.unmapped,
+                              [hint, *e.hints], e.expected) from None
     model.tokenizer = load_tokenizer(d)
     return model
+
+
+def _defaulted_text_config(d: Path, hf_config: dict[str, Any]) -> str | None:
+    """A line naming the cause when config.json has no text_config and HF's config class filled in its own."""
+    raw = read_json(d / "config.json", "config")
+    text = hf_config.get("text_config")
+    if "text_config" in raw or not isinstance(text, dict):
+        return None
+    sizes = ", ".join(f"{k}={text[k]}" for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k in text)
+    return (f"{d / 'config.json'} has no text_config: the {raw.get('model_type')!r} config class filled in its "
+            f"defaults ({sizes}), not this checkpoint's text model; add the text model's text_config")
 
 
 def load_gguf(path: str | Path, placement: Placement = Placement()) -> Any:
@@ -381,7 +399,12 @@ def build_from_source(hf_config: dict[str, Any], source: Any, placement: Placeme
         raise e if isinstance(e, ConfigError) else ConfigError(f"{origin}: {e}") from None
     check_model_config(cfg, origin, arch.name)
     if getattr(arch, "adapt", None) is not None:  # e.g. per-expert tensors stacked (loaders/checkpoint_view.py)
-        source = arch.adapt(source)
+        try:
+            source = arch.adapt(source)
+        except CheckpointError as e:  # raised before the architecture was known to it
+            raise CheckpointError(origin, arch.name, e.missing, e.unexpected, e.mismatched, e.unmapped,
+                                  e.hints, e.expected) from None
+    cfg = follow_stored_head(cfg, arch, source)  # a stored lm_head.weight is loaded, untied, as HF does
     dtype = placement.dtype or checkpoint_dtype(hf_config, source)
     try:
         model = build_on_meta(arch.build, cfg)
@@ -420,20 +443,21 @@ def plan_load(arch: Architecture, cfg: Any, model: nn.Module, source: Any) -> di
     params = dict(model.named_parameters())  # one name per tensor: tied aliases are not listed twice
     present = set(source.keys())
     plan: dict[str, tuple[str, Any]] = {}
-    missing, mismatched = [], []
+    missing, mismatched, expected = [], [], {}
     unmapped = [n for n in params if n not in key_map]
     unmapped += [f"{n} (not a parameter)" for n in key_map if n not in params]
     for name, key in key_map.items():
         src = next((n for n in key.names if n in present), None)
         if src is None:
             missing.append(key.names[0] if len(key.names) == 1 else f"{key.names[0]} (or {', '.join(key.names[1:])})")
+            if name in params:
+                expected[missing[-1]] = tuple(params[name].shape)
             continue
         plan[name] = (src, key)
         if name in params:
             got = _shape_after(key, source.shape(src))
-            if got is not None and tuple(got) != tuple(params[name].shape):
-                mismatched.append(f"{src}: {list(source.shape(src))} -> {list(got)}, expected {list(params[name].shape)} "
-                                  f"for {name}")
+            if isinstance(got, Exception) or tuple(got) != tuple(params[name].shape):
+                mismatched.append(mis_shaped(source, src, name, key, tuple(params[name].shape), got))
     used = {src for src, _ in plan.values()}
     referenced = {n for key in key_map.values() for n in key.names}
     patterns = [re.compile(p) for p in IGNORED_KEYS + tuple(getattr(arch, "ignore", ()))]
@@ -442,19 +466,34 @@ def plan_load(arch: Architecture, cfg: Any, model: nn.Module, source: Any) -> di
     unexpected = [n for n in source.keys() if n not in used and not any(p.search(n) for p in patterns)
                   and not (n in TIED_OUTPUT_KEYS and n not in referenced) and identity(n) not in used_ids]
     if missing or unexpected or mismatched or unmapped:
+        hints = layer_hint(source.keys(), getattr(cfg, "n_layers", None)) if missing else []
         raise CheckpointError(getattr(source, "origin", "checkpoint"), arch.name, missing, unexpected, mismatched,
-                              unmapped)
+                              unmapped, hints, expected)
     return plan
 
 
-def _shape_after(key: Any, shape: tuple[int, ...]) -> torch.Size | None:
-    """The shape `key.transform` gives a tensor of `shape`, found on a meta tensor; None if it cannot tell."""
+def mis_shaped(source: Any, src: str, name: str, key: Any, want: tuple[int, ...], got: Any) -> str:
+    """One mis-shaped entry: the tensor, its shape in the file, what the Key made of it (or why it could
+    not), the shape expected, the parameter, the file."""
+    found = list(source.shape(src))
+    made = (f"which {_transform_name(key)} cannot convert ({' '.join(str(got).split())})"
+            if isinstance(got, Exception) else f"-> {list(got)}" if key.transform is not None else "")
+    return f"{src}: {found}{' ' + made if made else ''}, expected {list(want)} for {name} (in {where(source, src)})"
+
+
+def _transform_name(key: Any) -> str:
+    return f"its transform ({getattr(key.transform, '__qualname__', '?').replace('<locals>.', '')})"
+
+
+def _shape_after(key: Any, shape: tuple[int, ...]) -> torch.Size | Exception:
+    """The shape `key.transform` gives a tensor of `shape`, found on a meta tensor, or the error it raised
+    (a fused layout that does not split into the parts the config asks for)."""
     if key.transform is None:
         return torch.Size(shape)
     try:
         return key.transform(torch.empty(shape, device="meta")).shape
-    except Exception:  # data-dependent transform: checked on the real tensor instead
-        return None
+    except Exception as e:  # noqa: BLE001 (any failure of the transform is the tensor's, reported by name)
+        return e
 
 
 def map_weights(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any,
@@ -508,11 +547,14 @@ def copy_weights(model: nn.Module, plan: dict[str, tuple[str, Any]], source: Any
             if last is None or last[0] != src:
                 last = None
                 last = (src, _read(source, src, scratch))
-            t = key.transform(last[1]) if key.transform is not None else last[1]
-            if t.shape != param.shape:
+            try:
+                t = key.transform(last[1]) if key.transform is not None else last[1]
+            except Exception as e:  # noqa: BLE001 (a data-dependent transform failing on this tensor)
+                t = e
+            if isinstance(t, Exception) or t.shape != param.shape:
                 raise CheckpointError(getattr(source, "origin", "checkpoint"), arch.name, [], [],
-                                      [f"{src}: {list(last[1].shape)} -> {list(t.shape)}, expected "
-                                       f"{list(param.shape)} for {name}"])
+                                      [mis_shaped(source, src, name, key, tuple(param.shape),
+                                                  t if isinstance(t, Exception) else t.shape)])
             param.copy_(t)
 
 
