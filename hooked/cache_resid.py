@@ -66,6 +66,11 @@ class ResidualStreamMethods:
     def _final_layer(self, layer: int | None) -> int:
         return resid_layer(layer, self.n_layers)
 
+    def _mid_at(self, layer: int) -> bool:
+        """Whether block `layer`'s MLP reads the block's writers before it (resid_mid), not the block's
+        input (a parallel block, GPT-NeoX's): what `mlp_input=True` decomposes."""
+        return layer >= self.n_layers or self.model.blocks[layer].mlp_reads_mid
+
     def _norm_at(self, layer: int, mlp_input: bool) -> tuple[Any, str]:
         """The norm reading the residual at `layer` (the block's first step, or its MLP's with
         mlp_input) and its hook-name prefix."""
@@ -122,7 +127,7 @@ class ResidualStreamMethods:
                 continue
             parts.append(self[("resid_pre", l)])
             labels.append(f"{l}_pre")
-            if (incl_mid and l < layer) or (mlp_input and l == layer):
+            if ((incl_mid and l < layer) or (mlp_input and l == layer)) and self.model.blocks[l].mlp_reads_mid:
                 parts.append(self[("resid_mid", l)])
                 labels.append(f"{l}_mid")
         stack = _stack([slice_pos(p, pos_slice) for p in parts])
@@ -146,7 +151,7 @@ class ResidualStreamMethods:
                 if key in self.cache_dict:
                     parts.append(self.cache_dict[key])
                     labels.append(key[len("hook_"):])
-        for l in range(layer + (1 if mlp_input else 0)):
+        for l in range(layer + (1 if mlp_input and self._mid_at(layer) else 0)):
             for w in self.model.blocks[l].writers():  # what each block adds, hooked (block.py)
                 if l == layer and w.kind == "mlp":
                     continue  # mlp_input: block `layer`'s writers before its MLP
@@ -306,7 +311,7 @@ class ResidualStreamMethods:
         post-norms with their cached scales, MoE routing included). The bias component is one vector
         broadcast over positions, or per position where a post-norm scales it."""
         layer = self._final_layer(layer)
-        stop = layer + (1 if mlp_input else 0)
+        stop = layer + (1 if mlp_input and self._mid_at(layer) else 0)
         heads, labels = self.stack_head_results(stop, pos_slice=pos_slice, return_labels=True)
         parts, mlp_labels, bias = [heads], [], None
         for l in range(stop):

@@ -228,14 +228,16 @@ class ModelWeights:
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """The output biases (o_proj, the MLP's down_proj, a mixer's out_proj: each sublayer's
         `output_bias()`, times its block's output scale) every block before `layer` writes, plus block
-        `layer`'s writers before its MLP when `mlp_input` (TL's): [d_model]. A post-normed sublayer's
+        `layer`'s writers before its MLP when `mlp_input` (TL's; none where the MLP is a parallel branch,
+        GPT-NeoX's, reading the block's input): [d_model]. A post-normed sublayer's
         bias (Gemma's) is not a constant direction: it is left to the decomposition (cache_resid.py).
         On a dispatched model each bias is read through `onloaded` and summed on the CPU."""
         from hooked.devices import onloaded
 
         dispatched = getattr(self, "hf_device_map", None) is not None
         total = None
-        for l in range(layer + (1 if mlp_input else 0)):
+        mid = layer == self.cfg.n_layers or self.blocks[layer].mlp_reads_mid  # False: a parallel MLP reads the input
+        for l in range(layer + (1 if mlp_input and mid else 0)):
             for w in self.blocks[l].writers():
                 if (l == layer and w.kind == "mlp") or (w.kind == "mlp" and not include_mlp_biases):
                     continue

@@ -43,6 +43,7 @@ def test_decomposition_without_neurons_and_by_sublayer_sums_too(run) -> None:
 
 
 def test_decomposition_at_an_mlp_input_sums_to_resid_mid(run) -> None:
+    """... or to the block's input where the MLP is a parallel branch (GPT-NeoX), which is what it reads."""
     _, model, _, _, cache = run
     layers = [l for l, b in enumerate(model.blocks)
               if [w.kind for w in b.writers()][-1] == "mlp" and len(list(b.writers())) > 1]
@@ -50,7 +51,9 @@ def test_decomposition_at_an_mlp_input_sums_to_resid_mid(run) -> None:
         pytest.skip("no block with an MLP after another sublayer")
     l = layers[-1]
     stack = cache.get_full_resid_decomposition(l, mlp_input=True)
-    torch.testing.assert_close(stack.sum(0), cache[f"blocks.{l}.hook_resid_mid"], **TOL)
+    reads = cache[f"blocks.{l}.hook_resid_mid" if model.blocks[l].mlp_reads_mid else f"blocks.{l}.hook_resid_pre"]
+    torch.testing.assert_close(stack.sum(0), reads, **TOL)
+    torch.testing.assert_close(cache.decompose_resid(l, mlp_input=True).sum(0), reads, **TOL)
 
 
 def test_logit_attributions_sum_to_the_logits(run) -> None:

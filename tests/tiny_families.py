@@ -65,6 +65,17 @@ CONFIGS = {
                                                            attn_layer_offset=1, mamba_d_state=8, intermediate_size=24,
                                                            num_experts=4, expert_layer_period=1,
                                                            expert_layer_offset=0)),
+    "gpt_neox": lambda: (_T.GPTNeoXForCausalLM, _T.GPTNeoXConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2,
+                                                                  num_attention_heads=2, intermediate_size=24,
+                                                                  rotary_pct=0.5)),
+    "gemma": lambda: (_T.GemmaForCausalLM, _T.GemmaConfig(**_SMALL, head_dim=8, intermediate_size=24,
+                                                           num_hidden_layers=2)),
+    "phi3": lambda: (_T.Phi3ForCausalLM, _T.Phi3Config(**_SMALL, intermediate_size=24, num_hidden_layers=2,
+                                                        sliding_window=4, partial_rotary_factor=0.5)),
+    "olmo2": lambda: (_T.Olmo2ForCausalLM, _T.Olmo2Config(**_SMALL, intermediate_size=24, num_hidden_layers=2)),
+    "olmo3": lambda: (_T.Olmo3ForCausalLM, _T.Olmo3Config(**_SMALL, intermediate_size=24, num_hidden_layers=2,
+                                                           sliding_window=4, layer_types=["sliding_attention",
+                                                                                          "full_attention"])),
 }
 for _name in DELTA:  # the delta-rule families and LFM2, as tests/delta_oracles.py builds them
     CONFIGS[_name] = lambda _name=_name: (DELTA[_name][1], DELTA[_name][0](**DELTA[_name][2]))

@@ -57,8 +57,8 @@ class Graph:
             writers = list(block.writers())
             sides = {kind: (side, hook) for side, hook, kind in block.sides()}
             steps: list[list[Any]] = []
-            for w in writers:  # writers sharing a norm are one step (parallel branches)
-                if steps and steps[-1][0].norm is w.norm:
+            for w in writers:  # the branches of a parallel step are one stage
+                if steps and steps[-1][0].step == w.step:
                     steps[-1].append(w)
                 else:
                     steps.append([w])
@@ -68,8 +68,8 @@ class Graph:
                         side, hook = sides[w.kind]
                         self.receiver_groups.append(SideReceiver(side.module, f"{side.name}{layer}", layer, stage))
                         self.sender_groups.append(WholeSender(f"{side.name}{layer}", hook, layer, stage, side=True))
-                site = sites.setdefault(id(step[0].norm), NormSite(step[0].norm))
-                for w in step:
+                for w in step:  # each reads through its own norm (GPT-NeoX's branches: ln1, ln2)
+                    site = sites.setdefault(id(w.norm), NormSite(w.norm))
                     tag = tags.get(f"blocks.{layer}.{w.kind}") if isinstance(w.module, TokenMixer) else None
                     parts = row_parts(w.module, layer, tag) if tag is not None else None
                     if parts is not None:

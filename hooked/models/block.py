@@ -100,6 +100,7 @@ class Writer:
     in_scale: float = 1.0  # what multiplies the norm's output before the module reads it
     scale: float = 1.0  # what multiplies the module's output (post-norm aside)
     post_norm: nn.Module | None = None
+    step: int = 1  # the block step it belongs to: the branches of one parallel step share it
 
 
 class ResidualBlock(nn.Module):
@@ -159,11 +160,10 @@ class ResidualBlock(nn.Module):
             if how == "parallel":
                 for b in step.branches:
                     yield Writer(b.kind, getattr(self, b.kind), getattr(self, f"hook_{b.kind}_out"),
-                                 norm if b.norm is None else b.norm,
-                                 b.in_scale, b.out_scale)
+                                 norm if b.norm is None else b.norm, b.in_scale, b.out_scale, step=i)
             else:
                 yield Writer(step.kind, getattr(self, step.kind), getattr(self, f"hook_{step.kind}_out"), norm,
-                             1.0, step.scale, getattr(self, f"ln{i}_post"))
+                             1.0, step.scale, getattr(self, f"ln{i}_post"), step=i)
 
     def sides(self) -> Iterator[tuple[Side, HookPoint, str]]:
         """(side, the hook of what it adds to its step's input, that step's kind) of every side input."""
@@ -179,6 +179,12 @@ class ResidualBlock(nn.Module):
             if how == "serial" and step.side is not None:
                 pairs += getattr(self, step.side.name).norm_readers()
         return pairs
+
+    @property
+    def mlp_reads_mid(self) -> bool:
+        """False when the MLP is a branch of a parallel step (GPT-NeoX): it reads the block's input, and
+        the block has no resid_mid. Analyses decomposing "the MLP's input" read this."""
+        return not any(how == "parallel" and any(b.kind == "mlp" for b in step.branches) for how, _, step in self._plan)
 
     @property
     def kind(self) -> str:
