@@ -320,7 +320,7 @@ def test_cli_hooks_and_parity(family: str, variant: str, tmp_path, capsys) -> No
 
 
 # --------------------------------------------------------------- released checkpoints' configs
-PYTHIA = {  # name: (hidden_size, num_hidden_layers, num_attention_heads, vocab_size, published parameters)
+PYTHIA = {  # name: (hidden_size, num_hidden_layers, num_attention_heads, vocab_size, total parameters in Pythia's README)
     "pythia-70m": (512, 6, 8, 50304, 70_426_624),
     "pythia-160m": (768, 12, 12, 50304, 162_322_944),
     "pythia-410m": (1024, 24, 16, 50304, 405_334_016),
@@ -335,7 +335,8 @@ REAL = {name: (dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"],
                     rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True, layer_norm_eps=1e-5,
                     hidden_act="gelu", tie_word_embeddings=False), count)
         for name, (d, n, h, v, count) in PYTHIA.items()}
-REAL |= {  # config.json fields of the released checkpoints (no weights); published counts
+REAL |= {  # config.json fields of the released checkpoints (no weights); counts as HF builds these sizes (the
+    # model cards round them: 2.51B, 8.54B, 3.82B, 1.48B, 7.30B, 7.30B)
     "gemma-2b": (dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_size=2048, num_hidden_layers=18,
                       num_attention_heads=8, num_key_value_heads=1, head_dim=256, intermediate_size=16384,
                       vocab_size=256000, max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="gelu",
@@ -401,3 +402,15 @@ def test_refusals_are_named() -> None:
     with pytest.raises(ValueError, match="rotates 0 of 16"):
         REGISTRY["gpt_neox"].config_from_hf({**hf_config("gpt_neox", "parallel_quarter_rotary").to_dict(),
                                              "rope_parameters": dict(rope_theta=1e4, partial_rotary_factor=0.01)})
+
+
+def test_circuit_graph_has_no_edge_between_parallel_branches() -> None:
+    """GPT-NeoX's attention and MLP read the same residual: no edge joins a layer's heads to its own MLP,
+    and the MLP's receiver reads through ln2 (the serial variant keeps those edges)."""
+    from analysis.circuits import graph_of
+
+    for variant, joined in (("parallel_quarter_rotary", False), ("serial_full_rotary_no_bias", True)):
+        g = graph_of(from_hf(make_hf("gpt_neox", variant)))
+        into_mlp0 = {e.sender for e in g.edges() if e.receiver == "mlp0"}
+        assert ({"L0H0", "L0H3"} <= into_mlp0) == joined and "embed" in into_mlp0, variant
+        assert ("L0H0" in {e.sender for e in g.edges() if e.receiver == "mlp1"})
