@@ -18,7 +18,8 @@ center_writing_weights every writer minus its mean over d_model (LayerNorm model
                        warning, as TL does).
 center_unembed         W_U minus its mean over the vocabulary (and b_U likewise): logits change by a
                        constant per position, log-probabilities do not.
-fold_value_biases      b_O += sum_h b_V[h] W_O[h]; b_V = 0 (each head's pattern sums to 1).
+fold_value_biases      b_O += sum_h b_V[h] W_O[h]; b_V = 0 (each head's pattern sums to 1). Skipped with a
+                       warning on attention with sinks (GPT-OSS: a row sums to 1 - the sink's share).
 
 A tied unembedding is untied first when a step would change it (folding ln_final, centring W_E or
 W_U): the processed model is no longer tied. Nothing here runs unless asked.
@@ -167,6 +168,10 @@ def fold_value_bias(model: Any) -> None:
     for module in model.modules():
         attn = getattr(module, "attn", None)
         if attn is None or getattr(attn.v_proj, "bias", None) is None:
+            continue
+        if getattr(attn, "sinks", None) is not None:  # sink_attention.py: rows sum to less than 1
+            warnings.warn("fold_value_biases skipped on attention with sinks: a pattern row sums to 1 minus the "
+                          "sink's share, so b_V does not fold into b_O", stacklevel=3)
             continue
         folded = torch.einsum("hd,hdm->m", attn.b_V, attn.W_O)
         _add_bias(attn.o_proj, folded)

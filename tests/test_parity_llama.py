@@ -177,7 +177,9 @@ def test_rope_config_spellings(hf_config: dict, theta: float, scaling: dict | No
 
 
 def test_unsupported_rope_type_raises() -> None:
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(NotImplementedError, match="longrope"):
+        Rotary.of(16, 10000.0, {"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         Rotary.of(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(NotImplementedError, match="dynamic"):
         build(LlamaConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=8, d_vocab=10,

@@ -146,7 +146,8 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         shared = None  # a selected state's shared past (shared_kv.py): its keys come first, read in place
         if ctx.state is not None:  # incremental decoding: the past keys and values come from the state
             shared, k, v = ctx.state.extend_kv(self, k, v)
-        if backends.attention_backend(self, softcap=self.softcap is not None, shared_past=shared is not None,
+        eager = self.softcap is not None or self.eager_only  # SDPA cannot cap scores nor add a sink
+        if backends.attention_backend(self, softcap=eager, shared_past=shared is not None,
                                       on_cuda=q.is_cuda, windowed=self.window is not None) == "sdpa":
             z = sdpa_attention(q, k, v, self.scale, window=self.window, key_mask=ctx.keys_mask())
         else:
@@ -178,14 +179,20 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
         visible = self.visible(ctx, scores.shape[-1], scores.device, q_len=scores.shape[-2], window=self.window)
         attn_scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
         attn_scores = self.hook_attn_scores(attn_scores)
-        softmax_dtype = torch.promote_types(attn_scores.dtype, torch.float32)
-        pattern = attn_scores.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
+        pattern = self.normalise(attn_scores).to(q.dtype)
         pattern = self.hook_pattern(pattern)
         if shared is None:
             return einsum(pattern, v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
         p0 = shared.shared_positions
         return shared.mix(pattern[..., :p0]) + einsum(
             pattern[..., p0:], v, "batch n_heads q_pos k_pos, batch k_pos n_heads d_head -> batch q_pos n_heads d_head")
+
+    def normalise(self, attn_scores: Float[Tensor, "batch n_heads q_pos k_pos"]) -> Float[Tensor, "batch n_heads q_pos k_pos"]:
+        """The pattern from the masked scores: softmax over k_pos in float32 or wider (sink_attention.py
+        adds a per-head sink term to the denominator)."""
+        return attn_scores.softmax(dim=-1, dtype=torch.promote_types(attn_scores.dtype, torch.float32))
+
+    eager_only = False  # True: never SDPA (a layer whose softmax SDPA cannot compute, sink_attention.py)
 
     def gate_heads(self, z: Float[Tensor, "batch pos n_heads d_head"],
                    x: Float[Tensor, "batch pos d_in"]) -> Float[Tensor, "batch pos n_heads d_head"]:

@@ -98,6 +98,23 @@ class SigmoidTopK(nn.Module):
                 f"renormalise={self.renormalise}, scaling={self.scaling:g}")
 
 
+class StackedRows(nn.Module):
+    """A stacked expert weight [n_experts d_expert d_model] seen as one [n_experts * d_expert, d_model] matrix
+    (a view: scaling its columns scales every expert's), without a bias: a LayerNorm's bias cannot fold here."""
+
+    bias = None
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.__dict__["weight"] = weight.view(-1, weight.shape[-1])  # a view, not a parameter of this module
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "bias":
+            raise ValueError("fold_ln cannot fold a LayerNorm's bias into stacked experts (they have no biases); "
+                             "leave fold_ln off for this model")
+        super().__setattr__(name, value)
+
+
 class MoE(ExpertMixture, nn.Module):
     """Router, rule, stacked experts and an optional shared MLP, every routing quantity hooked.
 
@@ -133,9 +150,11 @@ class MoE(ExpertMixture, nn.Module):
         if shared is not None:
             self.hook_shared_out = HookPoint("batch pos d_model")
 
-    def input_linears(self) -> list[nn.Module]:
-        raise ValueError("fold_ln cannot fold a norm into a mixture of experts (the router and the experts "
-                         "read it through stacked parameters); leave fold_ln off for this model")
+    def input_linears(self) -> list[Any]:
+        """The router, every expert's gate and up rows (StackedRows), and the shared MLP's readers: what
+        fold_ln scales by an RMSNorm's weight."""
+        experts = [StackedRows(w) for w in (self.gate_proj, self.up_proj) if w is not None]
+        return [self.router, *experts, *(self.shared.input_linears() if self.shared is not None else [])]
 
     def output_bias(self) -> Tensor | None:
         return None if self.shared is None else self.shared.output_bias()
@@ -207,7 +226,8 @@ class MoE(ExpertMixture, nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         batch, _, d_model = x.shape
         router_dtype = torch.promote_types(x.dtype, torch.float32)
-        router_logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype))
+        bias = None if self.router.bias is None else self.router.bias.to(router_dtype)  # GPT-OSS's router has one
+        router_logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype), bias)
         router_logits = self.hook_router_logits(router_logits)
         chosen, weights = self.select(rearrange(router_logits, "b l e -> (b l) e"))
         chosen = self.hook_chosen(rearrange(chosen, "(b l) k -> b l k", b=batch))

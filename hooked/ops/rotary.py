@@ -4,7 +4,8 @@ Glossary
     d_rot      rotated width of one head (= d_head for Llama); `half` = d_rot // 2 frequencies
     theta      the RoPE base (`rope_theta`), 10000 in the original paper
     inv_freq   [half] angular frequency of each pair of dimensions, theta^(-2i / d_rot)
-    scaling    HF `rope_parameters` beyond theta: {"rope_type": "default" | "linear" | "llama3", ...}
+    scaling    HF `rope_parameters` beyond theta: {"rope_type": "default" | "linear" | "llama3" | "yarn", ...}
+    attention_factor  what multiplies cos and sin (YaRN's mscale, 0.1 ln(factor) + 1; 1 for the others)
     cos, sin   [batch pos d_rot] the rotation of each position, each frequency written twice
                ([f_0 .. f_{half-1}, f_0 .. f_{half-1}]), as HF's `emb = cat(freqs, freqs)`
     rotate_half  (x1, x2) -> (-x2, x1) on the two halves of the last axis: dimension i is paired with
@@ -31,16 +32,18 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_inv_freq(d_rot: int, theta: float, scaling: Mapping[str, Any] | None = None,
                   dtype: torch.dtype = torch.float32) -> Float[Tensor, "half"]:
-    """The inverse frequencies of HF's rope variants "default", "linear" and "llama3" (on the CPU).
+    """The inverse frequencies of HF's rope variants "default", "linear", "llama3" and "yarn" (on the CPU).
 
     "linear" divides every frequency by `factor`. "llama3" (Llama 3.1) leaves high frequencies
     (wavelength < original_max_position_embeddings / high_freq_factor) alone, divides low ones
-    (wavelength > original / low_freq_factor) by `factor`, and interpolates in between.
+    (wavelength > original / low_freq_factor) by `factor`, and interpolates in between. "yarn"
+    (GPT-OSS) blends the plain and the divided frequencies along a linear ramp between the dimensions
+    that turn beta_fast and beta_slow times over original_max_position_embeddings.
     """
     if d_rot % 2:
         raise ValueError(f"rotary width must be even, got {d_rot}")
@@ -53,7 +56,45 @@ def rope_inv_freq(d_rot: int, theta: float, scaling: Mapping[str, Any] | None = 
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_scale(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_scale(inv_freq, d_rot, theta, scaling)
     return inv_freq
+
+
+def _yarn_scale(inv_freq: Float[Tensor, "half"], d_rot: int, theta: float,
+                scaling: Mapping[str, Any]) -> Float[Tensor, "half"]:
+    """YaRN's frequencies as HF's _compute_yarn_parameters (factor given; truncate default True)."""
+    if scaling.get("original_max_position_embeddings") is None or scaling.get("factor") is None:
+        raise ValueError(f"yarn rope needs factor and original_max_position_embeddings, got {dict(scaling)}")
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_context
+        return d_rot * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d_rot - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d_rot // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv_freq.dtype)
+    keep = 1 - ramp  # 1: the plain frequency (extrapolation), 0: divided by factor (interpolation)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """What multiplies cos and sin: YaRN's attention_factor (given, or from factor / mscale as HF
+    derives it); 1.0 for the other rope types."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 def _llama3_scale(inv_freq: Float[Tensor, "half"], scaling: Mapping[str, Any]) -> Float[Tensor, "half"]:
@@ -75,10 +116,14 @@ def rotate_half(x: Float[Tensor, "*batch d_rot"]) -> Float[Tensor, "*batch d_rot
 
 
 def rope_cos_sin(position_ids: Int[Tensor, "batch pos"], inv_freq: Float[Tensor, "half"],
-                 dtype: torch.dtype) -> tuple[Float[Tensor, "batch pos d_rot"], Float[Tensor, "batch pos d_rot"]]:
-    """cos and sin of every position's angles (angle = position * inv_freq), each frequency twice."""
+                 dtype: torch.dtype, attention_factor: float = 1.0
+                 ) -> tuple[Float[Tensor, "batch pos d_rot"], Float[Tensor, "batch pos d_rot"]]:
+    """cos and sin of every position's angles (angle = position * inv_freq), each frequency twice,
+    times attention_factor (YaRN's; before the cast, as HF)."""
     freqs = position_ids[..., None].to(inv_freq.dtype) * inv_freq.to(position_ids.device)  # [batch pos half]
     emb = torch.cat((freqs, freqs), dim=-1)
+    if attention_factor != 1.0:
+        return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -137,5 +182,5 @@ def _table(rope: Rotary, length: int, device: torch.device, dtype: torch.dtype) 
     compute = torch.promote_types(dtype, torch.float32)
     inv_freq = rope_inv_freq(rope.d_rot, rope.theta, dict(rope.scaling), dtype=compute).to(device)
     positions = torch.arange(length, device=device)[None]
-    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype, rope_attention_factor(dict(rope.scaling)))
     return cos[0], sin[0]
