@@ -1,4 +1,5 @@
-"""Argument checks at the public entry points: one rule per argument, one message format.
+"""The rules of scalar arguments (counts, thresholds, probabilities, flags, choices, devices) and the
+`@checked` decorator: one rule per argument, one message format. Indices are in indices.py.
 
 Glossary
     rule       what one argument may be: `Integer(ge=0)`, `Number(gt=0, le=1)`, `Flag()`, `OneOf("a", "b")`,
@@ -337,7 +338,7 @@ def checked(**rules: Rule) -> Callable[[Callable[..., Any]], Callable[..., Any]]
         unknown = set(rules) - set(signature.parameters)
         if unknown:
             raise TypeError(f"checked({sorted(unknown)}): {fn.__qualname__} has no such parameters")
-        where = fn.__name__
+        where = fn.__qualname__.rsplit(".", 1)[0] if fn.__name__ == "__init__" else fn.__name__  # a class: its name
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
@@ -363,56 +364,25 @@ def check(value: Any, name: str, rule: Rule, args: dict[str, Any] | None = None)
     return rule.check(value, name, args)
 
 
-# ------------------------------------------------------------------------------------ positions
-def pos_index(pos_slice: Any, n_pos: int, name: str = "pos_slice") -> Any:
-    """TransformerLens's Slice input checked against `n_pos` positions, as an index for that axis.
+def checked_fields(**rules: Rule) -> Callable[[type], type]:
+    """`@checked` for a settings object: put under `@dataclass(frozen=True)`, it checks the named fields at
+    construction (the values as the rules return them: numpy numbers as Python ones) and registers the
+    rules in RULES under the class's name."""
 
-    None (every position), an int (negative counts from the end), a slice or a tuple (slice(*t)) of
-    ints, or a list / 1-D integer tensor of positions. Refused by name: a bool, a float, a string,
-    a position outside [-n_pos, n_pos), and a slice that selects no position.
-    """
-    if pos_slice is None:
-        return None
-    if isinstance(pos_slice, tuple):
-        pos_slice = slice(*pos_slice)
-    if isinstance(pos_slice, slice):
-        for field in ("start", "stop", "step"):
-            part = getattr(pos_slice, field)
-            if part is not None:
-                Integer().check(part, f"{name}.{field}")
-        if pos_slice.step == 0:
-            raise ValueError(f"{name}={pos_slice!r}: the step must not be 0")
-        chosen = range(n_pos)[pos_slice]
-        if len(chosen) == 0:
-            raise ValueError(f"{name}={pos_slice!r} selects none of the {n_pos} positions")
-        return pos_slice if pos_slice.step is None or pos_slice.step > 0 else torch.tensor(chosen, dtype=torch.long)
-    if isinstance(pos_slice, (list, np.ndarray)) or (torch.is_tensor(pos_slice) and pos_slice.ndim == 1):
-        items = pos_slice.tolist() if hasattr(pos_slice, "tolist") else pos_slice
-        if not items:
-            raise ValueError(f"{name}=[]: selects no position")
-        rule = Integer(ge=-n_pos, lt=n_pos)
-        return torch.tensor([rule.check(v, f"{name}[{i}]") for i, v in enumerate(items)], dtype=torch.long)
-    rule = Integer(ge=-n_pos, lt=n_pos)
-    if _is_bool(pos_slice) or not isinstance(_number(pos_slice), numbers.Integral):
-        raise WrongType(f"{name}: expected None, an integer in [-{n_pos}, {n_pos}), a slice, a tuple or a list of "
-                        f"positions, got {_show(pos_slice)} ({type(pos_slice).__name__})")
-    return rule.check(pos_slice, name)
+    def wrap(cls: type) -> type:
+        unknown = set(rules) - set(getattr(cls, "__annotations__", {}))
+        if unknown:
+            raise TypeError(f"checked_fields({sorted(unknown)}): {cls.__qualname__} has no such fields")
 
+        def __post_init__(self: Any) -> None:
+            values = dict(self.__dict__)
+            for name, rule in rules.items():
+                values[name] = rule.check(values[name], f"{cls.__name__}: {name}", values)
+                object.__setattr__(self, name, values[name])
 
-def token_ids(value: Any, d_vocab: int, name: str) -> torch.Tensor:
-    """Token ids as a long tensor (shape kept): an int, a list of ints or an integer tensor, each in
-    [0, d_vocab); floats, bools and strings are refused by name, as is an id outside the vocabulary."""
-    if torch.is_tensor(value):
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise WrongType(f"{name}: expected token ids (integers), got a {value.dtype} tensor")
-        ids = value.long()
-    elif isinstance(value, (list, tuple)):
-        ids = torch.tensor([Integer().check(v, f"{name}[{i}]") for i, v in enumerate(value)], dtype=torch.long)
-    else:
-        ids = torch.tensor(Integer(ge=0, lt=d_vocab).check(value, name), dtype=torch.long)
-    bad = (ids < 0) | (ids >= d_vocab)
-    if bool(bad.any()):
-        shown = sorted(set(ids[bad].tolist()))[:10]
-        raise ValueError(f"{name}: token ids outside the vocabulary [0, {d_vocab}): {shown}")
-    return ids
+        cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+        cls.rules = rules  # type: ignore[attr-defined]
+        RULES[f"{cls.__module__}.{cls.__qualname__}"] = rules
+        return cls
 
+    return wrap
