@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from hooked.models.protocol import token_mixers
+from hooked.validate import position_list
 
 
 def ssm_sites(model: Any) -> list[str]:
@@ -46,18 +47,8 @@ def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, 
 
 
 def _positions(positions: int | Sequence[int] | Tensor, pos: int, what: str, device: torch.device) -> Tensor:
-    """1-D long tensor of positions in [0, pos); negatives count from the end."""
-    if isinstance(positions, (list, tuple, range)) and len(positions) == 0 or \
-            torch.is_tensor(positions) and positions.numel() == 0:
-        raise ValueError(f"{what}: no position given")
-    given = torch.as_tensor(positions)
-    if given.dtype == torch.bool or given.is_floating_point():
-        raise TypeError(f"{what} must be integer positions, got {positions!r}")
-    idx = given.long().reshape(-1)
-    bad = idx[(idx < -pos) | (idx >= pos)]
-    if len(bad):
-        raise IndexError(f"{what} {bad.tolist()} outside the sequence of {pos} positions")
-    return (idx % pos).to(device)
+    """1-D long tensor of positions in [0, pos) (hooked.validate's position grammar)."""
+    return torch.tensor(position_list(positions, pos, what), dtype=torch.long, device=device)
 
 
 def kernel_rows(model: Any, tokens: Tensor, rows: int | Sequence[int] | Tensor, sites: Sequence[str] | None = None,

@@ -8,7 +8,9 @@ Glossary
     scan backend       "loop" (the sequential scan, Mamba-2's chunked SSD), "chunked" (the two-level
                        scan, ops/scan_chunked.py: few launches, for GPUs) or "fused" (mamba-ssm's
                        kernels, ops/fused.py; their stand-ins with the same semantics where the kernels
-                       cannot run, so the wiring runs on a CPU too)
+                       cannot run, so the wiring runs on a CPU too); the delta-rule mixers' "fused" is
+                       fla's chunked / recurrent rule (ops/fla_kernels.py), a short conv's causal-conv1d's
+                       or fla's conv
     attention backend  "eager" (scores and pattern built) or "sdpa" (ops/sdpa.py: neither built)
     exact path         every per-position quantity built and hookable: "loop" or "chunked" for a
                        scan (equal but for rounding), "eager" for attention. The fused scan and SDPA
@@ -22,12 +24,13 @@ Glossary
                        default). An exact hook wins: a forced "fused" then runs "loop" on a CPU,
                        "chunked" on CUDA; a forced "sdpa" runs "eager"
     default            scan: "loop" on a CPU (one chunk stays in cache: fastest there), on CUDA "fused"
-                       where mamba-ssm is installed, else "chunked"; an exact hook on CUDA: "chunked".
+                       where the layer's kernel package is installed (mamba-ssm; fla for the delta rule;
+                       causal-conv1d or fla for a short conv), else "chunked"; an exact hook on CUDA: "chunked".
                        "fused" becomes the device's exact algorithm for float64 and for Mamba-1 with
                        an initial state (the kernels take neither). Attention: "sdpa", except a
                        soft-capped layer and a selected state's shared past ("eager")
-    used               what a layer's last forward ran, kept on the module (`last_backend`) and listed
-                       by `active(model)` under the layer's module path
+    used               what a layer's last forward ran, kept on the module (`last_backend`; the kernels it
+                       called, `last_kernels`) and listed by `active(model)` under the layer's module path
 
 Like scoped hooks, `use` is seen only by the thread (or asyncio task) that entered it. Outside every
 `use` block no context variable is read, so a hook-free forward compiles without a graph break.
@@ -87,9 +90,18 @@ def exact_hook(fn: Callable) -> Callable:
     return fn
 
 
-def active(model: nn.Module) -> dict[str, str]:
-    """What each mixer and attention layer ran in its last forward, by module path (run it first)."""
-    return {name: m.last_backend for name, m in model.named_modules() if getattr(m, "last_backend", None)}
+def active(model: nn.Module, *, kernels: bool = False) -> dict[str, str]:
+    """What each mixer and attention layer ran in its last forward, by module path (run it first).
+
+    kernels=True: each backend followed by the kernels its layer called on the fused path, in call order
+    (ops/fused.py's `ran`: "fused: fla.causal_conv1d, fla.chunk_gated_delta_rule"; our own ops are
+    "hooked.<op>", the stand-ins "hooked.<name>_reference")."""
+    out = {}
+    for name, m in model.named_modules():
+        if getattr(m, "last_backend", None):
+            called = getattr(m, "last_kernels", ()) if kernels else ()
+            out[name] = m.last_backend + (": " + ", ".join(called) if called else "")
+    return out
 
 
 def _exact(module: nn.Module) -> bool:
@@ -106,11 +118,14 @@ def _found(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-# Whether each mamba-ssm kernel's package is installed, looked up once at import without importing it:
-# torch.compile reads a constant here, never an import (a broken build still falls back, ops/fused.py)
+# Whether each kernel's package is installed, looked up once at import without importing it: torch.compile
+# reads a constant here, never an import (a broken build still falls back, ops/fused.py). "causal_conv1d": a
+# short conv's kernel, causal-conv1d's or else fla's
 _INSTALLED = {op: _found(package) for op, package in (("selective_scan_fn", "mamba_ssm"),
                                                        ("mamba_chunk_scan_combined", "mamba_ssm"),
-                                                       ("causal_conv1d_fn", "causal_conv1d"))}
+                                                       ("causal_conv1d_fn", "causal_conv1d"),
+                                                       ("chunk_gated_delta_rule", "fla"))}
+_INSTALLED["causal_conv1d"] = _INSTALLED["causal_conv1d_fn"] or _INSTALLED["chunk_gated_delta_rule"]
 
 
 def _fused_available(device: torch.device, op: str = "selective_scan_fn") -> bool:
@@ -139,6 +154,7 @@ def attention_backend(attn: nn.Module, *, softcap: bool, shared_past: bool, on_c
 
 
 def fused_kernels(device: torch.device) -> Kernels | None:
-    """The kernels for a "fused" scan on `device`: mamba-ssm's where they run (None), else the stand-ins."""
-    return None if device.type == "cuda" and _INSTALLED["selective_scan_fn"] else REFERENCE
+    """The kernels for a "fused" scan on `device`: the installed ones (None; each op falls back to ours where
+    its kernel is absent) on CUDA where mamba-ssm, causal-conv1d or fla is there, else the stand-ins."""
+    return None if device.type == "cuda" and any(_INSTALLED.values()) else REFERENCE
 

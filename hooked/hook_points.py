@@ -406,10 +406,20 @@ class HookedRootModule(nn.Module):
         """True for a hook that filters skip until a switch turns it on (hooked.tl_switches); none here."""
         return False
 
-    def hook_shape(self, name: str, batch: int = 1, pos: int = 1) -> tuple[int, ...]:
-        """Shape of hook `name`'s activation for a [batch, pos] input, from its axes (no forward)."""
+    def hook_shape(self, name: str | Callable[[str], bool], batch: int = 1, pos: int = 1) -> tuple[int, ...]:
+        """Shape of hook `name`'s activation for a [batch, pos] input, from its axes (no forward). A filter
+        (a function of the name) must match hooks of one shape."""
         batch, pos = (check(v, f"hook_shape: {what}", Integer(ge=1)) for v, what in ((batch, "batch"), (pos, "pos")))
-        return self._resolve(name)[0].shape(batch, pos)
+        shapes: dict[tuple[int, ...], list[str]] = {}
+        for p in self._resolve(name):
+            shapes.setdefault(tuple(p.shape(batch, pos)), []).append(p.name)
+        if not shapes:
+            raise ValueError("hook_shape: name: the filter matches no hook")
+        if len(shapes) > 1:
+            listed = "; ".join(f"{list(shape)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                               for shape, names in shapes.items())
+            raise ValueError(f"hook_shape: name: the filter matches hooks of {len(shapes)} shapes: {listed}; pass one name")
+        return next(iter(shapes))
 
     # ----------------------------------------------------------------------------------- lookup
     def _example_input(self, pos: int = 2) -> Any:

@@ -102,7 +102,8 @@ def test_decoding_from_a_state_on_every_backend(family, scan):
 def _spy(calls: dict) -> Kernels:
     def wrap(name, fn):
         def spy(*args, **kwargs):
-            calls.setdefault(name, []).append(([tuple(a.shape) for a in args if torch.is_tensor(a)], kwargs))
+            tensors = [*args, *kwargs.values()]  # the kernels are called with keywords only, in their order
+            calls.setdefault(name, []).append(([tuple(a.shape) for a in tensors if torch.is_tensor(a)], kwargs))
             return fn(*args, **kwargs)
         return spy
     return Kernels(*(wrap(n, getattr(REFERENCE, n)) for n in ("selective_scan_fn", "causal_conv1d_fn",

@@ -222,17 +222,22 @@ def test_wrappers_pass_the_kernels_layout_and_arguments():
                     real=False)
     inp = mamba1(dtype=torch.float32)
     selective_scan_fused(**inp, kernels=spies)
-    (u, dt, A, B, C), kw = spies.selective_scan_fn.calls[0]
-    assert u.shape == dt.shape == (2, 6, 13) and B.shape == C.shape == (2, 4, 13) and A.dtype == torch.float32
+    args, kw = spies.selective_scan_fn.calls[0]  # keywords only
+    u, dt, A, B, C = (kw.pop(n) for n in ("u", "delta", "A", "B", "C"))
+    assert args == () and u.shape == dt.shape == (2, 6, 13) and B.shape == C.shape == (2, 4, 13)
+    assert A.dtype == torch.float32
     assert kw == dict(D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=True)
     causal_conv1d_fused(inp["u"], torch.randn(6, 4), kernels=spies)
-    (x, weight, bias), kw = spies.causal_conv1d_fn.calls[0]
-    assert x.shape == (2, 6, 13) and x.stride(1) == 1 and kw == dict(activation=None)  # channel-last, no copy
+    args, kw = spies.causal_conv1d_fn.calls[0]
+    x = kw.pop("x")
+    assert args == () and set(kw) == {"weight", "bias", "activation"} and kw["activation"] is None
+    assert x.shape == (2, 6, 13) and x.stride(1) == 1  # channel-last, no copy
     inp2 = mamba2(dtype=torch.float32)
     h0 = torch.randn(2, 4, 3, 5)
     ssd_fused(**inp2, chunk_size=8, h0=h0, kernels=spies)
     args, kw = spies.mamba_chunk_scan_combined.calls[0]
-    assert args[0] is inp2["x"] and args[5] == 8 and kw["initial_states"] is h0 and kw["return_final_states"]
+    assert args == () and kw["x"] is inp2["x"] and kw["chunk_size"] == 8 and kw["initial_states"] is h0
+    assert kw["return_final_states"]
     assert kw["dt_softplus"] is False and kw["D"] is None and kw["z"] is None and kw["dt_bias"] is None
     # the kernel takes no initial state: with h0 the scan is ours, the kernel is not called
     selective_scan_fused(**inp, h0=torch.randn(2, 6, 4), kernels=spies)

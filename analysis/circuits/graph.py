@@ -31,6 +31,7 @@ from analysis.circuits.receivers import (LogitsReceiver, ModuleReceiver, NormSit
                                          SideReceiver, row_parts)
 from analysis.circuits.senders import EmbedSender, SenderGroup, WholeSender, writer_senders
 from hooked.models.protocol import TokenMixer, unit_tags
+from hooked.validate import as_index
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,10 @@ class Graph:
         return (self.edge(i) for i in range(len(self)))
 
     def index(self, edge: Any) -> int:
-        """The number of an edge given as an Edge, a (sender, receiver) pair or "sender->receiver"."""
+        """The number of an edge given as an Edge, a (sender, receiver) pair, "sender->receiver" or its number
+        (an index: negative counts from the end)."""
+        if not isinstance(edge, (str, Edge, tuple, list)):  # an edge number, or no edge at all
+            return as_index(edge, len(self), "edge", "edges of the graph")
         if isinstance(edge, str):
             if "->" not in edge:
                 raise ValueError(f"an edge as text is 'sender->receiver', got {edge!r}")
@@ -136,7 +140,7 @@ class Graph:
         """Bool [n_edges]: True on the listed edges (Edges, pairs, "a->b" strings or edge numbers)."""
         out = torch.zeros(len(self), dtype=torch.bool)
         for e in edges:
-            out[int(e) if isinstance(e, (int, Tensor)) else self.index(e)] = True
+            out[self.index(e)] = True
         return out
 
     def dense(self, coef: Tensor) -> Tensor:

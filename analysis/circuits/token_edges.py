@@ -33,6 +33,7 @@ from analysis.circuits.runs import forward_logits
 from hooked.hook_points import scoped_hooks
 from hooked.models.model_map import model_map
 from hooked.models.protocol import ATTENTION_MODES
+from hooked.validate import Flag, Integer, OneOf, Text, check, checked, token_edge
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class TokenEdgeScores:
         name, i = self._units[unit]
         return self.sites[name][1][i]
 
+    @checked(n=Integer(ge=0, le=lambda args: len(args["self"])), absolute=Flag())
     def top(self, n: int, absolute: bool = True) -> list[TokenEdge]:
         flat, index = [], []
         for name, (labels, s) in self.sites.items():
@@ -194,9 +196,13 @@ class TokenEdgeScores:
 
 # ------------------------------------------------------------------------------------ knockout
 def _as_triples(edges: Sequence[Any]) -> list[tuple[str, int, int]]:
+    """(unit, target, source) of each edge, its positions integers (their range: at the run, token_edge)."""
     out = []
-    for e in edges:
-        out.append((e.unit, e.target, e.source) if isinstance(e, TokenEdge) else (str(e[0]), int(e[1]), int(e[2])))
+    for k, e in enumerate(edges):
+        unit, j, i = (e.unit, e.target, e.source) if isinstance(e, TokenEdge) else e
+        what = f"edges[{k}]"
+        out.append((check(unit, f"{what}: unit", Text()), check(j, f"{what}: target", Integer()),
+                    check(i, f"{what}: source", Integer())))
     return out
 
 
@@ -204,22 +210,20 @@ def _as_triples(edges: Sequence[Any]) -> list[tuple[str, int, int]]:
 def cut_token_edges(model: Any, edges: Sequence[Any], attention: str = "scores") -> Iterator[Any]:
     """Cut exactly the listed token edges (TokenEdges or (unit, target, source)) while open: attention per
     head (the other heads keep the entry), SSM per unit (mixer.cut_edges restricted to that unit)."""
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    check(attention, "cut_token_edges: attention", OneOf(*ATTENTION_MODES))
     units = {label: (m, h) for _, m, labels in token_sites(model) for h, label in enumerate(labels)}
     by_unit: dict[str, list[tuple[int, int]]] = {}
     for unit, j, i in _as_triples(edges):
         if unit not in units:
             raise KeyError(f"no unit {unit!r} in this model's mixers")
-        if i > j:
-            raise ValueError(f"{unit}[{j}<-{i}]: a source after its target is no edge")
+        token_edge(j, i, None, f"token edge {unit}[{j}<-{i}]")  # what is known before the run; the rest at it
         by_unit.setdefault(unit, []).append((j, i))
     hooks: list[tuple[Any, Callable]] = []
-    attn_cuts: dict[int, tuple[Any, dict[int, list[tuple[int, int]]]]] = {}
+    attn_cuts: dict[int, tuple[Any, dict[int, tuple[str, list[tuple[int, int]]]]]] = {}
     for unit, pairs in by_unit.items():
         m, h = units[unit]
         if m.heads().kind == "attn":
-            attn_cuts.setdefault(id(m), (m, {}))[1][h] = pairs
+            attn_cuts.setdefault(id(m), (m, {}))[1][h] = (unit, pairs)
             continue
         channels = torch.zeros(m.heads().n, dtype=torch.bool)
         channels[h] = True
@@ -227,30 +231,32 @@ def cut_token_edges(model: Any, edges: Sequence[Any], attention: str = "scores")
         for j, i in pairs:
             targets.setdefault(j, []).append(i)
         for j, sources in targets.items():
-            hooks += [(p, fn) for p, fn in m.cut_edges(_masks(j, sources), channels)]
+            hooks += [(p, fn) for p, fn in m.cut_edges(_masks(unit, j, sources), channels)]
     for m, per_head in attn_cuts.values():
         hooks += _head_cut_hooks(m, per_head, attention)
     with scoped_hooks([(p, fn, False) for p, fn in hooks]):
         yield model
 
 
-def _masks(target: int, sources: list[int]) -> Callable[[int, int, torch.device], tuple[Tensor, Tensor]]:
+def _masks(unit: str, target: int, sources: list[int]) -> Callable[[int, int, torch.device], tuple[Tensor, Tensor]]:
     def masks(batch: int, pos: int, device: torch.device) -> tuple[Tensor, Tensor]:
         t = torch.zeros(batch, pos, dtype=torch.bool, device=device)
         s = torch.zeros_like(t)
-        t[:, target] = True
-        s[:, sources] = True
+        for i in sources:
+            j, i = token_edge(target, i, pos, f"token edge {unit}[{target}<-{i}]")
+            t[:, j], s[:, i] = True, True
         return t, s
     return masks
 
 
-def _head_cut_hooks(m: Any, per_head: dict[int, list[tuple[int, int]]], mode: str) -> list[tuple[Any, Callable]]:
+def _head_cut_hooks(m: Any, per_head: dict[int, tuple[str, list[tuple[int, int]]]],
+                    mode: str) -> list[tuple[Any, Callable]]:
     state: dict[str, Tensor] = {}
 
     def cut_of(x: Tensor) -> Tensor:
         cut = torch.zeros(x.shape[1:], dtype=torch.bool, device=x.device)  # [heads q k]
-        for h, pairs in per_head.items():
-            j, i = zip(*pairs)
+        for h, (unit, pairs) in per_head.items():
+            j, i = zip(*(token_edge(j, i, x.shape[-2], f"token edge {unit}[{j}<-{i}]") for j, i in pairs))
             cut[h, list(j), list(i)] = True
         return cut[None]
 
@@ -270,6 +276,7 @@ def _head_cut_hooks(m: Any, per_head: dict[int, list[tuple[int, int]]], mode: st
 
 
 @torch.no_grad()
+@checked(attention=OneOf(*ATTENTION_MODES))
 def verify_token_edges(model: Any, tokens: Tensor, edges: Sequence[Any], metric: Callable[[Tensor], Tensor],
                        attention: str = "scores") -> dict[str, float]:
     """The metric's exact change when the listed token edges are all cut, beside the sum of their estimates

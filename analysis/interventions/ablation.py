@@ -32,7 +32,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from hooked.validate import Flag, Integer, OneOf, check, checked
-from analysis.validate import as_index, index_list, layer_index, layer_list
+from hooked.validate import as_index, index_list, layer_index, layer_list
 from hooked.hook_points import scoped_hooks
 from hooked.models.base import HookedModel
 from hooked.models.protocol import token_mixers, unit_tags
@@ -80,7 +80,8 @@ def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]
                 raise ValueError(f"layer {where} has no attention or mixer heads")
             prefix = own[0]
         if prefix not in layout:
-            raise ValueError(f"{prefix!r} is not a head module; known: {', '.join(list(layout)[:6])}, ...")
+            raise ValueError(f"the layer of head {spec!r}: {prefix!r} is not a head module; known: "
+                             f"{', '.join(list(layout)[:6])}, ...")
         n = layout[prefix].n_heads
         out.setdefault(prefix, set()).add(as_index(h, n, f"head {spec!r}", f"heads of {prefix!r}"))
     return {p: sorted(hs) for p, hs in out.items()}

@@ -57,14 +57,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from hooked.validate import Flag, Number, check, checked
-from analysis.validate import index_list, index_mask, layer_index, layer_list, position_mask
+from hooked.validate import check_positions, index_mask, layer_index, layer_list, position_mask
 from hooked.devices import onloaded
 from hooked.hook_points import scoped_hooks
 from hooked.models.protocol import ATTENTION_MODES, TokenMixer, token_mixers
 
 Positions = Union[int, Sequence[int], range, Tensor]
 Channels = Union[None, Sequence[int], Tensor, dict]
-_ANY_LENGTH = 2**62  # positions are range-checked at the forward, where the length is known
 
 
 # ------------------------------------------------------------------------------------- sites
@@ -85,7 +84,7 @@ def _channel_mask(channels: Any, n: int, where: str) -> Tensor | None:
     """Bool mask [n] from indices or a bool mask; None means every channel."""
     if channels is None:
         return None
-    return index_mask(channels, n, f"channels of {where}", "channels")
+    return index_mask(channels, n, "channels", f"channels of {where}")
 
 
 # ------------------------------------------------------------------------------ the context
@@ -113,9 +112,7 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
     n_layers = model.cfg.n_layers
     layers = layer_list(layers, n_layers, "layers")
     for spec, what in ((sources, "sources"), (targets, "targets")):  # types now; ranges at the forward
-        if not (torch.is_tensor(spec) and spec.dtype == torch.bool):
-            _not_a_01_mask(spec, what)
-            index_list(spec, _ANY_LENGTH, what, "positions")
+        check_positions(spec, what)
     if isinstance(channels, dict):
         channels = {layer_index(k, n_layers, "channels key"): v for k, v in channels.items()}
         stray = sorted(set(channels) - set(layers))
@@ -147,18 +144,6 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
         raise ValueError(f"channels has entries for layers {no_ssm}, which have no SSM mixer to restrict")
     with scoped_hooks([(point, fn, False) for point, fn in hooks]):
         yield model
-
-
-def _not_a_01_mask(spec: Any, what: str) -> None:
-    """Refuse a 0/1 integer mask given where positions are read: [0, 1, 1, 0] would mean positions 0 and 1."""
-    if torch.is_tensor(spec) and spec.dtype == torch.uint8:
-        raise ValueError(f"{what}: a uint8 tensor is ambiguous (a byte mask or positions?): pass a bool mask "
-                         "(.bool()) or integer positions (.long())")
-    values = spec.tolist() if torch.is_tensor(spec) else spec
-    if isinstance(values, (list, tuple)) and len(values) > 2 and all(type(v) is int for v in values) \
-            and set(values) <= {0, 1} and len(set(values)) < len(values):
-        raise ValueError(f"{what}={values!r} repeats positions 0 and 1: it reads as a 0/1 mask, which would select "
-                         "positions 0 and 1 only; pass a bool mask (torch.tensor(...).bool()) or the positions")
 
 
 # ------------------------------------------------------------------------- decay and features

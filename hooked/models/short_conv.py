@@ -16,6 +16,8 @@ Both gates are linear (no sigmoid). An edited kernel adds (K' - K) @ Bx to y; an
 summed. Padding enters as zeros (x_in and Bx are masked): with a conv bias HF lets the padded positions'
 in_proj bias products into the first real tokens' conv window; here a left-padded row equals the
 prompt alone. While decoding, the state keeps the last width - 1 conv inputs.
+Backends (hooked/backends.py): "fused" runs the conv through causal-conv1d's kernel, else fla's Triton
+conv (ops/fused.py); "loop" / "chunked" through ours; hook_kernel is an exact hook (it takes "loop").
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from einops import einsum
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from hooked import backends
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.head_writes import written_by_units
-from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer
+from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.conv_kernel import conv_kernel, conv_kernel_cols, conv_kernel_rows
+from hooked.ops.fused import causal_conv1d_fused
 
 
 class GatedShortConv(RecurrentCut, TokenMixer, nn.Module):
@@ -70,6 +74,10 @@ class GatedShortConv(RecurrentCut, TokenMixer, nn.Module):
     def heads(self) -> Heads:
         return Heads(self.n_heads, 1, self.hook_gated, "ssm", self.hook_head_out)
 
+    def mixing(self) -> Mixing:
+        """gated_j = sum_i K[c, j, i] (B x)_i: the kernel mixes hook_in into hook_gated (its bias is no term)."""
+        return Mixing(self.hook_kernel, self.hook_in, self.hook_gated)
+
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
         return self._conv_hooks(masks, channels, spec=("conv", None if channels is None else tuple(channels.tolist())))
@@ -101,11 +109,13 @@ class GatedShortConv(RecurrentCut, TokenMixer, nn.Module):
         B, C, xs = self.hook_B(B), self.hook_C(C), self.hook_x(xs)
         Bx = B * xs if mask is None else B * xs * mask
         Bx = self.hook_in(Bx)
+        backend, ran = backends.scan_backend(self, x.device, x.dtype, op="causal_conv1d"), []
         if ctx.state is None:
-            conv = causal_conv1d(Bx, self.conv_weight, self.conv_bias).contiguous()
+            conv = self._conv(Bx, backend, ran).contiguous()
         else:  # decoding: the conv also reads the previous width - 1 inputs
             window = ctx.state.conv_window(self, Bx, self.width)
-            conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - Bx.shape[1]:].contiguous()
+            conv = self._conv(window, backend, ran)[:, window.shape[1] - Bx.shape[1]:].contiguous()
+        self.last_kernels = tuple(ran)
         conv = self.hook_conv(conv)
         gated = C * conv
         if self.hook_kernel.is_active:
@@ -117,6 +127,14 @@ class GatedShortConv(RecurrentCut, TokenMixer, nn.Module):
                 gated = gated + einsum(kernel - kernel_was, Bx, "b c j i, b i c -> b j c")
         gated = self.hook_gated(gated)
         return written_by_units(self.out_proj, gated, self.hook_head_out, self.head_writes)
+
+    def _conv(self, x: Float[Tensor, "batch pos channels"], backend: str,
+              ran: list[str]) -> Float[Tensor, "batch pos channels"]:
+        """The conv (with its bias); on the fused backend causal-conv1d's or fla's kernel (ops/fused.py)."""
+        if backend == "fused":
+            return causal_conv1d_fused(x, self.conv_weight, self.conv_bias, kernels=backends.fused_kernels(x.device),
+                                       ran=ran)
+        return causal_conv1d(x, self.conv_weight, self.conv_bias)
 
     def head_writes(self, gated: Float[Tensor, "*batch pos channels"]) -> Float[Tensor, "*batch pos channels d_model"]:
         """Each channel's write to the residual (out_proj without its bias)."""
