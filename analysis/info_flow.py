@@ -39,7 +39,7 @@ from analysis.interventions.batching import tiles_for
 from analysis.interventions.knockout import knockout, knockout_sites
 from analysis.tasks.scoring import model_device
 from analysis.intervals import mean_interval
-from analysis.validate import layer_list
+from hooked.validate import layer_list
 from hooked.validate import Flag, Integer, OneOf, Number, Seq, checked
 
 

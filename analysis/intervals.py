@@ -20,6 +20,10 @@ import math
 import torch
 from torch import Tensor
 
+from hooked.validate import Integer, Number, checked
+
+CONFIDENCE = Number(gt=0, lt=1)  # a confidence level, open at both ends
+
 
 def _beta_quantile(q: float, a: float, b: float) -> float:
     """Quantile of Beta(a, b) by bisection on the regularised incomplete beta (via torch.special)."""
@@ -48,6 +52,7 @@ def _beta_cdf(x: float, a: float, b: float) -> float:
     return float(terms.exp().sum())
 
 
+@checked(confidence=CONFIDENCE)
 def mean_interval(values: Tensor, confidence: float = 0.95) -> tuple[float, float, float]:
     """(mean, low, high): the t-interval of the mean of `values` (glossary)."""
     from scipy.stats import t
@@ -60,10 +65,9 @@ def mean_interval(values: Tensor, confidence: float = 0.95) -> tuple[float, floa
     return mean, mean - half, mean + half
 
 
+@checked(n=Integer(ge=1), k=Integer(ge=0, le=lambda args: args["n"]), confidence=CONFIDENCE)
 def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Exact binomial interval (lower, upper) for k successes in n trials."""
-    if n <= 0 or not 0 <= k <= n:
-        raise ValueError(f"clopper_pearson needs 0 <= k <= n and n > 0, got k={k}, n={n}")
+    """Exact binomial interval (lower, upper) for k successes in n trials (0 <= k <= n, n >= 1)."""
     alpha = 1 - confidence
     lower = 0.0 if k == 0 else _beta_quantile(alpha / 2, k, n - k + 1)
     upper = 1.0 if k == n else _beta_quantile(1 - alpha / 2, k + 1, n - k)
@@ -76,6 +80,7 @@ def bootstrap_indices(n: int, draws: int = 2000, seed: int = 0) -> Tensor:
     return torch.randint(0, n, (draws, n), generator=g)
 
 
+@checked(confidence=CONFIDENCE, draws=Integer(ge=1))
 def paired_interval(diff: Tensor, confidence: float = 0.95, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of mean(diff), diff[i] a per-example paired difference."""
     diff = diff.double().reshape(-1)

@@ -14,7 +14,7 @@ from analysis.info_flow import info_flow
 from analysis.interventions import ablate_heads, act_patch, attribution_patch, decay_split, knockout, patch
 from analysis.interventions.ablation import replace_block
 from analysis.tasks.text import kv_retrieval
-from analysis.validate import IndexOutOfRange, NotAnIndex, index_list, index_mask, position_mask, positive_int
+from hooked.validate import IndexOutOfRange, NotAnIndex, WrongType, index_list, index_mask, position_mask, positive_int
 from loaders.load import from_hf
 
 TOKENS = torch.tensor([[1, 5, 9, 13, 17, 21]])
@@ -56,14 +56,14 @@ def run_knockout(model, **kw):
 KNOCKOUT_CASES = {  # name -> (model, kwargs, error, message)
     "layers float": ("llama", {"layers": [1.7]}, NotAnIndex, r"layers: expected an integer index .* got 1\.7"),
     "layers bool": ("llama", {"layers": [True]}, NotAnIndex, r"got True"),
-    "layers out of range": ("llama", {"layers": [2]}, IndexOutOfRange, r"layers: 2 is outside \[-2, 2\)"),
+    "layers out of range": ("llama", {"layers": [2]}, IndexOutOfRange, r"layers=2: must be in \[-2, 2\)"),
     "sources float": ("llama", {"sources": [1.5]}, NotAnIndex, r"sources: expected an integer index .* 1\.5"),
     "sources string": ("llama", {"sources": "12"}, NotAnIndex, r"sources: expected integer indices, got the string"),
     "targets float tensor": ("llama", {"targets": torch.tensor([1.0])}, NotAnIndex, r"targets"),
-    "sources out of range": ("llama", {"sources": [6]}, IndexOutOfRange, r"sources: 6 is outside \[-6, 6\)"),
+    "sources out of range": ("llama", {"sources": [6]}, IndexOutOfRange, r"sources=6: must be in \[-6, 6\)"),
     "sources mask shape": ("llama", {"sources": torch.ones(5, dtype=torch.bool)}, ValueError, r"sources: mask"),
-    "channels float": ("mamba", {"channels": [0.5]}, NotAnIndex, r"channels of blocks\.0\.mixer.* 0\.5"),
-    "channels out of range": ("mamba", {"channels": [32]}, IndexOutOfRange, r"outside \[-32, 32\)"),
+    "channels float": ("mamba", {"channels": [0.5]}, NotAnIndex, r"channels: expected an integer index .* 0\.5"),
+    "channels out of range": ("mamba", {"channels": [32]}, IndexOutOfRange, r"channels=32: must be in \[-32, 32\) \(the 32 channels of blocks\.0\.mixer\)"),
     "channels mask shape": ("mamba", {"channels": torch.ones(3, dtype=torch.bool)}, ValueError, r"shape \(32,\)"),
 }
 
@@ -85,8 +85,8 @@ def test_knockout_negative_layer_is_explicit(llama):
 @pytest.mark.parametrize("head, error, message", [
     ((0, 1.5), NotAnIndex, r"head \(0, 1\.5\): expected an integer index"),
     ((0.5, 1), NotAnIndex, r"the layer of head \(0\.5, 1\)"),
-    ((0, 4), IndexOutOfRange, r"4 is outside \[-4, 4\)"),
-    ((5, 0), IndexOutOfRange, r"5 is outside \[-2, 2\)"),
+    ((0, 4), IndexOutOfRange, r"=4: must be in \[-4, 4\)"),
+    ((5, 0), IndexOutOfRange, r"=5: must be in \[-2, 2\)"),
     ((0, "1"), NotAnIndex, r"got '1'"),
 ])
 def test_ablate_heads_refuses(llama, head, error, message):
@@ -99,18 +99,18 @@ def test_ablate_heads_refuses(llama, head, error, message):
 
 # ------------------------------------------------------------------------ no modulo
 def test_decay_split_layer_out_of_range(mamba):
-    with pytest.raises(IndexOutOfRange, match=r"layer: 99 is outside \[-2, 2\)"):
+    with pytest.raises(IndexOutOfRange, match=r"layer=99: must be in \[-2, 2\)"):
         decay_split(mamba, 99)
 
 
 def test_act_patch_layers_out_of_range(llama):
     _, cache = llama.run_with_cache(TOKENS)
-    with pytest.raises(IndexOutOfRange, match=r"layers: 9 is outside \[-2, 2\)"):
+    with pytest.raises(IndexOutOfRange, match=r"layers=9: must be in \[-2, 2\)"):
         act_patch(llama, TOKENS, cache, lambda l: l[0, -1, 0], "blocks.{layer}.hook_resid_pre", layers=[9])
 
 
 def test_info_flow_starts_out_of_range(llama):
-    with pytest.raises(IndexOutOfRange, match=r"starts: 99 is outside \[-2, 2\)"):
+    with pytest.raises(IndexOutOfRange, match=r"starts=99: must be in \[-2, 2\)"):
         info_flow(llama, [], starts=[99])
 
 
@@ -161,7 +161,7 @@ def test_kv_retrieval_refuses_repeated_words():
         kv_retrieval(2, 3, words=("a", "a", "b"))
     with pytest.raises(ValueError, match="without ':'"):
         kv_retrieval(2, 3, words=("a:b", "c", "d"))
-    with pytest.raises(NotAnIndex, match="n_pairs"):
+    with pytest.raises(WrongType, match="n_pairs"):  # a count, not an index
         kv_retrieval(2.5, 3)
     for ex in kv_retrieval(3, 20, words=("a", "b", "c", "d")):
         assert len(set(ex.meta["keys"])) == 3
@@ -213,7 +213,7 @@ def test_replace_block_refuses_a_block_of_another_width(llama, mamba):
     with pytest.raises(ValueError, match="widths differ"):
         with replace_block(llama, 1, mamba):
             pass
-    with pytest.raises(IndexOutOfRange, match=r"donor_layer: 5"):
+    with pytest.raises(IndexOutOfRange, match=r"donor_layer=5: must be in \[-2, 2\)"):
         with replace_block(llama, 1, llama, donor_layer=5):
             pass
     unchanged(llama, reference)
@@ -255,7 +255,7 @@ def test_masks_and_counts():
     with pytest.raises(ValueError, match=r"p: mask has shape \(2, 2\)"):
         position_mask(torch.ones(2, 2, dtype=torch.bool), 2, 3, what="p")
     assert positive_int(np.int64(3), "n") == 3
-    for bad, error in ((0, ValueError), (2.0, NotAnIndex), (True, NotAnIndex), ("3", NotAnIndex)):
+    for bad, error in ((0, ValueError), (2.0, WrongType), (True, WrongType), ("3", WrongType)):
         with pytest.raises(error, match="^n"):
             positive_int(bad, "n")
 

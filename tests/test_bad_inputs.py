@@ -480,7 +480,7 @@ def third_pass(model):
         "prune_from_end keep=-1": (lambda: prune_from_end(model, lambda m: 0.0, keep=[-1], progress=False),
                                    ValueError, r"keep=-1"),
         "remove_and_restore layer 9": (lambda: remove_and_restore(model, lambda m: 0.0, layers=[9], progress=False),
-                                       ValueError, r"remove_and_restore: layers: 9 is outside \[-2, 2\)"),
+                                       ValueError, r"remove_and_restore: layers=9: must be in \[-2, 2\)"),
         "hook_shape pos=0": (lambda: model.hook_shape("blocks.0.hook_resid_pre", batch=1, pos=0), ValueError,
                              r"hook_shape: pos=0: must be >= 1"),
         "hook_shape batch=-1": (lambda: model.hook_shape("blocks.0.hook_resid_pre", batch=-1), ValueError,
@@ -499,7 +499,7 @@ def third_pass(model):
                                            r"test_prompt: answer ' ' tokenizes to no token"),
         "get_neuron_results neuron_slice=[999]": (
             lambda: model.run_with_cache(TOKENS)[1].get_neuron_results(0, neuron_slice=[999]), ValueError,
-            r"neuron_slice\[0\]=999"),
+            r"neuron_slice=999: must be in \[-128, 128\) \(the 128 neurons\)"),
         "kernel_rows no rows": (lambda: kernel_rows(mamba, ids, []), ValueError, r"rows: no position given"),
         "info_flow channels, no SSM mixer": (lambda: __import__("analysis.info_flow", fromlist=["x"]).info_flow(
             model, [], channels=[0]), ValueError, r"info_flow: channels restricts the cut of SSM mixers"),

@@ -281,7 +281,7 @@ def test_a_bad_tail_is_refused_by_name():
         return logits.sum()
 
     m.tail = 0
-    with pytest.raises(ValueError, match="metric.tail must be a positive integer"):
+    with pytest.raises(ValueError, match=r"metric\.tail=0: must be >= 1"):
         tail_of(m)
     m.tail = None
     assert tail_of(m) is None

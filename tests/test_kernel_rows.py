@@ -92,9 +92,9 @@ def test_rows_see_an_edit_of_the_kernel():
 def test_bad_positions_and_sites_are_refused():
     model = make("mamba")
     tokens, _ = inputs()
-    with pytest.raises(IndexError, match=f"rows \\[{POS}\\] outside the sequence of {POS} positions"):
+    with pytest.raises(IndexError, match=f"rows={POS}: must be in \\[-{POS}, {POS}\\) \\(the {POS} positions\\)"):
         kernel_rows(model, tokens, [POS])
-    with pytest.raises(TypeError, match="integer positions"):
+    with pytest.raises(TypeError, match="cols: expected an integer index .* got 1.5"):
         kernel_cols(model, tokens, [1.5])
     with pytest.raises(ValueError, match="not SSM mixers: \\['blocks.0.ln1'\\]"):
         kernel_rows(model, tokens, [0], sites=["blocks.0.ln1"])

@@ -245,7 +245,7 @@ def test_bad_saes_are_refused_by_name(mamba2) -> None:
     with pytest.raises(KeyError, match="no SAE is attached"):
         mamba2.reset_saes("blocks.0.hook_resid_post")
     mamba2.add_sae(TinySAE(64, 8), "blocks.0.hook_resid_post", positions=[40])
-    with pytest.raises(ValueError, match="outside the input's 12 positions"):
+    with pytest.raises(ValueError, match=r"add_sae: positions=40: must be in \[-12, 12\)"):
         mamba2(tokens(mamba2))
 
 

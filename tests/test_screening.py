@@ -48,7 +48,7 @@ def test_paired_interval_and_separability():
     noisy = torch.tensor([1.0, -1.0] * 10)
     no, (lo, hi) = separable(noisy, torch.zeros(20))
     assert not no and lo < 0 < hi
-    with pytest.raises(ValueError, match="0 <= k <= n"):
+    with pytest.raises(ValueError, match=r"clopper_pearson: k=3: must be in \[0, 2\]"):
         clopper_pearson(3, 2)
 
 

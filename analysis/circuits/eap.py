@@ -31,6 +31,8 @@ from torch import Tensor
 from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.metrics import at_rows, tail_of
 from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
+from hooked.models.protocol import ATTENTION_MODES
+from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_tensor
 
 METHODS = ("eap", "eap-ig")
 Metric = Callable[[Tensor], Tensor]
@@ -60,8 +62,9 @@ class EdgeScores:
         key = self.scores.abs() if absolute else self.scores
         return torch.argsort(key, descending=True, stable=True)
 
+    @checked(n=Integer(ge=0, le=lambda args: len(args["self"])), absolute=Flag())
     def top(self, n: int, absolute: bool = True) -> list[Edge]:
-        """The n edges of largest |score| (or score), largest first."""
+        """The n edges of largest |score| (or score), largest first (n in [0, len(self)])."""
         return [self.graph.edge(int(i), float(self.scores[i])) for i in self.order(absolute)[:n]]
 
     def edges(self) -> list[Edge]:
@@ -102,7 +105,8 @@ def pair(model: Any, clean: Any, corrupt: Any) -> tuple[Tensor, Tensor]:
 
 
 def chunks(n: int, batch_size: int | None) -> list[slice]:
-    size = n if batch_size is None else max(1, int(batch_size))
+    """Slices of `batch_size` prompts (checked at the entry points: an integer >= 1 or None, all at once)."""
+    size = n if batch_size is None else batch_size
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
@@ -135,6 +139,11 @@ def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Gra
     return per_pair[graph.edge_sender, graph.edge_receiver]
 
 
+BATCH_SIZE = Integer(ge=1, none=True)  # prompts per forward; None: all at once
+
+
+@checked(method=OneOf(*METHODS), steps=Integer(ge=1), token_edges=Flag(), batch_size=BATCH_SIZE,
+         attention=OneOf(*ATTENTION_MODES), attention_mask=Instance(Tensor, "a tensor", none=True))
 def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, method: str = "eap", steps: int = 5,
                      token_edges: bool = False, attention_mask: Tensor | None = None,
                      batch_size: int | None = None, attention: str = "scores") -> EdgeScores:
@@ -144,10 +153,6 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     `.sender`, `.receiver`, `.score`. With token_edges=True, `scores.token` holds the token-edge
     estimates of every mixer (`attention`: the cut they estimate on attention, "scores" or "pattern").
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "eap-ig" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
         raise ValueError("circuits need unpadded prompts of one length (attention_mask all ones)")
     from analysis.circuits.graph import graph_of
@@ -161,7 +166,7 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     for part in chunks(n, batch_size):
         weight, m = (part.stop - part.start) / n, at_rows(metric, part)
         c_logits, corr = record(model, graph, corrupt[part], tail=tail_of(m))
-        values[1] += weight * float(m(c_logits))
+        values[1] += weight * float(metric_tensor(m(c_logits), metric))
         if method == "eap":
             value, cl, grads = gradients(model, graph, clean[part], m, token=token, pending=True)
         else:
@@ -197,5 +202,5 @@ def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, met
         value = gradients(model, graph, clean, metric, token=token)[0]
     else:
         with torch.no_grad():
-            value = float(metric(forward_logits(model, clean, None, tail_of(metric))))
+            value = float(metric_tensor(metric(forward_logits(model, clean, None, tail_of(metric))), metric))
     return value, total

@@ -19,14 +19,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hooked.validate import Integer, as_index, check, checked, token_ids
+
 
 class AnswerDiff:
     """Mean over prompts of logit[right] - logit[wrong] at position `pos` (ids per prompt); without `wrong`,
     the log-probability of `right`."""
 
+    @checked(pos=Integer())
     def __init__(self, right: Any, wrong: Any = None, pos: int = -1) -> None:
-        self.right = torch.as_tensor(right).reshape(-1)
-        self.wrong = None if wrong is None else torch.as_tensor(wrong).reshape(-1)
+        self.right = token_ids(right, None, "AnswerDiff: right").reshape(-1)  # the vocabulary: at the call
+        self.wrong = None if wrong is None else token_ids(wrong, None, "AnswerDiff: wrong").reshape(-1)
         if self.wrong is not None and self.wrong.shape != self.right.shape:
             raise ValueError(f"right and wrong need one id per prompt each, got {tuple(self.right.shape)} and "
                              f"{tuple(self.wrong.shape)}")
@@ -34,13 +37,14 @@ class AnswerDiff:
         self.tail = -pos if pos < 0 else None  # it reads logits[:, pos]: from the end when pos < 0
 
     def __call__(self, logits: Tensor) -> Tensor:
-        x = logits[:, self.pos]
+        x = logits[:, as_index(self.pos, logits.shape[1], "AnswerDiff: pos", "positions of the logits")]
         if x.shape[0] != len(self.right):
             raise ValueError(f"AnswerDiff holds {len(self.right)} prompts, the logits {x.shape[0]}: use .rows(part)")
         rows = torch.arange(x.shape[0], device=x.device)
+        right = token_ids(self.right, x.shape[-1], "AnswerDiff: right").to(x.device)
         if self.wrong is None:
-            return x.log_softmax(-1)[rows, self.right.to(x.device)].mean()
-        return (x[rows, self.right.to(x.device)] - x[rows, self.wrong.to(x.device)]).mean()
+            return x.log_softmax(-1)[rows, right].mean()
+        return (x[rows, right] - x[rows, token_ids(self.wrong, x.shape[-1], "AnswerDiff: wrong").to(x.device)]).mean()
 
     def rows(self, part: slice) -> "AnswerDiff":
         return AnswerDiff(self.right[part], None if self.wrong is None else self.wrong[part], self.pos)
@@ -48,12 +52,7 @@ class AnswerDiff:
 
 def tail_of(metric: Callable[[Tensor], Tensor]) -> int | None:
     """The number of final positions the metric reads (see the glossary), or None for all of them."""
-    tail = getattr(metric, "tail", None)
-    if tail is None:
-        return None
-    if isinstance(tail, bool) or not isinstance(tail, int) or tail < 1:
-        raise ValueError(f"metric.tail must be a positive integer (the last positions it reads) or None, got {tail!r}")
-    return tail
+    return check(getattr(metric, "tail", None), "metric.tail", Integer(ge=1, none=True))  # the last positions read
 
 
 def at_rows(metric: Callable[[Tensor], Tensor], part: slice) -> Callable[[Tensor], Tensor]:

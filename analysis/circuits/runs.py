@@ -31,6 +31,7 @@ from analysis.circuits.metrics import tail_of
 from analysis.circuits.receivers import ReceiverGroup, TorchHooks
 from analysis.circuits.senders import Parts
 from hooked.hook_points import scoped_hooks
+from hooked.validate import metric_tensor
 
 Grads = tuple[Tensor, list[Tensor | None]]  # (every receiver's input gradient [n_receivers b p d], embedding slots)
 
@@ -167,9 +168,7 @@ def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor
     torch_hooks += [h for g in graph.receiver_groups for h in g.grad_hooks()]
     points = [(model.hook_embed, leaf)] + acts.hooks() + (token.hooks() if token is not None else [])
     with torch.enable_grad(), attached(points, torch_hooks):
-        value = metric(forward_logits(model, tokens, attention_mask, tail_of(metric)))
-        if not torch.is_tensor(value) or value.numel() != 1:
-            raise ValueError(f"metric must return a scalar tensor, got {value!r}")
+        value = metric_tensor(metric(forward_logits(model, tokens, attention_mask, tail_of(metric))), metric, grad=True)
         wanted = [t for g in graph.receiver_groups for t in g.grad_tensors()]
         extra = token.tensors() if token is not None else []
         grads = list(torch.autograd.grad(value.reshape(()), wanted + extra, retain_graph=True, allow_unused=True))

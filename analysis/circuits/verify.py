@@ -24,27 +24,31 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.eap import EdgeScores, chunks, pair
+from analysis.circuits.eap import BATCH_SIZE, EdgeScores, chunks, pair
 from analysis.circuits.graph import Edge, Graph, graph_of
 from analysis.circuits.metrics import at_rows, tail_of
 from analysis.circuits.runs import forward_logits, patched, record
 from analysis.interventions.batching import tiles_for
+from hooked.validate import Integer, Number, Seq, checked, metric_tensor
 
 Metric = Callable[[Tensor], Tensor]
 
 
+N_EDGES = lambda args: len(args["scores"])  # noqa: E731  (a count of edges is at most the graph's)
+
+
+@checked(top_n=Integer(ge=0, le=N_EDGES, none=True), threshold=Number(ge=0, none=True))
 def prune(scores: EdgeScores, top_n: int | None = None, threshold: float | None = None) -> list[Edge]:
     """The edges kept by `top_n` (largest |score| first) or by `threshold` (|score| >= threshold); one of them."""
     if (top_n is None) == (threshold is None):
         raise ValueError("prune takes one of top_n or threshold")
     if top_n is not None:
-        if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0:
-            raise ValueError(f"top_n must be a non-negative integer, got {top_n!r}")
         return scores.top(top_n)
     keep = int((scores.scores.abs() >= float(threshold)).sum())
     return scores.top(keep)
 
 
+@checked(shortlist=Integer(ge=0, le=N_EDGES), batch_size=BATCH_SIZE)
 def rescore(model: Any, scores: EdgeScores, clean: Any, corrupt: Any, metric: Metric, shortlist: int,
             batch_size: int | None = None) -> EdgeScores:
     """A copy of `scores` whose `shortlist` largest-|score| edges score their exact effect (edge_effects);
@@ -74,7 +78,7 @@ def sweep(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Metri
             block = coefs[start:start + r]
             logits = patched(model, graph, base[part], src, block.to(dtype), frozen=frozen, tail=tail_of(m))
             for k in range(block.shape[0]):
-                out[start + k] += (rows / n) * float(m(logits[k * rows:(k + 1) * rows]))
+                out[start + k] += (rows / n) * float(metric_tensor(m(logits[k * rows:(k + 1) * rows]), metric))
     return out
 
 
@@ -85,10 +89,11 @@ def metric_of(model: Any, tokens: Tensor, metric: Metric, batch_size: int | None
     total = 0.0
     for p in chunks(n, batch_size):
         m = at_rows(metric, p)
-        total += (p.stop - p.start) / n * float(m(forward_logits(model, tokens[p], None, tail_of(m))))
+        total += (p.stop - p.start) / n * float(metric_tensor(m(forward_logits(model, tokens[p], None, tail_of(m))), metric))
     return total
 
 
+@checked(batch_size=BATCH_SIZE)
 def circuit_metric(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
                    batch_size: int | None = None) -> dict[str, float]:
     """{"circuit", "clean", "corrupt", "faithfulness", "n_edges", "fraction"} of one circuit, in one patched pass."""
@@ -107,6 +112,7 @@ def _faith(value: float, clean: float, corrupt: float) -> float:
     return (value - corrupt) / (clean - corrupt)
 
 
+@checked(batch_size=BATCH_SIZE)
 def verify_circuit(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
                    batch_size: int | None = None) -> float:
     """Faithfulness of the circuit `edges` (Edges, (sender, receiver) pairs or "sender->receiver"): the metric
@@ -115,6 +121,7 @@ def verify_circuit(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, m
     return circuit_metric(model, edges, clean, corrupt, metric, batch_size)["faithfulness"]
 
 
+@checked(sizes=Seq(Integer(ge=0, le=N_EDGES)), batch_size=BATCH_SIZE)
 def faithfulness_curve(model: Any, scores: EdgeScores, clean: Any, corrupt: Any, metric: Metric,
                        sizes: Sequence[int], batch_size: int | None = None) -> list[dict[str, float]]:
     """Faithfulness of the top-k circuits for each k in sizes (replicas share forwards)."""
@@ -130,6 +137,7 @@ def faithfulness_curve(model: Any, scores: EdgeScores, clean: Any, corrupt: Any,
             for k, v in zip(sizes, values)]
 
 
+@checked(batch_size=BATCH_SIZE, replicas=Integer(ge=1, none=True))
 def edge_effects(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
                  batch_size: int | None = None, replicas: int | None = None) -> Tensor:
     """[len(edges)] the metric's exact change when each edge alone carries the corrupt run."""
@@ -137,6 +145,6 @@ def edge_effects(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, met
     graph = graph_of(model)
     coefs = torch.zeros(len(edges), len(graph), dtype=torch.float64)
     for row, e in enumerate(edges):
-        coefs[row, graph.index(e) if not isinstance(e, int) else e] = 1.0
+        coefs[row, graph.index(e)] = 1.0
     values = sweep(model, clean, corrupt, coefs, metric, graph=graph, batch_size=batch_size, replicas=replicas)
     return values - metric_of(model, clean, metric, batch_size)

@@ -43,7 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.interventions.batching import tiles_for
-from analysis.validate import NotAnIndex, as_index, index_list, index_mask, layer_list, metric_value
+from hooked.validate import NotAnIndex, as_index, index_list, index_mask, layer_list, metric_value
 
 Metric = Callable[[Tensor], Any]
 Setter = Callable[[Tensor, Tensor, tuple], Tensor]

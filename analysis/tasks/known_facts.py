@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.validate import positive_int
+from hooked.validate import positive_int
 
 SOURCE_SETS = ("subject", "relation", "last", "first")
 KNOWN_FACTS = Path(__file__).parent / "data" / "known_1000.json"

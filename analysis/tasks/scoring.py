@@ -36,7 +36,7 @@ from analysis.interventions.patching import layer_inputs
 from analysis.tasks import shared_prefix as sp
 from analysis.tasks.text import Example, encode, segment_token_spans, tokenizer_of
 from hooked.models.decode_state import StateRefused
-from analysis.validate import nonempty
+from hooked.validate import nonempty
 
 
 @dataclass

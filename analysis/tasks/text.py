@@ -46,7 +46,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from hooked.validate import Integer, checked
-from analysis.validate import positive_int
+from hooked.validate import positive_int
 
 WORDS_PATH = Path(__file__).parent / "data" / "words.txt"
 KV_HEADER = "Memorize the following dictionary:\n"

@@ -16,7 +16,6 @@ A model subclass builds `self.blocks` (an nn.ModuleList whose blocks take `(resi
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,7 +30,7 @@ from hooked.sae.methods import SAEMethods
 from hooked.tl_config import attach
 from hooked.tl_keywords import refuse_tl_keywords
 from hooked.tl_switches import TLSwitches
-from hooked.validate import AnyOf, Flag, Instance, Integer, OneOf, Seq, Text, WrongType, check, checked, token_ids
+from hooked.validate import AnyOf, Flag, Instance, Integer, OneOf, Seq, Text, WrongType, check, checked, layer_bound, token_ids
 from hooked.weights import ModelWeights
 
 
@@ -161,8 +160,8 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
                 raise ValueError("attention_mask is computed from text; pass tokens to give your own mask")
             input, attention_mask = self.tokenize(input, prepend_bos, padding_side)
         n = self.cfg.n_layers
-        start = self._layer_index(start_at_layer, "start_at_layer", default=0)
-        stop = self._layer_index(stop_at_layer, "stop_at_layer", default=n)
+        start = layer_bound(start_at_layer, n, "start_at_layer", default=0)
+        stop = layer_bound(stop_at_layer, n, "stop_at_layer", default=n)
         if start > stop:
             raise ValueError(f"start_at_layer ({start}) is after stop_at_layer ({stop})")
         if state is not None and stop != n:
@@ -218,17 +217,6 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         from hooked.generate import generate
 
         return generate(self, input, max_new_tokens, **kwargs)
-
-    def _layer_index(self, value: int | None, what: str, default: int) -> int:
-        n = self.cfg.n_layers
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{what} must be an integer layer in [-{n}, {n}], got {value!r}")
-        if not -n <= value <= n:
-            raise ValueError(f"{what}={value} is outside the model's {n} layers")
-        value = int(value)
-        return value + n if value < 0 else value
 
     def _batch_pos(self, args: tuple, kwargs: dict) -> tuple[int, int] | None:
         """(batch, pos) of a forward's input (text too), for run_with_cache's size check."""

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, is_recording, through_hook
+from hooked.validate import Flag, check, check_positions, head_index, position_mask
 
 
 def sae_hook_name(sae: Any) -> str | None:
@@ -99,19 +100,20 @@ class SAESplice(nn.Module):
         for method in ("encode", "decode"):
             if not callable(getattr(sae, method, None)):
                 raise TypeError(f"an SAE needs encode() and decode(); {type(sae).__name__} has no {method}()")
-        if not isinstance(use_error_term, bool):
-            raise TypeError(f"use_error_term must be True or False, got {use_error_term!r}")
-        if head is not None and (isinstance(head, bool) or not isinstance(head, int)):
-            raise TypeError(f"head must be a head index (int) or None, got {head!r}")
+        if point.element == "int64":
+            raise ValueError(f"add_sae: hook_name={point.name!r} holds int64 indices (e.g. expert ids), not "
+                             "activations: an SAE reads a floating-point activation")
         self.__dict__["module"] = sae  # not a submodule: its parameters stay out of the model's
         self.d_in, self.d_sae = sae_sizes(sae)
         self.start = _slice_start(point, self.d_in)
-        self.use_error_term = use_error_term
-        self.positions = positions
+        self.use_error_term = check(use_error_term, "add_sae: use_error_term", Flag())
+        self.positions = check_positions(positions, "add_sae: positions")  # their range: at the forward
         self.head = _head_index(sae) if head is None else head
         if self.head is not None and (self.start != 3 or point.axes[2] not in ("n_heads", "n_kv_heads", "d_inner")):
             raise ValueError(f"hook_head_index={self.head} needs an SAE of one head's size on a head-indexed hook; "
                              f"{point.name!r} is [{' '.join(point.axes)}] and the SAE reads [{' '.join(point.axes[self.start:])}]")
+        if self.head is not None:
+            self.head = head_index(self.head, point.shape(1, 1)[2], "add_sae: head")
         self.dims = {"d_sae": self.d_sae, "d_sae_in": self.d_in}
         lead = " ".join(point.axes[:self.start])
         axes = " ".join(point.axes)
@@ -187,17 +189,7 @@ class SAESplice(nn.Module):
         return torch.where(keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim)), out, x)
 
     def _position_mask(self, batch: int, pos: int, device: torch.device) -> Tensor:
-        p = self.positions
-        if torch.is_tensor(p) and p.dtype == torch.bool:
-            if p.shape[-1] != pos:
-                raise ValueError(f"positions mask has {p.shape[-1]} positions, the input has {pos}")
-            return p.to(device).expand(batch, pos)
-        index = torch.as_tensor(p, dtype=torch.long).flatten()
-        if ((index < -pos) | (index >= pos)).any():
-            raise ValueError(f"positions {index.tolist()} outside the input's {pos} positions")
-        mask = torch.zeros(pos, dtype=torch.bool, device=device)
-        mask[index.to(device) % pos] = True
-        return mask.expand(batch, pos)
+        return position_mask(self.positions, batch, pos, device, "add_sae: positions")
 
     def extra_repr(self) -> str:
         where = [] if self.positions is None else [f"positions={self.positions}"]
