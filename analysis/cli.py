@@ -344,15 +344,17 @@ def knockout_command(args: Any) -> int:
          arg("--no-progress", action="store_true"))
 def ga_command(args: Any) -> int:
     from analysis.ga.report import ga_report, task_for
+    from analysis.ga.settings import RankSettings
     from loaders import from_pretrained
 
+    settings = RankSettings(
+        method="exhaustive" if args.exhaustive else "screened", batch_size=args.batch_size, pairs_top_k=args.top_k,
+        channel_group=args.channel_group, progress=not args.no_progress, verify_top=args.verify_top,
+        n_control=args.controls, seed=args.seed, replicas=args.replicas, refine=args.refine,
+        stage_n=None if args.one_stage else args.stage_n, stage_keep=args.stage_keep)
     model = from_pretrained(args.model)
-    summary = ga_report(model, args.out, args.pairs, args.n, args.rank_n, args.seed, args.batch_size, args.top_k,
-                        args.channel_group, progress=not args.no_progress, task=task_for(args.model),
-                        n_random=args.random_draws, method="exhaustive" if args.exhaustive else "screened",
-                        verify_top=args.verify_top, n_control=args.controls, replicas=args.replicas,
-                        stage_n=None if args.one_stage else args.stage_n, stage_keep=args.stage_keep,
-                        refine=args.refine)
+    summary = ga_report(model, args.out, args.pairs, args.n, args.rank_n, task=task_for(args.model),
+                        n_random=args.random_draws, settings=settings)
     print_ga_summary(summary, args.out)
     return 0
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from analysis.ga.report import add_ga_parser, ga_report, task_for
+from analysis.ga.settings import RankSettings
 from analysis.tasks.scoring import ChoiceScorer
 from loaders import from_pretrained
 
@@ -56,11 +57,12 @@ def main() -> None:
     sizes = [int(s) for s in ga.pairs.split(",")]
     examples = task_for(args.model)(sizes[0], ga.rank_n or ga.n, ga.seed)
     before = forward_cost(model, examples)
-    summary = ga_report(model, args.out, sizes, ga.n, ga.rank_n, ga.seed, ga.batch_size, ga.top_k, ga.channel_group,
-                        progress=False, task=task_for(args.model), n_random=ga.random_draws,
-                        method="exhaustive" if ga.exhaustive else "screened", verify_top=ga.verify_top,
-                        n_control=ga.controls, replicas=ga.replicas, stage_n=None if ga.one_stage else ga.stage_n, stage_keep=ga.stage_keep,
-                        refine=ga.refine)
+    settings = RankSettings(method="exhaustive" if ga.exhaustive else "screened", batch_size=ga.batch_size,
+                            pairs_top_k=ga.top_k, channel_group=ga.channel_group, progress=False,
+                            verify_top=ga.verify_top, n_control=ga.controls, seed=ga.seed, replicas=ga.replicas,
+                            refine=ga.refine, stage_n=None if ga.one_stage else ga.stage_n, stage_keep=ga.stage_keep)
+    summary = ga_report(model, args.out, sizes, ga.n, ga.rank_n, task=task_for(args.model), n_random=ga.random_draws,
+                        settings=settings)
     after = forward_cost(model, examples)
     f_cpu = (before["cpu_s"] + after["cpu_s"]) / 2
     timing = summary["timing"]

@@ -4,7 +4,8 @@ so that each checks the other.
 
 Glossary
     spec        what an argument may be: `Int(lo, hi)` (integers in [lo, hi); hi None: no bound; a
-                str bound names a model field, e.g. "d_vocab"), `Real(lo, hi, lo_open, hi_open)`
+                str bound names a model field, e.g. "d_vocab"; a callable one is a function of the
+                model, e.g. its graph's edge count), `Real(lo, hi, lo_open, hi_open)`
                 (finite reals), `Flag()` (True / False), `Choice(*values)`, `Text()` (a non-empty
                 string); `none=True` allows None too
     legal(s)    a hypothesis strategy of values the spec allows (numpy integers too)
@@ -34,7 +35,7 @@ class Int:
     text: bool = False  # a str is legal too (a token id given as its one-token string)
 
     def bounds(self, model: Any = None) -> tuple[int | None, int | None]:
-        get = lambda b: getattr(model.cfg, b) if isinstance(b, str) else b  # noqa: E731
+        get = lambda b: getattr(model.cfg, b) if isinstance(b, str) else b(model) if callable(b) else b  # noqa: E731
         return get(self.lo), get(self.hi)
 
     def legal(self, model: Any = None) -> st.SearchStrategy:
@@ -129,6 +130,25 @@ class Text:
 
 FLAG = Flag()
 PROB = Real(0, 1, lo_open=True, hi_open=True)  # a confidence level
+BATCH = Int(1, none=True)  # prompts per forward (circuits); None: all at once
+
+
+def edges_and_one(model: Any) -> int:
+    """One past the model's edge count: a count of edges is in [0, n_edges]."""
+    from analysis.circuits import graph_of
+
+    return len(graph_of(model)) + 1
+
+
+CTX_POS = 6  # positions of the run whose token-edge scores tests/test_entry_points.py checks
+
+
+def token_edges_and_one(model: Any) -> int:
+    """One past the number of token edges of that run: (target, source) pairs with source <= target, per unit."""
+    from analysis.circuits.token_edges import token_sites
+
+    return sum(len(labels) for _, _, labels in token_sites(model)) * CTX_POS * (CTX_POS + 1) // 2 + 1
+
 
 ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "hooked.generate.generate": {
@@ -179,23 +199,35 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "analysis.interventions.knockout.knockout": {"cut_conv": FLAG},
     "analysis.interventions.ablation.ablate_heads": {"keep": FLAG, "mode": Choice("zero", "mean")},
     "analysis.tasks.text.kv_retrieval": {"seed": Int(0)},  # Python's random seeds -k as k
-    "analysis.ga.ranking.rank_heads": {
+    "analysis.ga.settings.RankSettings": {  # rank_heads's and ga_report's settings (their loose keywords too)
         "method": Choice("exhaustive", "screened"), "batch_size": Int(1), "reuse_prefix": FLAG, "pairs_top_k": Int(0),
         "mode": Choice("zero", "mean"), "channel_group": Int(1, none=True), "progress": FLAG, "verify_top": Int(1),
         "n_control": Int(0), "seed": Int(0), "replicas": Int(1, none=True), "confidence": PROB,
         "prescreen_n": Int(1, none=True), "refine": Choice("none", "scores", "qk"), "stage_n": Int(1, none=True),
-        "stage_keep": Int(1),
-        "examples": None,  # a non-empty list
-    },
+        "stage_keep": Int(1)},
+    "analysis.ga.ranking.rank_heads": {"examples": None},  # a non-empty list
     "analysis.ga.scores.ga_scores": {"batch_size": Int(1), "channel_group": Int(1, none=True), "examples": None},
     "analysis.ga.report.ga_report": {
-        "n": Int(1), "rank_n": Int(1, none=True), "seed": Int(0), "batch_size": Int(1), "pairs_top_k": Int(0),
-        "channel_group": Int(1, none=True), "progress": FLAG, "n_random": Int(1),
-        "method": Choice("exhaustive", "screened"), "verify_top": Int(1), "n_control": Int(0),
-        "replicas": Int(1, none=True), "refine": Choice("none", "scores", "qk"), "stage_n": Int(1, none=True),
-        "stage_keep": Int(1),
+        "n": Int(1), "rank_n": Int(1, none=True), "n_random": Int(1),
         "sizes": None,  # a non-empty list of integers >= 1
     },
+    "analysis.intervals.clopper_pearson": {"n": Int(1), "k": Int(0, 3), "confidence": PROB},  # k in [0, n]; n = 2 here
+    "analysis.intervals.mean_interval": {"confidence": PROB},
+    "analysis.intervals.paired_interval": {"confidence": PROB, "draws": Int(1)},
+    "analysis.circuits.eap.EdgeScores.top": {"n": Int(0, edges_and_one), "absolute": FLAG},
+    "analysis.circuits.eap.edge_attribution": {
+        "method": Choice("eap", "eap-ig"), "steps": Int(1), "token_edges": FLAG, "batch_size": BATCH,
+        "attention": Choice("scores", "pattern"), "attention_mask": None},  # a tensor (all ones: one length)
+    "analysis.circuits.verify.prune": {"top_n": Int(0, edges_and_one, none=True), "threshold": Real(0, none=True)},
+    "analysis.circuits.verify.rescore": {"shortlist": Int(0, edges_and_one), "batch_size": BATCH},
+    "analysis.circuits.verify.circuit_metric": {"batch_size": BATCH},
+    "analysis.circuits.verify.verify_circuit": {"batch_size": BATCH},
+    "analysis.circuits.verify.faithfulness_curve": {"batch_size": BATCH,
+                                                    "sizes": None},  # each in [0, n_edges]: tests/test_index_grammar.py
+    "analysis.circuits.verify.edge_effects": {"batch_size": BATCH, "replicas": Int(1, none=True)},
+    "analysis.circuits.metrics.AnswerDiff.__init__": {"pos": Int()},  # its range: at the call (the logits' positions)
+    "analysis.circuits.token_edges.TokenEdgeScores.top": {"n": Int(0, token_edges_and_one), "absolute": FLAG},
+    "analysis.circuits.token_edges.verify_token_edges": {"attention": Choice("scores", "pattern")},
 }
 
 # Methods and functions checked by explicit calls (no decorator): argument -> spec, for the same tests.

@@ -17,15 +17,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import analysis.ga.ranking  # noqa: F401  (imports register the rules)
+import analysis.circuits  # noqa: F401  (imports register the rules)
+import analysis.ga.ranking  # noqa: F401
 import analysis.ga.report  # noqa: F401
 import analysis.ga.scores  # noqa: F401
+import analysis.ga.settings  # noqa: F401
 import analysis.info_flow  # noqa: F401
+import analysis.intervals  # noqa: F401
 import hooked.cache_resid  # noqa: F401
 import hooked.generate  # noqa: F401
 import hooked.processing  # noqa: F401
 import hooked.utils  # noqa: F401
 import loaders.load  # noqa: F401
+from analysis.circuits import circuit_metric, edge_attribution, edge_effects, faithfulness_curve, prune, rescore
+from analysis.circuits import verify_circuit, verify_token_edges
+from analysis.circuits.metrics import AnswerDiff
 from analysis.interventions import ablate_heads, knockout
 from analysis.tasks.text import kv_retrieval
 from hooked.validate import RULES
@@ -52,6 +58,9 @@ def ctx(tmp_path_factory):
     c = Ctx()
     c.model, c.cache, c.examples, c.out = model, cache, kv_retrieval(2, 2, seed=0), tmp_path_factory.mktemp("out")
     c.stack = cache.accumulated_resid()
+    c.clean, c.corrupt = TOKENS, TOKENS.flip(-1)
+    c.metric = AnswerDiff([9], [10])
+    c.scores = edge_attribution(model, c.clean, c.corrupt, c.metric, token_edges=True)
     return c
 
 
@@ -105,6 +114,25 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
     "analysis.ga.scores.ga_scores": lambda c, **kw: analysis.ga.scores.ga_scores(c.model, c.examples, **kw),
     "analysis.ga.report.ga_report": lambda c, **kw: analysis.ga.report.ga_report(
         c.model, c.out, [2], **{"n": 2, "progress": False, **kw}),
+    "analysis.ga.settings.RankSettings": lambda c, **kw: analysis.ga.settings.RankSettings(**kw),
+    "analysis.intervals.clopper_pearson": lambda c, **kw: analysis.intervals.clopper_pearson(**{"k": 1, "n": 2, **kw}),
+    "analysis.intervals.mean_interval": lambda c, **kw: analysis.intervals.mean_interval(torch.tensor([1.0, 2.0]), **kw),
+    "analysis.intervals.paired_interval": lambda c, **kw: analysis.intervals.paired_interval(
+        torch.tensor([1.0, 2.0]), **kw),
+    "analysis.circuits.eap.EdgeScores.top": lambda c, **kw: c.scores.top(**{"n": 1, **kw}),
+    "analysis.circuits.eap.edge_attribution": lambda c, **kw: edge_attribution(c.model, c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.verify.prune": lambda c, **kw: prune(c.scores, **({} if "threshold" in kw else {"top_n": 1}), **kw),
+    "analysis.circuits.verify.rescore": lambda c, **kw: rescore(
+        c.model, c.scores, c.clean, c.corrupt, c.metric, **{"shortlist": 1, **kw}),
+    "analysis.circuits.verify.circuit_metric": lambda c, **kw: circuit_metric(c.model, [0], c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.verify.verify_circuit": lambda c, **kw: verify_circuit(c.model, [0], c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.verify.faithfulness_curve": lambda c, **kw: faithfulness_curve(
+        c.model, c.scores, c.clean, c.corrupt, c.metric, **{"sizes": [1], **kw}),
+    "analysis.circuits.verify.edge_effects": lambda c, **kw: edge_effects(c.model, [0], c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.metrics.AnswerDiff.__init__": lambda c, **kw: AnswerDiff([1], **kw),
+    "analysis.circuits.token_edges.TokenEdgeScores.top": lambda c, **kw: c.scores.token.top(**{"n": 1, **kw}),
+    "analysis.circuits.token_edges.verify_token_edges": lambda c, **kw: verify_token_edges(
+        c.model, c.clean, [], c.metric, **kw),
 }
 EXPLICIT_CALLS = {
     "get_act_name": lambda c, **kw: hooked.utils.get_act_name("resid_pre", **kw),

@@ -57,7 +57,6 @@ import itertools
 import json
 import math
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,8 +73,8 @@ from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example
-from analysis.validate import positive_int
-from hooked.validate import Flag, Integer, OneOf, Number, Seq, check, checked
+from analysis.ga.settings import Laps, RankSettings, settings_of
+from hooked.validate import Integer, Seq, check, checked
 from hooked.models.decode_state import StateRefused
 
 
@@ -244,19 +243,14 @@ def _row(unit: Unit, scores: Tensor, scorer: ChoiceScorer, base_ex: dict[str, Te
             ex)
 
 
-@checked(examples=Seq(), method=OneOf("exhaustive", "screened"), batch_size=Integer(ge=1), reuse_prefix=Flag(),
-         pairs_top_k=Integer(ge=0), mode=OneOf("zero", "mean"), channel_group=Integer(ge=1, none=True), progress=Flag(),
-         verify_top=Integer(ge=1), n_control=Integer(ge=0), seed=Integer(ge=0), replicas=Integer(ge=1, none=True),
-         confidence=Number(gt=0, lt=1), prescreen_n=Integer(ge=1, none=True), refine=OneOf("none", "scores", "qk"),
-         stage_n=Integer(ge=1, none=True), stage_keep=Integer(ge=1))
-def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None, *,
-               method: str = "exhaustive", batch_size: int = 16, reuse_prefix: bool = True, pairs_top_k: int = 4,
-               mode: str = "zero", mean_cache: Any = None, channel_group: int | None = None, progress: bool = True,
-               pair_with: Sequence[Unit | str] = (), verify_top: int = 60, n_control: int = 10, seed: int = 0,
-               replicas: int | None = None, confidence: float = 0.95, prescreen_n: int | None = None,
-               refine: str = "none", stage_n: int | None = None, stage_keep: int = 20,
-               scorer: ChoiceScorer | None = None) -> HeadRanking:
+@checked(examples=Seq())
+def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None,
+               settings: RankSettings | None = None, *, mean_cache: Any = None, pair_with: Sequence[Unit | str] = (),
+               scorer: ChoiceScorer | None = None, **loose: Any) -> HeadRanking:
     """Accuracy (and answer log-prob) drop when each unit is ablated, with intervals; then pairs.
+
+    settings: a RankSettings (settings.py; default RankSettings()); the old loose keywords
+    (`rank_heads(model, examples, batch_size=8, method="screened")`) replace its fields.
 
     method: "exhaustive" (every unit exact) or "screened" (see the glossary; with verify_top >= the
     number of units it ranks exhaustively, the screen's estimates being no saving, and says so in
@@ -270,8 +264,11 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     alone, so single-unit ranking alone would never pair them.
     scorer: a `ranking_scorer` over `examples` to reuse (default: a new one).
     """
-    if method not in ("exhaustive", "screened"):
-        raise ValueError(f"method must be 'exhaustive' or 'screened', got {method!r}")
+    s = settings_of(settings, loose, RankSettings(), "rank_heads")
+    method, batch_size, reuse_prefix, pairs_top_k, mode = s.method, s.batch_size, s.reuse_prefix, s.pairs_top_k, s.mode
+    channel_group, progress, verify_top, n_control, seed = s.channel_group, s.progress, s.verify_top, s.n_control, s.seed
+    replicas, confidence, prescreen_n, refine, stage_n = s.replicas, s.confidence, s.prescreen_n, s.refine, s.stage_n
+    stage_keep = s.stage_keep
     if scorer is None:
         scorer = ranking_scorer(model, examples, batch_size)
     elif scorer.model is not model or scorer.examples != list(examples):
@@ -288,7 +285,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         if unit is None:
             raise KeyError(f"pair_with: {e!r} is not one of the ranked units")
         extra.append(unit)
-    clock = _Clock()
+    clock = Laps()
     base_scores = scorer.clean_scores()
     base, base_ex = scorer.metrics(base_scores), scorer.per_example(base_scores)
     n = len(scorer.examples)
@@ -314,7 +311,7 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
         control = random.Random(seed).sample(rest, min(n_control, len(rest)))
         for u in units:
             estimates[u.label].update(stage_drop=math.nan, stage_logprob_drop=math.nan)
-        if stage_n is not None and positive_int(stage_n, "stage_n") < n:
+        if stage_n is not None and stage_n < n:
             staged = [u for u in chosen if u.kind == "head" and u not in extra]
             checks = [u for u in control if u.kind == "head"]
             right = base_ex["correct"].bool().tolist()
@@ -402,19 +399,6 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
                               "single_drops": sum(base["accuracy"] - s["correct"].mean().item() for s in singles)})
     clock.lap("pairs")
     return ranking
-
-
-class _Clock:
-    """Wall and CPU seconds of each step of a ranking (`HeadRanking.timing`)."""
-
-    def __init__(self) -> None:
-        self.laps: dict[str, dict[str, float]] = {}
-        self.now = (time.perf_counter(), time.process_time())
-
-    def lap(self, step: str) -> None:
-        now = (time.perf_counter(), time.process_time())
-        self.laps[step] = {"wall_s": now[0] - self.now[0], "cpu_s": now[1] - self.now[1]}
-        self.now = now
 
 
 def candidates(units: Sequence[Unit], estimates: dict[str, dict[str, float]], verify_top: int) -> list[Unit]:

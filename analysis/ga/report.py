@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,8 @@ from analysis.intervals import clopper_pearson, paired_interval
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks.text import Example, kv_retrieval
 from analysis.validate import writable_dir
-from hooked.validate import Flag, Integer, OneOf, Seq, checked
+from analysis.ga.settings import REPORT, Laps, RankSettings, settings_of
+from hooked.validate import Integer, Seq, checked
 
 Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> examples
 
@@ -202,37 +202,28 @@ def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor
     return w, model.to_str_tokens(tokens[0]), kind != "attn"
 
 
-@checked(sizes=Seq(Integer(ge=1)), n=Integer(ge=1), rank_n=Integer(ge=1, none=True), seed=Integer(ge=0), batch_size=Integer(ge=1),
-         pairs_top_k=Integer(ge=0), channel_group=Integer(ge=1, none=True), progress=Flag(), n_random=Integer(ge=1),
-         method=OneOf("exhaustive", "screened"), verify_top=Integer(ge=1), n_control=Integer(ge=0),
-         replicas=Integer(ge=1, none=True), refine=OneOf("none", "scores", "qk"), stage_n=Integer(ge=1, none=True),
-         stage_keep=Integer(ge=1))
-def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None, seed: int = 0,
-              batch_size: int = 16, pairs_top_k: int = 4, channel_group: int | None = None,
-              progress: bool = True, task: Task = kv_retrieval, n_random: int = 5, method: str = "screened",
-              verify_top: int = 40, n_control: int = 10, replicas: int | None = None, refine: str = "none",
-              stage_n: int | None = 6, stage_keep: int = 12) -> dict[str, Any]:
-    """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds."""
-    timing: dict[str, dict[str, float]] = {}
-    clock = [time.perf_counter(), time.process_time()]
+@checked(sizes=Seq(Integer(ge=1)), n=Integer(ge=1), rank_n=Integer(ge=1, none=True), n_random=Integer(ge=1))
+def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n: int | None = None,
+              task: Task = kv_retrieval, n_random: int = 5, settings: RankSettings | None = None,
+              **loose: Any) -> dict[str, Any]:
+    """The G&A report in `out` (files: see the module glossary); timing.json has each stage's wall and CPU seconds.
 
-    def lap(stage: str) -> None:
-        now = [time.perf_counter(), time.process_time()]
-        timing[stage] = {"wall_s": now[0] - clock[0], "cpu_s": now[1] - clock[1]}
-        clock[:] = now
-
+    settings: how the heads are ranked, a RankSettings (default settings.REPORT: screened, staged); the old
+    loose keywords (`ga_report(model, out, sizes, batch_size=8, method="exhaustive")`) replace its fields.
+    Its seed also draws the prompts and the control, its batch_size and channel_group serve the report too."""
+    settings = settings_of(settings, loose, REPORT, "ga_report")
+    seed, batch_size = settings.seed, settings.batch_size
+    laps = Laps()
+    timing = laps.laps
     out = writable_dir(out, "out")
     examples = task(sizes[0], rank_n or n, seed)
-    units = head_units(model, channel_group)
+    units = head_units(model, settings.channel_group)
     scores = ga_scores(model, examples, units)
-    lap("ga_scores")
+    laps.lap("ga_scores")
     best = {kind: sorted(units, key=lambda u: -scores[u.label][kind])[:2] for kind in ("gather", "aggregate")}
     scorer = ranking_scorer(model, examples, batch_size)  # its clean run serves the ranking, the table, the control
-    ranking = rank_heads(model, examples, units, method=method, batch_size=batch_size, pairs_top_k=pairs_top_k,
-                         progress=progress, pair_with=best["aggregate"] + best["gather"], verify_top=verify_top,
-                         n_control=n_control, seed=seed, replicas=replicas, stage_n=stage_n, stage_keep=stage_keep,
-                         refine=refine, scorer=scorer)
-    lap("rank_heads")
+    ranking = rank_heads(model, examples, units, settings, pair_with=best["aggregate"] + best["gather"], scorer=scorer)
+    laps.lap("rank_heads")
     timing["rank_heads"]["steps"] = ranking.timing
     gathers = [s["gather"] for s in scores.values()]
     aggregates = [s["aggregate"] for s in scores.values()]
@@ -246,7 +237,7 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     acc = accuracy_by_size(model, sizes, n, seed, batch_size, task,  # after the ranking: its files come first
                            known=(examples, scorer.clean_scores()))
     save_table(acc, out / "accuracy.csv")
-    lap("accuracy_by_size")
+    laps.lap("accuracy_by_size")
     n_layers = model.cfg.n_layers
     heatmap(ranking.matrix("drop", n_layers), out / "drop_heatmap.png", f"accuracy drop, n={sizes[0]}",
             "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
@@ -262,15 +253,15 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
         w, toks, is_kernel = unit_weights(model, by_label[label], examples[0])
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
-    summary = {"sizes": acc, "baseline": ranking.baseline, "method": method, "top": ranking.rows[:10],
+    summary = {"sizes": acc, "baseline": ranking.baseline, "method": settings.method, "top": ranking.rows[:10],
                "pairs": ranking.pairs,
                "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True,
                                   scorer=scorer),
                "agreement": agreement(ranking.rows), "n_units": len(units), "rank_examples": len(examples),
                "screen": ranking.screen, "separability": ranking.separability,
                "separability_statement": separability_statement(ranking)}
-    lap("plots_and_control")
-    timing["total"] = {k: sum(t[k] for t in timing.values()) for k in ("wall_s", "cpu_s")}
+    laps.lap("plots_and_control")
+    timing["total"] = laps.total()
     summary["timing"] = timing
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "timing.json").write_text(json.dumps(timing, indent=1))
