@@ -23,6 +23,8 @@ Hooks, under blocks.{l}.mlp. (the MoE is the layer's `mlp`; its output is blocks
     hook_routed_out    [batch pos d_model]         sum_k weights * expert_out
     shared.*, hook_shared_out [batch pos d_model]  the shared MLP (when there is one)
 
+TransformerLens's weight names (the router W_gate, each expert's W_in, W_gate, W_out): expert_weights.py.
+
 Edits propagate: edited logits are what the rule selects from; an edited `chosen` runs the experts it
 names (its slots keep their weights); edited weights and expert outputs are what is summed. Zeroing
 the weights of expert e (analysis `ablate_experts`) equals zeroing expert e's down_proj.
@@ -39,6 +41,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint
+from hooked.models.expert_weights import ExpertWeights
 from hooked.models.mlp import activation
 from hooked.models.protocol import ExpertMixture
 
@@ -115,7 +118,7 @@ class StackedRows(nn.Module):
         super().__setattr__(name, value)
 
 
-class MoE(ExpertMixture, nn.Module):
+class MoE(ExpertMixture, ExpertWeights, nn.Module):
     """Router, rule, stacked experts and an optional shared MLP, every routing quantity hooked.
 
     Args:
