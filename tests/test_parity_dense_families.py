@@ -70,6 +70,10 @@ FAMILIES = {  # family -> (HF config class, HF model class, base config, {varian
         "all_full_linear_rope": dict(num_key_value_heads=1, layer_types=["full_attention"] * 3, rope_parameters={
             "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e4),
             "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+        "yarn_on_full_layers": dict(num_key_value_heads=2, layer_types=OLMO3_TYPES, rope_parameters={  # OLMo 3 7B's
+            "full_attention": dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=16, beta_fast=32,
+                                   beta_slow=1, attention_factor=1.2079441541679836, rope_theta=5e5),
+            "sliding_attention": dict(rope_type="default", rope_theta=5e5)}),
     }),
 }
 INPUTS = {  # name -> (real lengths per row, padding side)

@@ -5,6 +5,7 @@ Glossary (TransformerLens names; HF Olmo3Config names in brackets): as olmo2.py,
     sliding_window [sliding_window]   W on the "sliding_attention" layers (4096 in OLMo 3 7B / 32B)
     layer_types [layer_types]         HF's default: layer l is full when l + 1 is a multiple of 4
     rope_theta, rope_scaling          the full-attention layers' rope [rope_parameters.full_attention]
+                                      (YaRN in the released long-context checkpoints; ops/rotary.py)
     rope_local_theta, rope_local_scaling   the sliding layers' [rope_parameters.sliding_attention]
 
     resid = resid + ln1_post(attn_W(resid)),  W = sliding_window on sliding layers, none on full ones

@@ -67,7 +67,7 @@ def _yarn_scale(inv_freq: Float[Tensor, "half"], d_rot: int, theta: float,
     if scaling.get("original_max_position_embeddings") is None or scaling.get("factor") is None:
         raise ValueError(f"yarn rope needs factor and original_max_position_embeddings, got {dict(scaling)}")
     factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)  # JSON may say 32
 
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_context
         return d_rot * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
