@@ -52,7 +52,8 @@ def zero_bias(router: Tensor) -> Tensor:
 
 
 def key_map(cfg: Lfm2MoeConfig) -> dict[str, Key]:
-    keys = {"embed.weight": Key.of("model.embed_tokens.weight"), "ln_final.weight": Key.of("model.embedding_norm.weight")}
+    keys = {"embed.weight": Key.of("model.embed_tokens.weight"),
+            "ln_final.weight": Key.of("model.embedding_norm.weight")}
     for layer, kind in enumerate(cfg.layer_types):
         ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
         keys[ours + "ln1.weight"] = Key.of(theirs + "operator_norm.weight")

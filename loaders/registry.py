@@ -13,7 +13,7 @@ from typing import Any
 from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, mamba,
                      llamba, mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
 from loaders import gemma, gpt_neox, olmo2, olmo3, phi3
-from loaders import lfm2_moe  # issue 41's families on mixers we have
+from loaders import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we have
 from loaders.architecture import Architecture, Key
 
 __all__ = ["ARCHITECTURES", "REGISTRY", "Architecture", "Key", "find_architecture", "register"]
@@ -49,6 +49,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     lfm2.ARCHITECTURE,
     llamba.ARCHITECTURE,
     lfm2_moe.ARCHITECTURE,
+    bailing_hybrid.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}

@@ -148,7 +148,8 @@ def test_token_edge_scores_equal_scaled_cuts(run, mode):
             if mode == "scores":
                 rest = A.clone()
                 rest[:, i] = 0
-                dA += rest * (A[:, i] / (1 - A[:, i]))[:, None]
+                only = A[:, i] >= 1  # the row's only visible key: cut, the row writes nothing (rest is 0)
+                dA += rest * torch.where(only, 0.0, A[:, i] / (1 - A[:, i]).masked_fill(only, 1.0))[:, None]
             vals = []
             for alpha in (EPS, -EPS):
                 def fn(p, hook, alpha=alpha):

@@ -1,4 +1,4 @@
-"""Parity with HF transformers of issue 41's families built on mixers we have (LFM2-MoE, ...).
+"""Parity with HF transformers of issue 41's families built on mixers we have (LFM2-MoE, Bailing-hybrid).
 
 One table: family -> (HF model class, tiny config, released-size config). For each: logits, the
 embedding and every resid_post within 1e-4 of HF's max magnitude in float32 (tests/hybrid_checks.py),
@@ -26,13 +26,20 @@ FAMILIES = {
         vocab_size=V, hidden_size=16, intermediate_size=24, moe_intermediate_size=12, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
         layer_types=["conv", "full_attention", "conv", "conv"], routed_scaling_factor=1.5)),
+    "bailing_hybrid": (_T.BailingHybridForCausalLM, lambda: _T.BailingHybridConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=24, moe_intermediate_size=12, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, kv_lora_rank=16, num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, layer_group_size=2, routed_scaling_factor=1.5, pad_token_id=0, eos_token_id=1)),
 }
 VARIANTS = {  # family -> {variant: config changes}
     "lfm2_moe": {"expert_bias": {}, "no_expert_bias_no_renorm": dict(use_expert_bias=False, norm_topk_prob=False)},
+    "bailing_hybrid": {"safe_gate": {}, "softplus_gate_q_lora": dict(kda_safe_gate=False, q_lora_rank=12)},
 }
 CASES = [(f, v) for f in FAMILIES for v in VARIANTS[f]]
 F64 = {  # how close a float64 model of HF's comes: 1e-10 where HF computes in float64 throughout
     "lfm2_moe": 1e-5,  # HF's RMSNorm casts to float32 in a float64 model (and renormalises by sum + 1e-6)
+    "bailing_hybrid": 1e-5,  # HF's RMSNorms and its KDA output norm compute in float32 in a float64 model
 }
 RELEASED = {  # HF config.json fields of a released checkpoint
     "lfm2_moe": dict(model_type="lfm2_moe", architectures=["Lfm2MoeForCausalLM"], vocab_size=65536, hidden_size=2048,
@@ -40,6 +47,7 @@ RELEASED = {  # HF config.json fields of a released checkpoint
                      num_attention_heads=32, num_key_value_heads=8, num_dense_layers=2, num_experts=32,
                      num_experts_per_tok=4, norm_topk_prob=True, use_expert_bias=True, conv_L_cache=3,
                      layer_types=["full_attention" if l in (2, 6, 10, 14, 18, 21) else "conv" for l in range(24)]),
+    "bailing_hybrid": dict(model_type="bailing_hybrid", architectures=["BailingHybridForCausalLM"]),  # HF's defaults
 }
 
 
@@ -51,9 +59,9 @@ def make_hf(family: str, variant: str, dtype: torch.dtype = torch.float32):
     config._experts_implementation = "eager"  # HF's grouped_mm path refuses float64
     torch.manual_seed(0)
     hf = perturbed(cls(config), scale=0.2)
-    with torch.no_grad():  # buffers HF does not perturb (LFM2-MoE's expert_bias) get values too
+    with torch.no_grad():  # buffers HF does not perturb (the MoE choice biases) get values too
         for name, b in hf.named_buffers():
-            if name.endswith("expert_bias"):
+            if name.endswith(("expert_bias", "e_score_correction_bias")):
                 b.normal_()
     return hf.to(dtype)
 

@@ -80,6 +80,15 @@ CONFIGS = {
 for _name in DELTA:  # the delta-rule families and LFM2, as tests/delta_oracles.py builds them
     CONFIGS[_name] = lambda _name=_name: (DELTA[_name][1], DELTA[_name][0](**DELTA[_name][2]))
 CONFIGS["llamba"] = lambda: (LlambaReference, LlambaReferenceConfig())  # Cartesia's layout, no HF class
+CONFIGS["lfm2_moe"] = lambda: (_T.Lfm2MoeForCausalLM, _T.Lfm2MoeConfig(
+    vocab_size=V, hidden_size=16, intermediate_size=24, moe_intermediate_size=12, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+    layer_types=["conv", "full_attention", "conv"]))
+CONFIGS["bailing_hybrid"] = lambda: (_T.BailingHybridForCausalLM, _T.BailingHybridConfig(
+    vocab_size=V, hidden_size=16, intermediate_size=24, moe_intermediate_size=12, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    kv_lora_rank=8, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+    layer_group_size=2, pad_token_id=0, eos_token_id=1))
 FAMILIES = tuple(CONFIGS)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, llamba,
                            mamba, mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
-from hooked.models import lfm2_moe  # issue 41's families on mixers we have
+from hooked.models import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we have
 from hooked.models import gemma, gpt_neox, olmo2
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
@@ -45,6 +45,7 @@ BUILDERS = {
     lfm2.Lfm2Config: lfm2.build,
     llamba.LlambaConfig: llamba.build,
     lfm2_moe.Lfm2MoeConfig: lfm2_moe.build,
+    bailing_hybrid.BailingHybridConfig: bailing_hybrid.build,
 }
 
 

@@ -101,7 +101,8 @@ class LatentAttention(AttentionCut, TokenMixer, nn.Module):
         k = self.hook_k(torch.cat([k_nope, repeat(k_rope, "b l r -> b l h r", h=self.n_heads)], dim=-1))
         v = self.hook_v(v)
         if self.rotary is not None:  # rotary on the last d_rope features of q and k (the shared part)
-            cos, sin = self.rotary(ctx.position_ids, q.dtype)
+            past = ctx.state.length if ctx.state is not None else 0  # the largest position, known without a host read
+            cos, sin = self.rotary(ctx.position_ids, q.dtype, max_position=past + q.shape[1] - 1)
             rope = lambda t: torch.cat([t[..., :self.d_nope], apply_rotary(t[..., self.d_nope:], cos, sin)], -1)  # noqa: E731
             q, k = self.hook_rot_q(rope(q)), self.hook_rot_k(rope(k))
         return q, k, v
@@ -125,6 +126,7 @@ class LatentAttention(AttentionCut, TokenMixer, nn.Module):
             p0 = shared.shared_positions
             z = shared.mix(pattern[..., :p0]) + einsum(pattern[..., p0:], v, "b h q k, b k h d -> b q h d")
         z = self.hook_z(z)
+        z = self.gate_heads(z, x)
         flat_z = rearrange(z, "b l h d -> b l (h d)")
         if not self.hook_result.is_active:
             return self.o_proj(flat_z)
@@ -133,6 +135,11 @@ class LatentAttention(AttentionCut, TokenMixer, nn.Module):
         result = self.hook_result(result)
         unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
         return unedited + (result.sum(dim=2) - written)
+
+    def gate_heads(self, z: Float[Tensor, "batch pos n_heads d_head"],
+                   x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos n_heads d_head"]:
+        """What each head gives o_proj: z itself (Bailing-hybrid's MLA multiplies it by an output gate)."""
+        return z
 
     def head_results(self, z: Float[Tensor, "*batch pos n_heads d_head"]) -> Float[Tensor, "*batch pos n_heads d_out"]:
         """Each head's write, o_proj without its bias."""
