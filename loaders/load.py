@@ -55,6 +55,7 @@ from loaders.placement import Placement
 from loaders.registry import Architecture, find_architecture
 from loaders.safetensors_io import INDEX_FILE, SINGLE_FILE, MappingSource, SafetensorsCheckpoint
 from loaders.stored_head import follow_stored_head
+from loaders.unsupported import check_supported
 from loaders.tokenizer import load_gguf_tokenizer, load_tokenizer, prepare_tokenizer
 
 IGNORED_KEYS = (  # checkpoint tensors HF models recompute instead of loading
@@ -389,6 +390,7 @@ def build_from_source(hf_config: dict[str, Any], source: Any, placement: Placeme
     origin = getattr(source, "origin", "checkpoint")
     check_hf_config(hf_config, origin)
     arch = find_architecture(hf_config)
+    check_supported(arch.name, hf_config, origin)
     try:
         cfg = arch.config_from_hf(hf_config)
     except KeyError as e:
