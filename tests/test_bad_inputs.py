@@ -466,7 +466,7 @@ def third_pass(model):
         "decode after start_at_layer on a fresh state": (
             lower_blocks_skipped, StateMismatch, r"has read 6 positions, but blocks.0.attn holds 0 of them"),
         "kv_retrieval seed=-1": (lambda: kv_retrieval(3, 2, seed=-1), ValueError, r"kv_retrieval: seed=-1: must be >= 0"),
-        "Example answer=True": (lambda: Example("x", ["a", "b"], True), TypeError, r"answer must be an integer"),
+        "Example answer=True": (lambda: Example("x", ["a", "b"], True), TypeError, r"Example: answer: expected an integer in \[0, 2\), got True"),
         "Example choices a string": (lambda: Example("x", "ab", 0), TypeError, r"choices must be a list of strings"),
         "generate text without a tokenizer": (
             lambda: mamba.generate(ids, max_new_tokens=1, return_type="str"), ValueError,

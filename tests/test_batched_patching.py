@@ -106,7 +106,7 @@ def test_the_rule_tiles_small_cpu_runs_and_caps():
     tokens = torch.zeros(2, 8, dtype=torch.long)
     assert patch_replicas(model, tokens, None) == 32 and patch_replicas(model, tokens, 4) == 4
     for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="replicas must be a positive int"):
+        with pytest.raises(ValueError, match=r"^replicas(=|: expected)"):  # a WrongType is a ValueError too
             patch_replicas(model, tokens, bad)
 
 

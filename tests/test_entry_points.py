@@ -436,3 +436,42 @@ def test_the_table_strategies_are_disjoint(spec):
         assert not any(type(bad) is type(v) and bad == v for v in legal)
 
     run()
+
+
+# ------------------------------------------------------------------ the G&A settings, given loose
+SETTINGS_FIELDS = list(ENTRY_POINTS["analysis.ga.settings.RankSettings"])
+LOOSE = ["analysis.ga.ranking.rank_heads", "analysis.ga.report.ga_report"]
+
+
+@pytest.mark.parametrize("entry", LOOSE, ids=["rank_heads", "ga_report"])
+@pytest.mark.parametrize("field", SETTINGS_FIELDS)
+def test_settings_given_as_loose_keywords_are_refused_in_the_entry_points_name(ctx, entry, field):
+    """The old keyword call (`rank_heads(model, examples, batch_size=0)`) reaches RankSettings's rules and is
+    refused as "rank_heads: batch_size=0: ..." (the entry point called, then the argument)."""
+    spec = ENTRY_POINTS["analysis.ga.settings.RankSettings"][field]
+    where = entry.rsplit(".", 1)[-1]
+
+    @SETTINGS
+    @given(spec.illegal(ctx.model))
+    def run(value):
+        with pytest.raises((TypeError, ValueError)) as info:
+            CALLS[entry](ctx, **{field: value})
+        assert re.match(rf"{where}: {re.escape(field)}[=:]", str(info.value)), f"{field}={value!r}: {info.value}"
+
+    run()
+
+
+def test_a_settings_object_ranks_as_the_loose_keywords_do(ctx):
+    from analysis.ga.ranking import head_units, rank_heads
+    from analysis.ga.report import task_for
+    from analysis.ga.settings import RankSettings
+
+    units, examples = head_units(ctx.model)[:3], task_for("organism/llama-kv")(2, 4, 0)
+    loose = rank_heads(ctx.model, examples, units, batch_size=1, pairs_top_k=2, progress=False)
+    given_ = rank_heads(ctx.model, examples, units, RankSettings(batch_size=1, pairs_top_k=2, progress=False))
+    assert [r["unit"] for r in loose.rows] == [r["unit"] for r in given_.rows]
+    assert [r["drop"] for r in loose.rows] == [r["drop"] for r in given_.rows] and loose.pairs == given_.pairs
+    with pytest.raises(TypeError, match=r"rank_heads\(\) got unexpected keyword arguments \['batch'\]"):
+        rank_heads(ctx.model, examples, units, batch=1)
+    with pytest.raises(TypeError, match=r"rank_heads: settings: expected a RankSettings, got dict"):
+        rank_heads(ctx.model, examples, units, {"batch_size": 1})

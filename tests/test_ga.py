@@ -405,7 +405,7 @@ def test_control_needs_a_random_draw():
     from analysis.ga.report import control
 
     model = _model("llama")
-    with pytest.raises(ValueError, match="n_random must be >= 1"):
+    with pytest.raises(ValueError, match=r"control: n_random=0: must be >= 1"):
         control(model, kv_retrieval(3, 2, seed=0), HeadRanking({"accuracy": 1.0}, []), head_units(model), n_random=0)
 
 

@@ -56,8 +56,8 @@ def mamba():
 
 
 @pytest.fixture(scope="module")
-def mixtral():
-    return tiny("mixtral")
+def jamba():
+    return tiny("jamba")  # a mixture of experts: mlp.hook_chosen holds int64 expert ids
 
 
 def unchanged(model, reference):
@@ -176,10 +176,10 @@ def test_named_case_is_refused_by_name(llama, scores, case):
     unchanged(llama, reference)
 
 
-def test_named_sae_on_int64_expert_ids_is_refused(mixtral):
+def test_named_sae_on_int64_expert_ids_is_refused(jamba):
     with pytest.raises(ValueError, match=r"add_sae: hook_name='blocks.0.mlp.hook_chosen' holds int64 indices"):
-        mixtral.add_sae(TinySAE(2, 8), "blocks.0.mlp.hook_chosen")
-    assert not mixtral.acts_to_saes
+        jamba.add_sae(TinySAE(2, 8), "blocks.0.mlp.hook_chosen")
+    assert not jamba.acts_to_saes
 
 
 def test_named_sae_bool_mask_splices_only_its_true_positions(llama):

@@ -22,6 +22,7 @@ from torch import Tensor
 from analysis.circuits.metrics import AnswerDiff
 from analysis.tasks import token_kv as kv
 from analysis.tasks.text import tokenizer_of
+from hooked.validate import Integer, check
 
 CORRUPTIONS = ("swap", "query")
 
@@ -31,8 +32,7 @@ def kv_pairs(n: int = 8, n_samples: int = 32, seed: int = 0, fmt: str = "?k",
     """(clean, corrupt, metric) on `n_samples` seeded prompts with `n` pairs (see the glossary)."""
     if corrupt not in CORRUPTIONS:
         raise ValueError(f"corrupt must be one of {CORRUPTIONS}, got {corrupt!r}")
-    if n < 2:
-        raise ValueError(f"a corrupt prompt needs another pair: n >= 2, got {n}")
+    check(n, "kv_pairs: n", Integer(ge=2))  # a corrupt prompt needs another pair
     p = kv.prompts(n, n_samples, seed, fmt)
     gen = torch.Generator().manual_seed(seed + 1)
     other = (p.answer + torch.randint(1, n, (n_samples,), generator=gen)) % n

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from hooked.models.decode_state import DecodeState
+from hooked.validate import as_index
 from hooked.models.protocol import token_mixers
 
 
@@ -88,9 +89,9 @@ def transplant(model: Any, donor: Tensor, recipient: Tensor, at: int, sites: Any
     read up to and including `at`, the chosen states replaced by the donor's after its last token, then
     continued. sites="all": continue from the donor's whole decoding state instead."""
     recipient = model.check_tokens(recipient)
-    at = at + recipient.shape[1] if at < 0 else at
-    if not 0 <= at < recipient.shape[1] - 1:
-        raise ValueError(f"at={at}: the recipient ({recipient.shape[1]} tokens) must have a token after it")
+    at = as_index(at, recipient.shape[1], "transplant: at", "positions of the recipient")
+    if at == recipient.shape[1] - 1:
+        raise ValueError(f"transplant: at={at}: the recipient ({recipient.shape[1]} tokens) must have a token after it")
     _, donor_state = read(model, donor)
     if sites == "all":
         state = donor_state

@@ -50,7 +50,7 @@ from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks.text import Example, kv_retrieval
 from analysis.validate import writable_dir
 from analysis.ga.settings import REPORT, Laps, RankSettings, settings_of
-from hooked.validate import Integer, Seq, checked
+from hooked.validate import Integer, Seq, check, checked
 
 Task = Callable[[int, int, int], list[Example]]  # (pairs, n_samples, seed) -> examples
 
@@ -114,8 +114,7 @@ def control(model: Any, examples: list[Example], ranking: HeadRanking, units: li
     reuse_pairs: `examples` are the ranking's, so the top two ablated together are read from
     `ranking.pairs` when it holds them (the same forward, not run twice). scorer: the ranking's
     (`ranking_scorer`, its kept clean run) over `examples`."""
-    if n_random < 1:
-        raise ValueError(f"n_random must be >= 1, got {n_random}")
+    check(n_random, "control: n_random", Integer(ge=1))
     by_label = {u.label: u for u in units}
     top = [by_label[label] for label in ranking.top(2)]
     rng = random.Random(seed)

@@ -9,6 +9,7 @@ Glossary
     REPORT        the report's defaults (a screened ranking with a staged verification), `ga_report`'s
     settings_of   the settings a call runs with: `settings` (default: the entry point's) with the loose
                   keywords of the old call (`rank_heads(model, ex, batch_size=8)`) replaced, each checked
+                  and refused in the entry point's name ("rank_heads: batch_size=0: must be >= 1")
     Laps          wall and CPU seconds of each step, one timer for the ranking and the report
 """
 
@@ -58,7 +59,10 @@ def settings_of(settings: RankSettings | None, loose: dict[str, Any], default: R
     unknown = sorted(set(loose) - set(FIELDS))
     if unknown:
         raise TypeError(f"{where}() got unexpected keyword arguments {unknown}; the settings are {list(FIELDS)}")
-    return replace(settings or default, **loose)
+    try:
+        return replace(settings or default, **loose)
+    except ValueError as e:  # a loose keyword's error names the entry point it was given to (WrongType too)
+        raise type(e)(str(e).replace(f"{RankSettings.__name__}:", f"{where}:", 1)) from None
 
 
 class Laps:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from analysis.interventions.ablation import attached
 from hooked.models.protocol import ExpertMixture
+from hooked.validate import as_index, layer_index
 
 ExpertSpec = tuple[Any, int]
 
@@ -49,15 +50,13 @@ def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list
         if isinstance(where, str):
             prefix = where
         else:
-            layer = int(where) + (model.cfg.n_layers if int(where) < 0 else 0)
+            layer = layer_index(where, model.cfg.n_layers, f"the layer of expert {spec!r}")
             prefix = f"blocks.{layer}.mlp"
         if prefix not in layout:
             known = ", ".join(layout) or "none"
             raise ValueError(f"{prefix!r} is not a mixture-of-experts MLP; the model's MoE layers: {known}")
         n = layout[prefix]
-        if not -n <= int(e) < n:
-            raise ValueError(f"expert {e} is outside {prefix!r}'s {n} experts")
-        out.setdefault(prefix, set()).add(int(e) % n)
+        out.setdefault(prefix, set()).add(as_index(e, n, f"expert {spec!r}", f"experts of {prefix!r}"))
     return {p: sorted(es) for p, es in out.items()}
 
 

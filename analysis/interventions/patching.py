@@ -43,7 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.interventions.batching import tiles_for
-from hooked.validate import NotAnIndex, as_index, index_list, index_mask, layer_list, metric_value
+from hooked.validate import Integer, NotAnIndex, as_index, check, index_list, index_mask, layer_list, metric_value
 
 Metric = Callable[[Tensor], Any]
 Setter = Callable[[Tensor, Tensor, tuple], Tensor]
@@ -181,9 +181,7 @@ def patch_replicas(model: Any, tokens: Tensor, replicas: int | None, source: Ten
     if replicas is None:
         per_row = 0 if source is None else source[0].numel()
         return tiles_for(model, tokens.shape[0], tokens.shape[1] if tokens.ndim > 1 else 1, per_row=per_row)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas must be a positive int (patches per forward) or None (the rule), got {replicas!r}")
-    return replicas
+    return check(replicas, "replicas", Integer(ge=1))  # patches per forward (None: the rule, above)
 
 
 def _run(model: Any, inp: Tensor, start: int | None, tokens: Tensor, attention_mask: Tensor | None,

@@ -33,7 +33,6 @@ with `letter_prefix`).
 
 from __future__ import annotations
 
-import numbers
 
 import random
 from dataclasses import dataclass, field
@@ -45,8 +44,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from hooked.validate import Integer, checked
-from hooked.validate import positive_int
+from hooked.validate import Integer, check, checked
 
 WORDS_PATH = Path(__file__).parent / "data" / "words.txt"
 KV_HEADER = "Memorize the following dictionary:\n"
@@ -68,13 +66,10 @@ class Example:
             shown = repr(self.choices)[:80]
             raise TypeError(f"Example: choices must be a list of strings (a string would be read character by "
                             f"character), got {shown}")
-        if isinstance(self.answer, bool) or not isinstance(self.answer, numbers.Integral):
-            raise TypeError(f"Example: answer must be an integer index into the choices, got {self.answer!r}")
-        if not 0 <= self.answer < len(self.choices):
-            raise ValueError(f"answer {self.answer} is not an index into {len(self.choices)} choices")
-        for start, end in self.segments:
-            if not 0 <= start < end <= len(self.prompt):
-                raise ValueError(f"segment {(start, end)} is outside the prompt of {len(self.prompt)} characters")
+        check(self.answer, "Example: answer", Integer(ge=0, lt=len(self.choices)))
+        for i, (start, end) in enumerate(self.segments):  # character spans [start, end) of the prompt
+            check(end, f"Example: segments[{i}] end", Integer(ge=1, le=len(self.prompt)))
+            check(start, f"Example: segments[{i}] start", Integer(ge=0, lt=end))
 
 
 @lru_cache(maxsize=1)
@@ -99,9 +94,8 @@ def kv_retrieval(n_pairs: int, n_samples: int, seed: int = 0, words: tuple[str, 
     bad = [w for w in words if not isinstance(w, str) or not w.strip() or ":" in w or "\n" in w]
     if bad:
         raise ValueError(f"words must be non-empty strings without ':' or newlines (the prompt's syntax); got {bad[:5]}")
-    n_pairs, n_samples = positive_int(n_pairs, "n_pairs"), positive_int(n_samples, "n_samples")
-    if not 1 <= n_pairs <= min(len(words), 100):
-        raise ValueError(f"n_pairs must be in [1, {min(len(words), 100)}], got {n_pairs}")
+    n_pairs = check(n_pairs, "n_pairs", Integer(ge=1, le=min(len(words), 100)))  # distinct keys, at most 100
+    n_samples = check(n_samples, "n_samples", Integer(ge=1))
     rng = random.Random(seed)
     out = []
     for _ in range(n_samples):
@@ -122,8 +116,7 @@ def kv_retrieval(n_pairs: int, n_samples: int, seed: int = 0, words: tuple[str, 
 def multiple_choice(question: str, options: list[str], answer: int, letter_prefix: str = " ") -> Example:
     """An MMLU-style prompt; the choices are the option letters, each option line a segment."""
     letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-    if not 2 <= len(options) <= len(letters):
-        raise ValueError(f"need 2 to {len(letters)} options, got {len(options)}")
+    check(len(options), "multiple_choice: len(options)", Integer(ge=2, le=len(letters)))
     prompt, segments = question.rstrip("\n") + "\n", []
     for letter, option in zip(letters, options):
         line = f"{letter}. {option}\n"

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from analysis.tasks.scoring import choice_scores, logits_of, model_device
 from analysis.tasks.text import Example
+from hooked.validate import Integer, check
 
 PAD, BOS, COLON, NL, QMARK = 0, 1, 2, 3, 4
 N_KEYS, N_VALUES = 64, 32
@@ -56,8 +57,7 @@ def query_tokens(key: int, fmt: str) -> list[int]:
 def _draw(n: int, batch: int, gen: torch.Generator, distinct_values: bool = False) -> tuple[Tensor, Tensor]:
     """Keys (distinct per row) and values (with replacement, or distinct), both [batch n] token ids."""
     top = N_VALUES if distinct_values else N_KEYS
-    if not 1 <= n <= top:
-        raise ValueError(f"n must be in [1, {top}], got {n}")
+    check(n, "n", Integer(ge=1, le=top))
     keys = torch.argsort(torch.rand(batch, N_KEYS, generator=gen), dim=1)[:, :n] + KEY0
     if distinct_values:
         values = torch.argsort(torch.rand(batch, N_VALUES, generator=gen), dim=1)[:, :n] + VALUE0
