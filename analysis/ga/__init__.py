@@ -11,6 +11,7 @@
              of a head's mixing weights (`weights_hook`, `as_weights`)
     reads    role-aware read shares on the organisms' KV task (`reads`)
     report   `ga_report` and the `hooked ga` command
+    settings `RankSettings`: how rank_heads and ga_report rank, one frozen object (their loose keywords too)
 
 `kv_retrieval` and `score_choices` (analysis.tasks) are exported here too, as DESIGN.md section 5 names them.
 """
@@ -18,12 +19,13 @@
 from analysis.ga.ranking import HeadRanking, Unit, expert_units, head_units, rank_heads, ranking_scorer
 from analysis.ga.reads import reads
 from analysis.ga.screening import estimate_effects
+from analysis.ga.settings import RankSettings
 from analysis.ga.report import ga_report
 from analysis.ga.scores import aggregate_only, ga_scores, gather_only, masked_accuracy, restrict_heads
 from analysis.tasks.scoring import score_choices
 from analysis.tasks.text import kv_retrieval
 
 __all__ = ["HeadRanking", "Unit", "expert_units", "head_units", "rank_heads", "ranking_scorer", "estimate_effects",
-           "reads",
+           "reads", "RankSettings",
            "ga_report", "aggregate_only",
            "ga_scores", "gather_only", "masked_accuracy", "restrict_heads", "score_choices", "kv_retrieval"]
