@@ -14,6 +14,7 @@ from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, j
                      llamba, mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
 from loaders import gemma, gpt_neox, olmo2, olmo3, phi3
 from loaders import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we have
+from loaders import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from loaders.architecture import Architecture, Key
 
 __all__ = ["ARCHITECTURES", "REGISTRY", "Architecture", "Key", "find_architecture", "register"]
@@ -47,6 +48,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     olmo_hybrid.ARCHITECTURE,
     kimi_linear.ARCHITECTURE,
     lfm2.ARCHITECTURE,
+    mixtral.ARCHITECTURE,
+    olmoe.ARCHITECTURE,
+    qwen3_moe.ARCHITECTURE,
+    gpt_oss.ARCHITECTURE,
     llamba.ARCHITECTURE,
     lfm2_moe.ARCHITECTURE,
     bailing_hybrid.ARCHITECTURE,

@@ -76,6 +76,17 @@ CONFIGS = {
     "olmo3": lambda: (_T.Olmo3ForCausalLM, _T.Olmo3Config(**_SMALL, intermediate_size=24, num_hidden_layers=2,
                                                            sliding_window=4, layer_types=["sliding_attention",
                                                                                           "full_attention"])),
+    # issue 42's mixtures of experts (GPT-OSS: sinks, alternating windows, clamped SwiGLU experts with biases)
+    "mixtral": lambda: (_T.MixtralForCausalLM, _T.MixtralConfig(**_SMALL, intermediate_size=12, num_hidden_layers=2,
+                                                                 num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": lambda: (_T.OlmoeForCausalLM, _T.OlmoeConfig(**_SMALL, intermediate_size=12, num_hidden_layers=2,
+                                                           num_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": lambda: (_T.Qwen3MoeForCausalLM, _T.Qwen3MoeConfig(
+        **_SMALL, head_dim=8, intermediate_size=24, moe_intermediate_size=12, num_hidden_layers=2, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),
+    "gpt_oss": lambda: (_T.GptOssForCausalLM, _T.GptOssConfig(**_SMALL, head_dim=8, intermediate_size=12,
+                                                               num_hidden_layers=2, num_local_experts=4,
+                                                               num_experts_per_tok=2, sliding_window=4)),
 }
 for _name in DELTA:  # the delta-rule families and LFM2, as tests/delta_oracles.py builds them
     CONFIGS[_name] = lambda _name=_name: (DELTA[_name][1], DELTA[_name][0](**DELTA[_name][2]))

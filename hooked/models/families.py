@@ -8,6 +8,7 @@ from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jam
                            mamba, mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
 from hooked.models import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we have
 from hooked.models import gemma, gpt_neox, olmo2
+from hooked.models import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from hooked.models.gemma3 import Gemma3Config
 from hooked.models.language_model import LanguageModel
 from hooked.models.mistral import MistralConfig
@@ -43,6 +44,10 @@ BUILDERS = {
     olmo_hybrid.OlmoHybridConfig: olmo_hybrid.build,
     kimi_linear.KimiLinearConfig: kimi_linear.build,
     lfm2.Lfm2Config: lfm2.build,
+    mixtral.MixtralConfig: mixtral.build,
+    olmoe.OlmoeConfig: olmoe.build,
+    qwen3_moe.Qwen3MoeConfig: qwen3_moe.build,
+    gpt_oss.GptOssConfig: gpt_oss.build,
     llamba.LlambaConfig: llamba.build,
     lfm2_moe.Lfm2MoeConfig: lfm2_moe.build,
     bailing_hybrid.BailingHybridConfig: bailing_hybrid.build,
