@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hooked.models.protocol import token_mixers
+from hooked.models.model_map import model_map
 from analysis.validate import CommaInts, ExistingFile, WritableDir
 from hooked.validate import Integer, Number, Rule, Seq, Text
 
@@ -203,7 +203,7 @@ def compare(ours: Any, hf: Any, batches: list[Tensor]) -> tuple[list[tuple[str, 
         layers, names, labels = range(n), [], []
     else:
         layers, names, labels = range(n - 1), ["blocks.0.hook_resid_pre"], ["embed"]
-    names += [f"blocks.{l}.hook_resid_post" for l in layers] + ["ln_final.hook_normalized"]
+    names += [ours.blocks[l].hook_resid_post.name for l in layers] + ["ln_final.hook_normalized"]
     labels += [f"resid_post {l}" for l in layers] + ["ln_final", "logits"]
     worst: dict[str, list[float]] = {label: [0.0, 0.0, 0.0] for label in labels}
     top1 = []
@@ -236,17 +236,17 @@ def plot_mixing(model: Any, tokens: Tensor, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mixers = [m for block in model.blocks for _, m in token_mixers(block)]  # hybrids: the attention
-    chosen = [m for m in mixers if m.heads().kind == "attn"] or [m for m in mixers if m.heads().kind == "ssm"]
+    mixings = [s.mixing() for s in model_map(model).mixers() if s.mixing() is not None]
+    chosen = [m for m in mixings if not m.signed] or mixings  # hybrids: the attention
     if not chosen:
         raise ValueError("the model has no attention pattern or SSM kernel hook to plot")
-    mixer = chosen[len(chosen) // 2]
-    kind = "head" if mixer.heads().kind == "attn" else "channel"
-    name = (mixer.hook_pattern if kind == "head" else mixer.hook_kernel).name
+    mixing = chosen[len(chosen) // 2]
+    unit = "channel" if mixing.signed else "head"
+    name = mixing.matrix.name
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=[name])
     m = cache[name][0, 0].float()  # [q_pos k_pos]
-    if kind == "channel":
+    if mixing.signed:
         causal = torch.ones_like(m, dtype=torch.bool).tril()
         lo, hi = m[causal].min(), m[causal].max()
         m = torch.where(causal, (m - lo) / (hi - lo).clamp(min=1e-12), torch.nan)
@@ -258,10 +258,10 @@ def plot_mixing(model: Any, tokens: Tensor, out: Path) -> Path:
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.set_xlabel("source (key) position")
     ax.set_ylabel("target (query) position")
-    ax.set_title(f"{name}, {kind} 0" + (" (min-max normalised)" if kind == "channel" else ""), fontsize=9)
+    ax.set_title(f"{name}, {unit} 0" + (" (min-max normalised)" if mixing.signed else ""), fontsize=9)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    path = out / ("pattern.png" if kind == "head" else "kernel.png")
+    path = out / ("kernel.png" if mixing.signed else "pattern.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -141,7 +141,7 @@ def _clean_run(model: Any, tokens: Tensor, mask: Tensor, keep_prefix: bool) -> t
     n = model.cfg.n_layers
     if not keep_prefix:
         return _last_probs(model, model(tokens, attention_mask=mask, stop_at_layer=n)), {}
-    names = [f"blocks.{l}.hook_resid_pre" for l in range(n)]
+    names = [b.hook_resid_pre.name for b in model.blocks]
     resid, cache = model.run_with_cache(tokens, attention_mask=mask, stop_at_layer=n, names_filter=names)
     return _last_probs(model, resid), {l: cache[names[l]] for l in range(n)}
 

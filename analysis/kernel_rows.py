@@ -27,14 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hooked.models.protocol import token_mixers
+from hooked.models.model_map import model_map
 from hooked.validate import position_list
 
 
 def ssm_sites(model: Any) -> list[str]:
-    """Every mixer whose kernel can be sliced (state-space mixers), in forward order, by the protocol."""
-    return [f"blocks.{l}.{name}" for l, block in enumerate(model.blocks) for name, m in token_mixers(block)
-            if m.heads().kind == "ssm"]
+    """Every mixer whose kernel can be sliced (the recurrent mixers), in forward order, from the model map."""
+    return [s.path for s in model_map(model).mixers() if s.recurrent]
 
 
 def slice_hooks(model: Any, site: str, positions: int | Sequence[int] | Tensor, on_slice: Callable[[Tensor], None],

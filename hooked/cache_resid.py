@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from hooked.devices import onloaded
-from hooked.models.model_map import model_map
+from hooked.models.model_map import label, model_map
 from hooked.models.protocol import ExpertMixture
 from hooked.validate import Flag, checked, pos_index, resid_layer, token_ids
 
@@ -278,7 +278,7 @@ class ResidualStreamMethods:
             parts.append(slice_pos(res, pos_slice))
             ids = slice_pos(torch.arange(self.model.cfg.d_mlp if neuron_slice is not None else res.shape[0]),
                             neuron_slice, dim=0, name="neuron_slice", unit="neurons")
-            labels += [f"L{l}N{int(i)}" for i in ids.reshape(-1)]
+            labels += [label(l, "N", int(i)) for i in ids.reshape(-1)]
         like = slice_pos(self["embed"], pos_slice) if not parts or (incl_remainder and layer == 0) else None
         stack = _stack(parts, cat=True) if parts else like.new_zeros((0, *like.shape))  # a hook_z-only cache needs no embed
         if incl_remainder:
@@ -297,7 +297,7 @@ class ResidualStreamMethods:
         parts, labels = [self._to_resid(w, per_expert)], site.labels()
         if w.module.shared is not None:
             parts.append(self._to_resid(w, self.cache_dict[w.module.hook_shared_out.name][None]))
-            labels.append(f"L{l}shared")
+            labels.append(label(l, "shared"))
         return parts, labels
 
     # ------------------------------------------------------------------------- attribution
@@ -328,7 +328,7 @@ class ResidualStreamMethods:
                     mlp_labels += names
                 elif w.kind == "mlp":
                     neurons, names = self.stack_neuron_results(l + 1, pos_slice=pos_slice, return_labels=True)
-                    keep = [i for i, n in enumerate(names) if n.startswith(f"L{l}N")]
+                    keep = [i for i, n in enumerate(names) if n.startswith(label(l, "N"))]
                     parts.append(neurons[keep])
                     mlp_labels += [names[i] for i in keep]
                     with_bias = True

@@ -197,7 +197,7 @@ def test_a_mixer_without_a_scorable_form_is_refused_by_name():
 
     from analysis.circuits.token_edges import _check_scorable
 
-    odd = SimpleNamespace(heads=lambda: SimpleNamespace(kind="ssm"))  # no kernel, no input / output points
+    odd = SimpleNamespace(mixing=lambda: None)  # the mixer names no mixing matrix (protocol.TokenMixer.mixing)
     with pytest.raises(NotImplementedError, match="blocks.0.mixer .*token_edges=False"):
         _check_scorable("blocks.0.mixer", odd)
 

@@ -64,9 +64,8 @@ def test_every_label_is_its_own_unit(run):
             seen.add(text)
             assert parse_label(text) == (site.layer, site.tag, i, i)
             unit = mp.unit(text)
-            assert unit.site is site and unit.indices == (i,)
-    grouped = [u for u in mp.units(group=3) if u.site.tag == "C"]
-    for u in grouped:
+            assert unit.module == site.path and unit.heads == (i,) and unit.label == text
+    for u in mp.units(group=3) + mp.experts():
         assert mp.unit(u.label) == u
 
 
@@ -97,3 +96,22 @@ def test_the_map_is_rebuilt_when_a_block_is_replaced():
         assert inside is not before
         assert inside.sites[0].module is not before.sites[0].module
     assert model_map(model) is not inside
+
+
+def test_every_mixer_names_its_mixing_and_its_rows_are_the_matrixs(run):
+    """Every token mixer answers mixing(); matrix_slices gives the rows of the matrix a cache holds (the
+    pattern's for attention, the kernel's, without the pos x pos tensor, for the recurrent mixers)."""
+    name, model, _, _ = run
+    tokens = torch.randint(1, model.cfg.d_vocab, (2, 7), generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([2, 6])
+    for site in model_map(model).mixers():
+        mixing = site.mixing()
+        assert mixing is not None, (name, site.path)
+        assert mixing.signed == site.recurrent and (mixing.scores is None) == site.recurrent
+        got = {}
+        hooks = site.module.matrix_slices(lambda pos, device: rows.to(device), lambda x: got.setdefault("rows", x))
+        with torch.no_grad(), model.hooks(fwd_hooks=[(p.name, fn) for p, fn in hooks]):
+            model(tokens)
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens, names_filter=[mixing.matrix.name])
+        torch.testing.assert_close(got["rows"], cache[mixing.matrix.name][:, :, rows], **TOL)

@@ -5,7 +5,7 @@ Glossary
                read one norm (writers that share their norm are one step). Steps are numbered over
                the whole model in forward order; that number is a node's `stage`.
     sender     what adds to the stream (analysis/circuits/senders.py): "embed", attention and Mamba-2
-               heads "L{l}{tag}{h}" (tags of hooked.models.protocol.unit_tags: H, or M beside
+               heads "L{l}{tag}{h}" (the model map's labels, hooked.models.model_map: H, or M beside
                attention), experts "L{l}E{e}" and "L{l}shared", whole sublayers "mlp{l}", "mixer{l}"
                (Mamba-1: its channels stay one node), "attn{l}", a side block's output "shared{l}"
     receiver   what reads it (analysis/circuits/receivers.py): "L{l}{tag}{h}.q" / ".k" / ".v" (k and v
@@ -30,7 +30,7 @@ from torch import Tensor
 from analysis.circuits.receivers import (LogitsReceiver, ModuleReceiver, NormSite, ReceiverGroup, RowsReceiver,
                                          SideReceiver, row_parts)
 from analysis.circuits.senders import EmbedSender, SenderGroup, WholeSender, writer_senders
-from hooked.models.protocol import TokenMixer, unit_tags
+from hooked.models.model_map import model_map
 from hooked.validate import as_index
 
 
@@ -52,7 +52,7 @@ class Graph:
         self.sender_groups: list[SenderGroup] = [EmbedSender(model)]
         self.receiver_groups: list[ReceiverGroup] = []
         sites: dict[int, NormSite] = {}
-        tags = unit_tags(model)
+        sites = {id(s.module): s for s in model_map(model).mixers() if s.writer is not None}
         stage = 0
         for layer, block in enumerate(model.blocks):
             writers = list(block.writers())
@@ -71,7 +71,7 @@ class Graph:
                         self.sender_groups.append(WholeSender(f"{side.name}{layer}", hook, layer, stage, side=True))
                 for w in step:  # each reads through its own norm (GPT-NeoX's branches: ln1, ln2)
                     site = sites.setdefault(id(w.norm), NormSite(w.norm))
-                    tag = tags.get(f"blocks.{layer}.{w.kind}") if isinstance(w.module, TokenMixer) else None
+                    tag = sites[id(w.module)].tag if id(w.module) in sites else None  # a token mixer's units
                     parts = row_parts(w.module, layer, tag) if tag is not None else None
                     if parts is not None:
                         self.receiver_groups.append(RowsReceiver(site, w.in_scale, w.module, parts, layer, stage))

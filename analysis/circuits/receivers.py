@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from hooked.models.mamba2 import Mamba2Mixer
 from hooked.models.model_map import label
+from hooked.models.protocol import TokenMixer
 
 TorchHooks = list[tuple[nn.Module, str, Callable[..., Any]]]  # (module, "pre" | "fwd", fn)
 Delta = Callable[["ReceiverGroup"], tuple[Tensor | None, Tensor | None, Tensor | None]]
@@ -42,8 +43,8 @@ Delta = Callable[["ReceiverGroup"], tuple[Tensor | None, Tensor | None, Tensor |
 def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, Tensor]] | None:
     """(label, linear, rows) of every receiver inside `module`, or None when it is read whole. The one place
     that knows the row layout of an input projection."""
-    heads = module.heads() if hasattr(module, "heads") else None
-    if heads is not None and heads.kind == "attn" and _plain_qkv(module):
+    mixing = module.mixing() if isinstance(module, TokenMixer) else None
+    if mixing is not None and mixing.scores is not None and _plain_qkv(module):  # attention's q, k, v rows
         q, k, v = module.input_linears()
         n, n_kv, d = module.hook_q.sizes["n_heads"], module.hook_k.sizes["n_kv_heads"], module.hook_q.sizes["d_head"]
         return ([(f"{label(layer, tag, h)}.q", q, _span(h * d, d)) for h in range(n)]
@@ -55,7 +56,7 @@ def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, T
         dt0 = di + module.conv_dim
         own = [(f"{label(layer, tag, h)}.x", lin, torch.cat([_span(h * p, p), _span(di + h * p, p), _span(dt0 + h, 1)]))
                for h in range(module.n_heads)]
-        groups = [(f"L{layer}{tag}g{g}.{name}", lin, _span(2 * di + off * module.n_groups * gn + g * gn, gn))
+        groups = [(f"{label(layer, tag)}g{g}.{name}", lin, _span(2 * di + off * module.n_groups * gn + g * gn, gn))
                   for off, name in ((0, "B"), (1, "C")) for g in range(module.n_groups)]
         return own + groups
     return None

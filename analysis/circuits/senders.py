@@ -150,31 +150,28 @@ class UnitSender(_Writes):
 class ExpertSender(_Writes):
     """A mixture of experts: routing weight times expert output per expert, and the always-on MLP."""
 
-    NAMES = ("chosen", "routing_weights", "expert_out", "shared_out")
-
     def __init__(self, writer: Any, layer: int, stage: int) -> None:
         super().__init__(writer, layer, stage)
         moe = writer.module
-        self.labels = [label(layer, "E", e) for e in range(moe.n_experts)] + ([f"L{layer}shared"] if moe.shared else [])
+        self.labels = [label(layer, "E", e) for e in range(moe.n_experts)] + ([label(layer, "shared")] if moe.shared else [])
 
     def hooks(self, emit: Emit) -> Hooks:
         moe, seen = self.writer.module, {}
+        reads = moe.write_reads()  # what each expert's write is computed from (hooked.models.protocol)
 
-        def keep(key: str) -> Callable[[Tensor, Any], None]:
+        def keep(key: Any) -> Callable[[Tensor, Any], None]:
             def fn(x: Tensor, hook: Any) -> None:
                 seen[key] = x
             return fn
 
         def on_out(out: Tensor, hook: Any) -> None:
-            chosen, weights, experts = seen.pop("chosen"), seen.pop("routing_weights"), seen.pop("expert_out")
-            onehot = torch.nn.functional.one_hot(chosen, moe.n_experts).to(experts.dtype)  # [b p k E]
-            parts = torch.einsum("bpke,bpk,bpkd->ebpd", onehot, weights.to(experts.dtype), experts)
+            parts = moe.unit_writes(*(seen.pop(i) for i in range(len(reads)))).movedim(-2, 0)  # [E b p d]
             if moe.shared is not None:
                 parts = torch.cat([parts, seen.pop("shared_out")[None]])
             emit(self, self._to_stream(parts, out, seen.pop("scale", None)))
 
-        names = [n for n in self.NAMES if n != "shared_out" or moe.shared is not None]
-        return ([(getattr(moe, f"hook_{n}"), keep(n)) for n in names] + self._scale_hooks(seen)
+        shared = [(moe.hook_shared_out, keep("shared_out"))] if moe.shared is not None else []
+        return ([(h, keep(i)) for i, h in enumerate(reads)] + shared + self._scale_hooks(seen)
                 + [(self.writer.out_hook, on_out)])
 
 

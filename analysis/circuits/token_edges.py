@@ -83,11 +83,8 @@ class TokenGradients:
                     return seen[key]
                 return fn
 
-            if m.heads().kind == "attn":
-                out += [(m.hook_v, keep("v")), (m.hook_pattern, keep("A")), (m.hook_z, grad_at("out"))]
-            else:
-                u, y = kernel_io(m)
-                out += [(u, keep("u")), (m.hook_kernel, keep("K")), (y, grad_at("out"))]
+            mixing = m.mixing()  # output[j] = sum_i matrix[j, i] value[i]: pattern and v into z, kernel and u into y
+            out += [(mixing.value, keep("v")), (mixing.matrix, keep("A")), (mixing.output, grad_at("out"))]
         return out
 
     def tensors(self) -> list[Tensor]:
@@ -98,10 +95,10 @@ class TokenGradients:
             seen = self._seen[name]
             if g is None:
                 score = None
-            elif m.heads().kind == "attn":
-                score = _attention_scores(seen["A"], _per_query_head(m, seen["v"]), g, self.attention)
-            else:
-                score = _kernel_scores(seen["K"], seen["u"], g, len(labels))
+            elif m.mixing().scores is not None:  # a softmax's entries: cut by renormalising or zeroing
+                score = _attention_scores(seen["A"], m.repeat_kv(seen["v"]), g, self.attention)
+            else:  # a kernel's: output is linear in them
+                score = _kernel_scores(seen["A"], seen["v"], g, len(labels))
             if score is not None:
                 self._pending[name] = self._pending.get(name, 0) + score
         self._seen = {}
@@ -120,28 +117,21 @@ def kernel_io(m: Any) -> tuple[Any, Any] | None:
     """(u, y) hook points of a recurrent mixer with y_j = sum_i K[j, i] u_i (K at hook_kernel, S0 = 0): the
     SSM input and output, a delta rule's values and output (its kernel reads q, k, beta, alpha), or a short
     conv's input B x and gated output C * conv (its bias is no kernel term); None when it has none."""
-    if not hasattr(m, "hook_kernel"):
-        return None
-    for u_name, y_name in (("hook_ssm_in", "hook_y"), ("hook_v", "hook_y"), ("hook_in", "hook_gated")):
-        if hasattr(m, u_name) and hasattr(m, y_name):
-            return getattr(m, u_name), getattr(m, y_name)
-    return None
+    mixing = m.mixing()  # the mixer's own answer (hooked.models.protocol.Mixing)
+    return None if mixing is None or mixing.scores is not None else (mixing.value, mixing.output)
 
 
 def _values_per_head(m: Any) -> bool:
     """Whether hook_v holds values per query head (latent attention) or per key-value head (repeat_kv)."""
-    axes = getattr(getattr(m, "hook_v", None), "axes", ())
-    return len(axes) == 4 and (axes[2] == "n_heads" or (axes[2] == "n_kv_heads" and hasattr(m, "repeat_kv")))
-
-
-def _per_query_head(m: Any, v: Tensor) -> Tensor:
-    return m.repeat_kv(v) if m.hook_v.axes[2] == "n_kv_heads" else v
+    axes = m.mixing().value.axes
+    return len(axes) == 4 and axes[2] in ("n_heads", "n_kv_heads")
 
 
 def _check_scorable(name: str, m: Any) -> None:
     """Token-edge scores read attention's pattern and values per key-value head, or a recurrent mixer's
     kernel with its input and output (kernel_io); other mixers are refused by name."""
-    ok = _values_per_head(m) if m.heads().kind == "attn" else kernel_io(m) is not None
+    mixing = m.mixing()
+    ok = mixing is not None and (mixing.scores is None or _values_per_head(m))
     if not ok:
         raise NotImplementedError(
             f"token-edge scores: {name} ({type(m).__name__}) has no per-head pattern with values, nor a kernel "
@@ -222,7 +212,7 @@ def cut_token_edges(model: Any, edges: Sequence[Any], attention: str = "scores")
     attn_cuts: dict[int, tuple[Any, dict[int, tuple[str, list[tuple[int, int]]]]]] = {}
     for unit, pairs in by_unit.items():
         m, h = units[unit]
-        if m.heads().kind == "attn":
+        if m.mixing().scores is not None:  # attention: per head here (its cut_edges cuts every head)
             attn_cuts.setdefault(id(m), (m, {}))[1][h] = (unit, pairs)
             continue
         channels = torch.zeros(m.heads().n, dtype=torch.bool)

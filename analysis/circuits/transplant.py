@@ -27,13 +27,12 @@ from torch import Tensor
 
 from hooked.models.decode_state import DecodeState
 from hooked.validate import as_index
-from hooked.models.protocol import token_mixers
+from hooked.models.model_map import model_map
 
 
 def ssm_sites(model: Any) -> dict[str, Any]:
-    """{"blocks.{l}.{name}": mixer} of every SSM mixer, in forward order."""
-    return {f"blocks.{l}.{name}": m for l, block in enumerate(model.blocks) for name, m in token_mixers(block)
-            if m.heads().kind == "ssm"}
+    """{"blocks.{l}.{name}": mixer} of every recurrent mixer (the model map's), in forward order."""
+    return {s.path: s.module for s in model_map(model).mixers() if s.recurrent}
 
 
 def _sites(model: Any, sites: Any) -> dict[str, Any]:
@@ -43,7 +42,8 @@ def _sites(model: Any, sites: Any) -> dict[str, Any]:
     if sites is None:
         return every
     names = [sites] if isinstance(sites, str) else list(sites)
-    names = [f"blocks.{n}.mixer" if isinstance(n, int) else n for n in names]
+    by_layer = {s.layer: s.path for s in model_map(model).mixers() if s.recurrent}  # a layer: its recurrent mixer
+    names = [by_layer.get(n, f"layer {n}") if isinstance(n, int) else n for n in names]
     unknown = [n for n in names if n not in every]
     if unknown:
         raise KeyError(f"{unknown} are not SSM mixers of this model; they are {list(every)}")

@@ -7,8 +7,8 @@
     screening  `estimate_effects` (every unit's ablation effect from one forward and backward; refine=
              "scores" (per-choice, exact log-softmax) or "qk" (+ AtP*'s QK fix, qk_fix.py))
     scores   `ga_scores` (gather / aggregate mass from patterns and SSM kernels), masking experiments
-             (`gather_only`, `aggregate_only`, `restrict_heads`, `masked_accuracy`), the one definition
-             of a head's mixing weights (`weights_hook`, `as_weights`)
+             (`gather_only`, `aggregate_only`, `restrict_heads`, `masked_accuracy`); a head's mixing
+             weights are its site's `mixing().weights` (hooked.models.model_map)
     reads    role-aware read shares on the organisms' KV task (`reads`)
     report   `ga_report` and the `hooked ga` command
     settings `RankSettings`: how rank_heads and ga_report rank, one frozen object (their loose keywords too)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from analysis.interventions.ablation import ablate_heads_rows, attached
 from analysis.interventions.experts import ablate_experts
-from hooked.models.protocol import token_mixers
+from hooked.models.model_map import model_map
 
 
 class _Stop(Exception):
@@ -40,13 +40,14 @@ class _Stop(Exception):
 
 
 def pattern_sites(model: Any) -> list[tuple[int, str]]:
-    """(block, pattern hook name) of every attention module, in forward order (the mixer protocol)."""
-    return [(l, m.hook_pattern.name) for l, block in enumerate(model.blocks) for _, m in token_mixers(block)
-            if m.heads().kind == "attn"]
+    """(block, pattern hook name) of every attention module (a mixing through a softmax of scores), in
+    forward order (the model map)."""
+    return [(s.layer, s.mixing().matrix.name) for s in model_map(model).mixers()
+            if s.mixing() is not None and s.mixing().scores is not None]
 
 
 def resid_hooks(model: Any) -> list[str]:
-    return [f"blocks.{l}.hook_resid_pre" for l in range(model.cfg.n_layers)]
+    return [b.hook_resid_pre.name for b in model.blocks]
 
 
 def pattern_of(model: Any, resid: Tensor, layer: int, site: str, mask: Tensor | None, tokens: Tensor) -> Tensor:
@@ -103,7 +104,7 @@ def qk_corrections(model: Any, scorer: Any, units: Sequence[Any], att: dict[str,
     for b, batch in enumerate(scorer.batches):
         mask, tokens = batch.attention_mask, batch.tokens
         resid = att["kept"]
-        entering = {l: resid[f"blocks.{l}.hook_resid_pre"][b].detach() for l in range(model.cfg.n_layers)}
+        entering = {l: resid[name][b].detach() for l, name in enumerate(resid_hooks(model))}
         later = [(l2, site) for l2, site in sites if l2 > layers[0]]
         base, lin = {}, {}
         for l2, site in later:  # the clean pattern and the linear pattern term's weights H, once per site

@@ -66,9 +66,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from analysis.interventions.ablation import ablate_heads, ablate_heads_rows, head_layout
+from analysis.interventions.ablation import ablate_heads, ablate_heads_rows
 from analysis.interventions.batching import tiles_for
-from analysis.interventions.experts import ablate_experts, moe_layout
+from analysis.interventions.experts import ablate_experts
 from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
@@ -76,6 +76,7 @@ from analysis.tasks.text import Example
 from analysis.ga.settings import Laps, RankSettings, settings_of
 from hooked.validate import Integer, Seq, check, checked
 from hooked.models.decode_state import StateRefused
+from hooked.models.model_map import Unit, model_map
 
 
 # The clean run a ranking keeps (`ChoiceScorer.clean_bytes`: every layer's residual, keys and values):
@@ -93,18 +94,6 @@ def ranking_scorer(model: Any, examples: Sequence[Example], batch_size: int = 16
 
 
 # ------------------------------------------------------------------------------- ranking
-@dataclass(frozen=True)
-class Unit:
-    label: str  # "L3H5", "L5SH3", "L2C0-63", "L3E5"
-    layer: int
-    module: str
-    heads: tuple[int, ...]  # head ids, or expert ids when kind == "expert"
-    kind: str = "head"  # "head" (ablate_heads) or "expert" (ablate_experts)
-
-    def specs(self) -> list[tuple[str, int]]:
-        return [(self.module, h) for h in self.heads]
-
-
 @contextlib.contextmanager
 def ablated(model: Any, units: Sequence[Unit], mode: str = "zero", mean_cache: Any = None):
     """Ablate every unit at once: heads through ablate_heads, experts through ablate_experts (zero only)."""
@@ -121,29 +110,15 @@ def ablated(model: Any, units: Sequence[Unit], mode: str = "zero", mean_cache: A
 
 
 def expert_units(model: Any) -> list[Unit]:
-    """One unit per expert of every mixture-of-experts MLP ("L3E5": layer 3, expert 5)."""
-    units = []
-    for prefix, n in moe_layout(model).items():
-        layer = int(prefix.split(".")[1])
-        units += [Unit(f"L{layer}E{e}", layer, prefix, (e,), "expert") for e in range(n)]
-    return units
+    """One unit per expert of every mixture-of-experts MLP ("L3E5": layer 3, expert 5): the model map's."""
+    return model_map(model).experts()
 
 
 def head_units(model: Any, channel_group: int | None = None) -> list[Unit]:
     """Every head of every layer; Mamba-1 channels in groups of `channel_group` (default d_inner/16)."""
     if channel_group is not None:  # 0 would otherwise read as the default
         channel_group = check(channel_group, "head_units: channel_group", Integer(ge=1))
-    units = []
-    layout = head_layout(model)
-    for m in layout.values():
-        if m.width > 1 or m.kind == "attn":  # tags: hooked.models.protocol.unit_tags (Falcon-H1's SSM: "M")
-            units += [Unit(f"L{m.layer}{m.tag}{h}", m.layer, m.prefix, (h,)) for h in range(m.n_heads)]
-            continue
-        size = channel_group or max(1, m.n_heads // 16)
-        for a in range(0, m.n_heads, size):
-            b = min(a + size, m.n_heads)
-            units.append(Unit(f"L{m.layer}C{a}-{b - 1}", m.layer, m.prefix, tuple(range(a, b))))
-    return units
+    return model_map(model).units(channel_group)  # labels and groups: hooked.models.model_map
 
 
 @dataclass

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import head_layout
-from analysis.ga.scores import as_weights, weight_rows_hooks
+from analysis.ga.scores import weight_rows_hooks
 from analysis.tasks.token_kv import KVPrompts
+from hooked.models.model_map import model_map
 
 ROLES = {"key": 0, "colon": 1, "value": 2, "newline": 3}  # offset inside the pair, after <bos>
 
@@ -34,10 +34,9 @@ ROLES = {"key": 0, "colon": 1, "value": 2, "newline": 3}  # offset inside the pa
 def head_weights(model: Any, tokens: Tensor, rows: Tensor) -> dict[str, Tensor]:
     """{module: [batch head row k_pos]} rows of the mixing weights of every attention / SSM head module
     (for SSMs the kernel's rows alone are built, never the pos x pos kernel)."""
-    kinds = {m: lay.kind for m, lay in head_layout(model).items()}
     out: dict[str, Tensor] = {}
-    hooks = [h for m, k in kinds.items()
-             for h in weight_rows_hooks(model, m, k, rows, lambda x, m=m, k=k: out.__setitem__(m, as_weights(x.float(), k)))]
+    hooks = [h for s in model_map(model).mixers()
+             for h in weight_rows_hooks(s, rows, lambda x, s=s: out.__setitem__(s.path, s.mixing().weights(x.float())))]
     with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         model(tokens)
     return out

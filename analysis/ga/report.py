@@ -41,10 +41,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import ablate_heads, head_layout
+from analysis.interventions.ablation import ablate_heads
 from analysis.ga.ranking import HeadRanking, Unit, head_units, rank_heads, ranking_scorer
 from analysis.tasks.scoring import ChoiceScorer, accuracy, answer_logprob, per_example
-from analysis.ga.scores import ga_scores, weights_hook
+from analysis.ga.scores import ga_scores
+from hooked.models.model_map import model_map
 from analysis.intervals import clopper_pearson, paired_interval
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
 from analysis.tasks.text import Example, kv_retrieval
@@ -191,14 +192,14 @@ def plot_agreement(rows: list[dict[str, Any]], path: str | Path, title: str = ""
 
 def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor, list[str], bool]:
     """[q k] pattern (attention) or kernel magnitude averaged over the unit's heads, the tokens, is_kernel."""
-    kind = head_layout(model)[unit.module].kind
-    name = weights_hook(unit.module, kind)
+    mixing = model_map(model).site(unit.module).mixing()
+    name = mixing.matrix.name
     tokens, mask = model.tokenize(example.prompt)
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, mask, names_filter=[name])
     w = cache[name][0, list(unit.heads)].float()
-    w = w.mean(0) if kind == "attn" else w.abs().mean(0)
-    return w, model.to_str_tokens(tokens[0]), kind != "attn"
+    w = w.abs().mean(0) if mixing.signed else w.mean(0)
+    return w, model.to_str_tokens(tokens[0]), mixing.signed
 
 
 @checked(sizes=Seq(Integer(ge=1)), n=Integer(ge=1), rank_n=Integer(ge=1, none=True), n_random=Integer(ge=1))

@@ -33,41 +33,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import attached, head_layout, resolve_heads
-from analysis.kernel_rows import slice_hooks
+from analysis.interventions.ablation import attached, resolve_heads
+from analysis.kernel_rows import _positions
 from analysis.ga.ranking import Unit, head_units
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example, encode_prompts
 from hooked.validate import Integer, Seq, checked
+from hooked.models.model_map import Site, model_map
+from hooked.models.protocol import Mixing
 
 
 # ----------------------------------------------------------------------------- weights
-def weights_hook(prefix: str, kind: str) -> str:
-    """The hook holding a head module's mixing matrix: the pattern (attention) or the kernel (SSM)."""
-    return f"{prefix}.{'hook_pattern' if kind == 'attn' else 'hook_kernel'}"
-
-
-def as_weights(x: Tensor, kind: str) -> Tensor:
-    """w[b, head, q, k] from that hook's value: the pattern as is; |kernel| row-normalised.
-
-    Rows only ([b, head, row, k]) give the same rows: each is normalised on its own."""
-    if kind == "attn":
-        return x
-    w = x.abs()
-    return w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
-
-
-def weight_rows_hooks(model: Any, prefix: str, kind: str, rows: Tensor,
-                      on_rows: Callable[[Tensor], None]) -> list[tuple[str, Callable]]:
-    """Forward hooks calling on_rows(x[:, :, rows]) with x the module's weights hook value: rows of
-    the pattern, or of the kernel (analysis.kernel_rows: no pos x pos tensor is built for SSMs)."""
-    if kind != "attn":
-        return slice_hooks(model, prefix, rows, on_rows)
-
-    def hook(x: Tensor, hook: Any) -> None:
-        on_rows(x[:, :, rows.to(x.device)])
-
-    return [(weights_hook(prefix, kind), hook)]
+def weight_rows_hooks(site: Site, rows: Tensor, on_rows: Callable[[Tensor], None]) -> list[tuple[str, Callable]]:
+    """Forward hooks calling on_rows(x[:, :, rows]) with x the mixing matrix of the head module `site` (the
+    model map's): rows of the pattern, or of the kernel without the pos x pos tensor (matrix_slices).
+    Their weights are the site's `mixing().weights` (the pattern as is; |kernel| row-normalised)."""
+    hooks = site.module.matrix_slices(lambda pos, device: _positions(rows, pos, "rows", device), on_rows)
+    return [(point.name, fn) for point, fn in hooks]
 
 
 # ------------------------------------------------------------------------------- masks
@@ -111,17 +93,12 @@ def restrict_heads(model: Any, heads: Sequence[Any], rows: Tensor, allowed: Tens
     """Cut every edge (q, k) with rows[b, q] and not allowed[b, q, k] in the listed heads."""
     if mode not in ("scores", "pattern"):
         raise ValueError(f"mode must be 'scores' or 'pattern', got {mode!r}")
-    layout = head_layout(model)
+    mp = model_map(model)
     cut = rows[:, :, None] & ~allowed  # [batch q k]
     hooks = []
     for prefix, hs in resolve_heads(model, heads).items():
-        module = layout[prefix]
-        if module.kind == "attn":
-            name = f"{prefix}.hook_attn_scores" if mode == "scores" else f"{prefix}.hook_pattern"
-        else:
-            name = f"{prefix}.hook_kernel"  # axis 1 is the head (Mamba-2) or the channel (Mamba-1)
-        fill = "min" if module.kind == "attn" and mode == "scores" else "zero"
-        hooks.append((name, _cut_hook(hs, cut, fill), False))
+        point, value = mp.site(prefix).mixing().cut_at(mode)  # axis 1: the head (Mamba-2) or channel (Mamba-1)
+        hooks.append((point.name, _cut_hook(hs, cut, "min" if value is None else "zero"), False))
     with attached(model, hooks):
         yield model
 
@@ -165,7 +142,7 @@ def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | N
               batch_size: int = 8, channel_group: int | None = None) -> dict[str, dict[str, float]]:
     """{unit label: {"gather", "aggregate"}} on the examples' prompts (definitions in the docstring)."""
     units = list(units) if units is not None else head_units(model, channel_group)
-    layout = head_layout(model)
+    sites = [model_map(model).site(m) for m in dict.fromkeys(u.module for u in units)]  # the map, asked once
     sums: dict[str, Tensor] = {}  # module prefix -> [2, n_heads] summed over examples
     for start in range(0, len(examples), batch_size):
         batch = encode_prompts(model, list(examples[start: start + batch_size]))
@@ -176,10 +153,9 @@ def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | N
         a_mask = batch.summary_mask().cpu()  # [b k]
         n_seg = torch.tensor([max(len(s), 1) for s in batch.segments], dtype=torch.float64)
         hooks = []
-        for prefix in {u.module for u in units}:
-            kind = layout[prefix].kind
-            score = _score_rows(prefix, kind, g_mask, rows.index(pos - 1), a_mask, n_seg, sums)
-            hooks += weight_rows_hooks(model, prefix, kind, torch.tensor(rows), score)
+        for site in sites:
+            score = _score_rows(site.path, site.mixing(), g_mask, rows.index(pos - 1), a_mask, n_seg, sums)
+            hooks += weight_rows_hooks(site, torch.tensor(rows), score)
         with torch.no_grad(), model.hooks(fwd_hooks=hooks):
             model(batch.tokens, batch.attention_mask, stop_at_layer=max(u.layer for u in units) + 1)
     out = {}
@@ -189,10 +165,10 @@ def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | N
     return out
 
 
-def _score_rows(prefix: str, kind: str, g_mask: Tensor, query_row: int, a_mask: Tensor, n_seg: Tensor,
+def _score_rows(prefix: str, mixing: Mixing, g_mask: Tensor, query_row: int, a_mask: Tensor, n_seg: Tensor,
                 sums: dict) -> Callable:
     def on_rows(x: Tensor) -> None:  # x [batch head row k], g_mask [batch row k]
-        w = as_weights(x.detach().double().cpu(), kind)
+        w = mixing.weights(x.detach().double().cpu())
         gather = (w * g_mask[:, None]).sum((-1, -2)) / n_seg[:, None]  # [batch head]
         aggregate = (w[:, :, query_row, :] * a_mask[:, None]).sum(-1)  # the query is the last position (left padding)
         total = torch.stack([gather.sum(0), aggregate.sum(0)])

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import _mean_of, attached, head_layout
-from analysis.interventions.experts import moe_layout
+from analysis.interventions.ablation import _mean_of, attached
+from hooked.models.model_map import model_map
 from analysis.tasks.scoring import ChoiceScorer
 
 REFINES = ("none", "scores", "qk")
@@ -74,7 +74,9 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
     returned per batch (out["extra"][name] = {"value": [...], quantity: [...]}); keep: hook names whose
     activations alone are returned (out["kept"][name] = [...]). Used by `analysis.ga.qk_fix`.
     """
-    layout, moes = head_layout(model), moe_layout(model)
+    mp = model_map(model)  # asked once: head modules and mixtures of experts
+    layout = {s.path: s for s in mp.mixers()}
+    moes = {s.path: s for s in mp if not s.mixes_tokens}
     unknown = [p for p in modules if p not in layout and p not in moes]
     if unknown:
         raise ValueError(f"{unknown} are neither head modules nor mixture-of-experts MLPs of this model")
@@ -82,11 +84,12 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
     if experts and mode != "zero":
         raise ValueError(f"expert units are zero-ablated only, got mode={mode!r}")
     mods = [layout[p] for p in modules if p in layout]
-    routing = {f"{p}.hook_routing_weights": p for p in experts}
+    moe_sites = [moes[p] for p in experts]
+    routing = {s.module.hook_routing_weights.name: s for s in moe_sites}  # expert writes are cut at their weights
     acts: dict[str, list[Tensor]] = {m.hook: [] for m in mods}
-    acts.update({f"{p}.hook_routing_weights": [] for p in experts})
+    acts.update({name: [] for name in routing})
     acts.update({name: [] for name in extra})
-    seen: dict[str, list[Tensor]] = {f"{p}.hook_chosen": [] for p in experts}
+    seen: dict[str, list[Tensor]] = {s.module.hook_chosen.name: [] for s in moe_sites}
     seen.update({name: [] for name in keep})
 
     def grab(act: Tensor, hook: Any) -> Tensor:
@@ -133,8 +136,9 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
             i += count
             continue
         if name in routing:
-            prefix = routing[name]
-            width, fill, picks = moes[prefix], torch.zeros((), dtype=torch.float64), seen[f"{prefix}.hook_chosen"]
+            site = routing[name]
+            prefix, width, fill = site.path, site.n, torch.zeros((), dtype=torch.float64)
+            picks = seen[site.module.hook_chosen.name]
         else:
             m = next(m for m in mods if m.hook == name)
             prefix, width, picks = m.prefix, m.n_heads, None

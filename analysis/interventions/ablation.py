@@ -22,9 +22,7 @@ exit, also when the body raises.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,32 +33,15 @@ from hooked.validate import Flag, Integer, OneOf, check, checked
 from hooked.validate import as_index, index_list, layer_index, layer_list
 from hooked.hook_points import scoped_hooks
 from hooked.models.base import HookedModel
-from hooked.models.protocol import token_mixers, unit_tags
+from hooked.models.model_map import Site, model_map, parse_label
 
 HeadSpec = tuple[Any, int]  # (layer, h) or (module prefix, h)
 
 
-@dataclass(frozen=True)
-class HeadModule:
-    prefix: str  # "blocks.3.attn", "blocks.5.shared.attn", "blocks.3.mixer"
-    layer: int
-    hook: str  # full name of the write hook
-    n_heads: int
-    width: int  # features per head at the write hook (attention: d_head; Mamba-2: d_head; Mamba-1: 1)
-    kind: str  # "attn" or "ssm"
-    tag: str  # label letter, "L{layer}{tag}{h}" (hooked.models.protocol.unit_tags): "H", "M" or "SH"
-
-
-def head_layout(model: Any) -> dict[str, HeadModule]:
-    """Every head module of the model, in forward order, from the mixer protocol (nothing runs)."""
-    layout, tags = {}, unit_tags(model)
-    for layer, block in enumerate(model.blocks):
-        for name, mixer in token_mixers(block):
-            heads = mixer.heads()
-            prefix = f"blocks.{layer}.{name}"
-            layout[prefix] = HeadModule(prefix, layer, heads.write_hook.name, heads.n, heads.width, heads.kind,
-                                        tags[prefix])
-    return layout
+def head_layout(model: Any) -> dict[str, Site]:
+    """Every head module of the model (its token mixers' sites in the model map), in forward order: path ->
+    Site (n_heads, width, hook: the write hook's name, cut_mask). Nothing runs."""
+    return {s.path: s for s in model_map(model).mixers()}
 
 
 def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]:
@@ -75,7 +56,7 @@ def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]
             prefix = where
         else:
             layer = layer_index(where, model.cfg.n_layers, f"the layer of head {spec!r}")
-            own = [p for p in (f"blocks.{layer}.attn", f"blocks.{layer}.mixer") if p in layout]
+            own = [s.path for s in model_map(model).layer_sites(layer) if s.tag in ("H", "C")]  # L{layer}H{h}
             if not own:
                 raise ValueError(f"layer {where} has no attention or mixer heads")
             prefix = own[0]
@@ -98,13 +79,9 @@ def attached(model: Any, hooks: Sequence[tuple[str, Callable, bool]]) -> Iterato
         yield
 
 
-def _write_mask(module: HeadModule, heads: list[int], device: torch.device) -> Tensor:
-    """Bool mask over the write hook's trailing axes: attention [n_heads 1], SSM [d_inner]."""
-    mask = torch.zeros(module.n_heads, dtype=torch.bool, device=device)
-    mask[heads] = True
-    if module.kind == "attn":
-        return mask[:, None]
-    return mask.repeat_interleave(module.width)
+def _write_mask(module: Site, heads: list[int], device: torch.device) -> Tensor:
+    """Bool mask over the write hook's trailing axes (the site's cut_mask): attention [n_heads 1], SSM [d_inner]."""
+    return module.cut_mask(heads, device)
 
 
 def _mean_of(mean_cache: Any, name: str) -> Tensor:
@@ -144,7 +121,7 @@ def ablate_heads(model: Any, heads: Iterable[HeadSpec], keep: bool = False, mode
         yield model
 
 
-def _ablation_hook(module: HeadModule, heads: list[int], mean: Tensor | None) -> Callable:
+def _ablation_hook(module: Site, heads: list[int], mean: Tensor | None) -> Callable:
     def hook(act: Tensor, hook: Any) -> Tensor:
         mask = _write_mask(module, heads, act.device)
         fill = torch.zeros((), dtype=act.dtype, device=act.device) if mean is None else mean.to(act)
@@ -203,8 +180,9 @@ def skip_layers(model: Any, layers: Iterable[int]) -> Iterator[Any]:
     hooks = []
     for layer in chosen:
         seen: dict[str, Tensor] = {}
-        hooks.append((f"blocks.{layer}.hook_resid_pre", _remember(seen), False))
-        hooks.append((f"blocks.{layer}.hook_resid_post", _restore(seen), True))
+        block = model.blocks[layer]
+        hooks.append((block.hook_resid_pre.name, _remember(seen), False))
+        hooks.append((block.hook_resid_post.name, _restore(seen), True))
     with attached(model, hooks):
         yield model
 
@@ -308,8 +286,7 @@ def _check_block(model: Any, block: Any, layer: int) -> None:
 
 def parse_head(label: str) -> HeadSpec:
     """Parse "L3H5" -> (3, 5), "L5SH3" -> ("blocks.5.shared.attn", 3), "L0M3" -> ("blocks.0.mixer", 3)."""
-    m = re.fullmatch(r"L(\d+)(SH|H|M)(\d+)", label.strip())
-    if m is None:
+    layer, tag, h, last = parse_label(label)  # the model map's grammar
+    if tag not in ("SH", "H", "M") or last != h:
         raise ValueError(f"a head label looks like L3H5, L5SH3 or L0M3, got {label!r}")
-    layer, tag, h = int(m.group(1)), m.group(2), int(m.group(3))
     return {"SH": (f"blocks.{layer}.shared.attn", h), "M": (f"blocks.{layer}.mixer", h)}.get(tag, (layer, h))

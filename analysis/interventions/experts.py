@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import attached
+from hooked.models.model_map import model_map
 from hooked.models.protocol import ExpertMixture
 from hooked.validate import as_index, layer_index
 
@@ -30,13 +31,8 @@ ExpertSpec = tuple[Any, int]
 
 
 def moe_layout(model: Any) -> dict[str, int]:
-    """{"blocks.{l}.mlp": n_experts} for every mixture of experts (an MLP sublayer that is a MoE)."""
-    out = {}
-    for l, block in enumerate(model.blocks):
-        for w in block.writers():
-            if isinstance(w.module, ExpertMixture):
-                out[f"blocks.{l}.{w.kind}"] = int(w.module.n_experts)
-    return out
+    """{"blocks.{l}.mlp": n_experts} for every mixture of experts (the model map's expert sites)."""
+    return {s.path: s.n for s in model_map(model) if not s.mixes_tokens}
 
 
 def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list[int]]:
@@ -51,7 +47,7 @@ def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list
             prefix = where
         else:
             layer = layer_index(where, model.cfg.n_layers, f"the layer of expert {spec!r}")
-            prefix = f"blocks.{layer}.mlp"
+            prefix = next((s.path for s in model_map(model).layer_sites(layer) if not s.mixes_tokens), f"block {layer}")
         if prefix not in layout:
             known = ", ".join(layout) or "none"
             raise ValueError(f"{prefix!r} is not a mixture-of-experts MLP; the model's MoE layers: {known}")
@@ -60,7 +56,7 @@ def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list
     return {p: sorted(es) for p, es in out.items()}
 
 
-def _hooks(prefix: str, experts: list[int], renormalise: bool) -> list:
+def _hooks(moe: ExpertMixture, experts: list[int], renormalise: bool) -> list:
     seen: dict[str, Tensor] = {}
 
     def on_chosen(chosen: Tensor, hook: Any) -> None:
@@ -75,7 +71,7 @@ def _hooks(prefix: str, experts: list[int], renormalise: bool) -> list:
         total, left = weights.sum(-1, keepdim=True), kept.sum(-1, keepdim=True)
         return torch.where(left != 0, kept * (total / torch.where(left != 0, left, 1.0)), kept)
 
-    return [(f"{prefix}.hook_chosen", on_chosen, False), (f"{prefix}.hook_routing_weights", on_weights, False)]
+    return [(moe.hook_chosen.name, on_chosen, False), (moe.hook_routing_weights.name, on_weights, False)]
 
 
 @contextlib.contextmanager
@@ -87,6 +83,6 @@ def ablate_experts(model: Any, experts: Iterable[ExpertSpec], renormalise: bool 
     """
     hooks = []
     for prefix, ids in resolve_experts(model, experts).items():
-        hooks += _hooks(prefix, ids, renormalise)
+        hooks += _hooks(model_map(model).site(prefix).module, ids, renormalise)
     with attached(model, hooks):
         yield model

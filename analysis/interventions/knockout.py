@@ -60,24 +60,25 @@ from hooked.validate import Flag, Number, check, checked
 from hooked.validate import check_positions, index_mask, layer_index, layer_list, position_mask
 from hooked.devices import onloaded
 from hooked.hook_points import scoped_hooks
-from hooked.models.protocol import ATTENTION_MODES, TokenMixer, token_mixers
+from hooked.models.model_map import Site, model_map
+from hooked.models.protocol import ATTENTION_MODES
 
 Positions = Union[int, Sequence[int], range, Tensor]
 Channels = Union[None, Sequence[int], Tensor, dict]
 
 
 # ------------------------------------------------------------------------------------- sites
-def layer_mixers(model: Any, layer: int) -> list[tuple[str, TokenMixer]]:
-    """(full name, mixer) of every TokenMixer in block `layer` (attention, SSM mixers; Zamba2's shared
+def layer_mixers(model: Any, layer: int) -> list[Site]:
+    """The model map's site of every TokenMixer in block `layer` (attention, SSM mixers; Zamba2's shared
     attention too), in forward order. An MLP-only block has none."""
-    prefix = f"blocks.{layer}"
-    return [(f"{prefix}.{name}", m) for name, m in token_mixers(model.blocks[layer])]
+    return [s for s in model_map(model).layer_sites(layer) if s.mixes_tokens]
 
 
 def knockout_sites(model: Any, layer: int) -> tuple[list[str], list[str]]:
-    """(attention module names, SSM mixer names) of block `layer`, from the mixer protocol."""
+    """(names of the mixers that cut every head: attention; of those that cut the listed channels only: the
+    recurrent mixers) of block `layer`, from the model map."""
     mixers = layer_mixers(model, layer)
-    return ([n for n, m in mixers if m.heads().kind == "attn"], [n for n, m in mixers if m.heads().kind == "ssm"])
+    return [s.path for s in mixers if not s.recurrent], [s.path for s in mixers if s.recurrent]
 
 
 def _channel_mask(channels: Any, n: int, where: str) -> Tensor | None:
@@ -127,15 +128,14 @@ def knockout(model: Any, sources: Positions, targets: Positions, layers: int | I
     hooks: list[tuple[Any, Any]] = []
     with_ssm: set[int] = set()
     for layer in layers:
-        for name, mixer in layer_mixers(model, layer):  # none: an MLP-only block (NemotronH)
-            if mixer.heads().kind == "attn":
-                hooks += mixer.cut_edges(masks, attention=attention)
-                continue
-            if isinstance(channels, dict) and layer not in channels:
-                raise ValueError(f"channels has no entry for layer {layer} (its keys: {sorted(channels)})")
-            chan = channels[layer] if isinstance(channels, dict) else channels
-            hooks += mixer.cut_edges(masks, _channel_mask(chan, mixer.heads().n, name), cut_conv=cut_conv)
-            with_ssm.add(layer)
+        for site in layer_mixers(model, layer):  # none: an MLP-only block (NemotronH)
+            chan = None
+            if site.recurrent:  # attention cuts every head and reads no channels
+                if isinstance(channels, dict) and layer not in channels:
+                    raise ValueError(f"channels has no entry for layer {layer} (its keys: {sorted(channels)})")
+                chan = _channel_mask(channels[layer] if isinstance(channels, dict) else channels, site.n, site.path)
+                with_ssm.add(layer)
+            hooks += site.module.cut_edges(masks, chan, attention=attention, cut_conv=cut_conv)
     if channels is not None and not with_ssm:
         raise ValueError(f"channels restricts the cut of SSM mixers, and layers {layers} have none (attention "
                          "always cuts every head): drop channels, or use ablate_heads for single heads")
@@ -155,7 +155,7 @@ def decay_norms(model: Any, layer: int) -> Float[Tensor, "c"]:
     Mamba-2 has one scalar A per head, so its value is d_state * exp(A_h).
     """
     layer = layer_index(layer, model.cfg.n_layers)
-    ssm = [m for _, m in layer_mixers(model, layer) if m.heads().kind == "ssm"]
+    ssm = [s.module for s in layer_mixers(model, layer) if s.recurrent]
     if not ssm:
         raise TypeError(f"block {layer} has no state-space mixer: decay_norms needs one")
     with torch.no_grad(), onloaded(model, ssm[0]):  # a dispatched model's offloaded weights made real

@@ -242,7 +242,7 @@ def _grab(model: Any, x: Tensor, mask: Tensor | None, layers: list[int], state: 
                 raise _Enough
         return hook
 
-    hooks = [(f"blocks.{layer}.hook_resid_pre", keep(layer)) for layer in layers]
+    hooks = [(model.blocks[layer].hook_resid_pre.name, keep(layer)) for layer in layers]
     n = model.cfg.n_layers
     try:
         with torch.no_grad(), model.hooks(fwd_hooks=hooks):

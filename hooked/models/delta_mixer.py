@@ -53,7 +53,7 @@ from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.decode_state import stepping_state
 from hooked.models.head_writes import written_by_units
-from hooked.models.protocol import CutHooks, Heads, Masks, RecurrentCut, TokenMixer, along
+from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import delta_rule_chunked, delta_rule_propagate, l2norm
 from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
@@ -182,6 +182,10 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
     def heads(self) -> Heads:
         """The value heads (d_v channels each), cut at hook_gated (before out_proj)."""
         return Heads(self.spec.n_heads, self.spec.d_v, self.hook_gated, "ssm", self.hook_head_out)
+
+    def mixing(self) -> Mixing:
+        """y_j = sum_i K[h, j, i] v_i from a zero state: the kernel (from q, k, beta, the decay) mixes hook_v."""
+        return Mixing(self.hook_kernel, self.hook_v, self.hook_y)
 
     def A(self) -> Float[Tensor, "n_heads"]:
         """A = -exp(A_log): the decay is exp(A * softplus(a + dt_bias)), at least float32."""

@@ -13,8 +13,9 @@ Glossary
     label    "L{layer}{tag}{i}", or "L{layer}{tag}{a}-{b}" for the units a..b of one site (Mamba-1 channel
              groups). tag: "H" a block's own heads (attention, or the SSM heads of a block without
              attention), "M" SSM heads beside attention in one block (Falcon-H1), "SH" a shared attention
-             invocation (Zamba2), "C" units one feature wide (Mamba-1, short-conv channels), "E" experts.
-             `label` builds one and `parse_label` reads one: nothing else spells them.
+             invocation (Zamba2), "C" units one feature wide (Mamba-1, short-conv channels), "E" experts,
+             "N" MLP neurons (the cache's neuron stacks). `label` builds one and `parse_label` reads one:
+             nothing else spells them.
     reads    the hooks a site's writes are computed from (the mixer's `write_reads`; an MoE's chosen ids,
              routing weights and expert outputs): a bare run_with_cache() caches them all
     write    what each unit adds to its module's output [.. pos n d_out], the output projection's bias
@@ -32,20 +33,25 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from hooked.models.protocol import ExpertMixture, HookPoint, TokenMixer, token_mixers, unit_tags
+from hooked.models.protocol import (ExpertMixture, HookPoint, Mixing, RecurrentCut, TokenMixer, token_mixers,
+                                    unit_tags)
 
-_LABEL = re.compile(r"L(\d+)(SH|H|M|C|E)(\d+)(?:-(\d+))?")
-TAGS = ("H", "M", "SH", "C", "E")
+_LABEL = re.compile(r"L(\d+)(SH|H|M|C|E|N)(\d+)(?:-(\d+))?")
+TAGS = ("H", "M", "SH", "C", "E", "N")
 
 
-def label(layer: int, tag: str, first: int, last: int | None = None) -> str:
-    """The label of unit `first` of the site (layer, tag), or of its units first..last."""
+def label(layer: int, tag: str, first: int | None = None, last: int | None = None) -> str:
+    """The label of unit `first` of the site (layer, tag), of its units first..last, or (first None) the
+    prefix the site's labels share ("L3H"; "L3shared" for a mixture's always-on MLP, "L0Hg" for SSM groups)."""
+    if first is None:
+        return f"L{layer}{tag}"
     if last is None or last == first:
         return f"L{layer}{tag}{first}"
     return f"L{layer}{tag}{first}-{last}"
@@ -55,7 +61,7 @@ def parse_label(text: Any) -> tuple[int, str, int, int]:
     """(layer, tag, first, last) of a unit label "L3H5" (last = first) or "L2C0-63"; a ValueError otherwise."""
     m = _LABEL.fullmatch(text.strip()) if isinstance(text, str) else None
     if m is None:
-        raise ValueError(f"a unit label looks like L3H5, L5SH3, L0M3, L2C7, L2C0-63 or L3E5, got {text!r}")
+        raise ValueError(f"a unit label looks like L3H5, L5SH3, L0M3, L2C7, L2C0-63, L3E5 or L1N7, got {text!r}")
     first = int(m.group(3))
     last = first if m.group(4) is None else int(m.group(4))
     if last < first:
@@ -78,11 +84,24 @@ class Site:
     def mixes_tokens(self) -> bool:
         return isinstance(self.module, TokenMixer)
 
+    @property
+    def recurrent(self) -> bool:
+        """A recurrent mixer (SSM, delta rule, short conv): it keeps a state across positions, its mixing
+        matrix is a kernel, and its cut is restricted to the units listed (protocol.RecurrentCut)."""
+        return isinstance(self.module, RecurrentCut)
+
     def label(self, first: int, last: int | None = None) -> str:
         return label(self.layer, self.tag, first, last)
 
     def labels(self) -> list[str]:
         return [self.label(i) for i in range(self.n)]
+
+    def units(self, group: int | None = None) -> list[Unit]:
+        """The site's units one by one; units one feature wide (channels) in runs of `group` (default n / 16)."""
+        size = 1 if self.width != 1 else (group or max(1, self.n // 16))
+        role = "head" if self.mixes_tokens else "expert"
+        return [Unit(self.label(a, min(a + size, self.n) - 1), self.layer, self.path,
+                     tuple(range(a, min(a + size, self.n))), role) for a in range(0, self.n, size)]
 
     def writes(self, *reads: Tensor) -> Tensor:
         """Each unit's write [.. pos n d_out] from the activations at `reads`, asked of the module."""
@@ -99,29 +118,40 @@ class Site:
         """The lazy hook showing each unit's write in a forward (hook_result, hook_head_out); None for experts."""
         return self.module.heads().result_hook if self.mixes_tokens else None
 
-    def cut_hook(self) -> HookPoint | None:
-        """Where a unit's write is cut, [.. n width] or [.. n * width] (hook_z, hook_gated); None for experts."""
-        return self.module.heads().write_hook if self.mixes_tokens else None
+    @property
+    def hook(self) -> str:
+        """The hook where a unit's write is cut (hook_z [.. n width], hook_gated [.. n * width]); experts: the
+        routing weights [.. top_k], which ablate_experts zeroes."""
+        return (self.module.heads().write_hook if self.mixes_tokens else self.module.hook_routing_weights).name
 
-    def mixing(self) -> Any:
+    def cut_mask(self, units: Sequence[int], device: Any = None) -> Tensor:
+        """Bool mask over the cut hook's trailing axes selecting `units`: [n 1] when the hook keeps a unit
+        axis (hook_z [.. n_heads d_head]), else [n * width] (hook_gated [.. d_inner])."""
+        mask = torch.zeros(self.n, dtype=torch.bool, device=device)
+        mask[list(units)] = True
+        per_unit_axis = len(self.module.heads().write_hook.axes) == 4
+        return mask[:, None] if per_unit_axis else mask.repeat_interleave(self.width)
+
+    def mixing(self) -> Mixing | None:
         return self.module.mixing() if self.mixes_tokens else None
+
+    # the names head_layout's records had (analysis.interventions.ablation)
+    prefix = property(lambda self: self.path)
+    n_heads = property(lambda self: self.n)
 
 
 @dataclass(frozen=True)
 class Unit:
-    """Units first..last of one site (one unit when first == last), by its label."""
+    """Units `heads` of the site at `module`, by its label: one head, a run of channels, or one expert."""
 
-    site: Site
-    first: int
-    last: int
+    label: str  # "L3H5", "L5SH3", "L2C0-63", "L3E5" (the grammar above)
+    layer: int
+    module: str  # the site's path
+    heads: tuple[int, ...]  # unit indices inside the site (head, channel or expert ids)
+    kind: str = "head"  # "head" (a token mixer's: ablate_heads) or "expert" (ablate_experts)
 
-    @property
-    def label(self) -> str:
-        return self.site.label(self.first, self.last)
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        return tuple(range(self.first, self.last + 1))
+    def specs(self) -> list[tuple[str, int]]:
+        return [(self.module, h) for h in self.heads]
 
 
 class ModelMap:
@@ -154,6 +184,10 @@ class ModelMap:
             raise ValueError(f"{path!r} is no site of this model; known: {', '.join(list(self._by_path)[:6])}, ...")
         return self._by_path[path]
 
+    def mixers(self) -> list[Site]:
+        """The token mixers' sites (no experts), in forward order."""
+        return [s for s in self.sites if s.mixes_tokens]
+
     def layer_sites(self, layer: int) -> list[Site]:
         return [s for s in self.sites if s.layer == layer]
 
@@ -165,20 +199,15 @@ class ModelMap:
             raise ValueError(f"unit {text!r}: layer {layer} has no {tag!r} units")
         if last >= site.n:
             raise ValueError(f"unit {text!r}: {site.path} has {site.n} units")
-        return Unit(site, first, last)
+        return Unit(site.label(first, last), layer, site.path, tuple(range(first, last + 1)),
+                    "head" if site.mixes_tokens else "expert")
 
     def units(self, group: int | None = None) -> list[Unit]:
-        """Every token mixer's units, one each; with `group`, channel sites' (tag "C") in runs of `group`."""
-        out = []
-        for s in self.sites:
-            if not s.mixes_tokens:
-                continue
-            size = group if group is not None and s.tag == "C" else 1
-            out += [Unit(s, a, min(a + size, s.n) - 1) for a in range(0, s.n, size)]
-        return out
+        """Every token mixer's units, channels in runs of `group` (Site.units)."""
+        return [u for s in self.mixers() for u in s.units(group)]
 
     def experts(self) -> list[Unit]:
-        return [Unit(s, e, e) for s in self.sites if not s.mixes_tokens for e in range(s.n)]
+        return [u for s in self.sites if not s.mixes_tokens for u in s.units()]
 
 
 _MAPS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], ModelMap]]" = weakref.WeakKeyDictionary()

@@ -23,6 +23,13 @@ Glossary
                  removes exactly the edges of the whole-sequence forward, or refuses the step
     channels     a bool mask over the units (None: every unit) an SSM cut is restricted to;
                  attention always cuts every head
+    unit writes  `write_reads()` the hooks each unit's write is computed from (a bare cache has them),
+                 `unit_inputs(*reads)` the output projection's input split by unit (gated attention:
+                 z * sigmoid(gate)), `unit_writes(*reads)` each unit's write [.. pos n d_out]; mixtures
+                 of experts answer write_reads / unit_writes too (routing weight x expert output).
+                 hooked/models/model_map.py asks these for every site of a model
+    mixing       `mixing()`: the unit x target x source matrix (Mixing: its hook, value, output, whether
+                 signed, the scores before a softmax); `matrix_slices` gives rows or columns of it
 
 Every sublayer (mixers, MLPs, MoE) also answers, for weight processing and attribution:
     input_linears()  the linear maps applied to its (normalised) input: fold_ln folds the norm into them
@@ -68,11 +75,29 @@ class Heads:
 class Mixing:
     """A mixer's positions mixed by one matrix per unit: output[j] = sum_i matrix[unit, j, i] value[i]
     (attention: hook_pattern, per query head from hook_v, into hook_z; the recurrent mixers: hook_kernel,
-    their input u into y; DESIGN.md section 4)."""
+    their input u into y; DESIGN.md section 4). `signed`: the entries carry a sign and rows no fixed sum
+    (a kernel), so a row's weights are its magnitudes normalised; a pattern is its own weights. `scores`:
+    the matrix before a softmax (attention's hook_attn_scores), where a "scores" cut sets -inf."""
 
     matrix: HookPoint  # [batch n target source]
     value: HookPoint
     output: HookPoint
+    signed: bool = True
+    scores: HookPoint | None = None
+
+    def weights(self, x: Tensor) -> Tensor:
+        """Row weights [.. target source] from the matrix's value (or some of its rows)."""
+        if not self.signed:
+            return x
+        w = x.abs()
+        return w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+
+    def cut_at(self, mode: str = "scores") -> tuple[HookPoint, float | None]:
+        """(hook, fill) where an entry is cut: -inf (None: the dtype's min) on the scores before the softmax
+        (mode "scores", which renormalises), else 0 on the matrix itself."""
+        if mode == "scores" and self.scores is not None:
+            return self.scores, None
+        return self.matrix, 0.0
 
 
 class TokenMixer:
@@ -111,6 +136,11 @@ class TokenMixer:
         """The unit x target x source matrix this mixer mixes positions with, or None when it has none."""
         return None
 
+    def matrix_slices(self, index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> CutHooks:
+        """Hooks that call on_slice with rows (or columns) idx = index(pos, device) of `mixing().matrix` in a
+        forward: the kernel's without the pos x pos matrix (kernel_slices), the pattern's from the pattern."""
+        return self.kernel_slices(index, on_slice, axis)
+
     def decay_norms(self) -> Tensor:
         """||exp(A)||_1 over d_state at dt = 1 per unit: large = slow decay (long memory)."""
         raise TypeError(f"{type(self).__name__} has no state decay (decay_norms is for state-space mixers)")
@@ -134,7 +164,19 @@ class AttentionCut:
     hook_z: HookPoint
 
     def mixing(self) -> Mixing:
-        return Mixing(self.hook_pattern, self.hook_v, self.hook_z)
+        return Mixing(self.hook_pattern, self.hook_v, self.hook_z, signed=False, scores=self.hook_attn_scores)
+
+    def repeat_kv(self, t: Tensor) -> Tensor:
+        """hook_v's values per query head [.. pos n_heads d_head]: as they are here (latent attention); GQA
+        attention repeats each key-value head over its group (attention.py)."""
+        return t
+
+    def matrix_slices(self, index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> CutHooks:
+        def on_pattern(pattern: Tensor, hook: Any) -> None:
+            idx = index(pattern.shape[-1], pattern.device)
+            on_slice(pattern[:, :, idx] if axis == "rows" else pattern[..., idx])
+
+        return [(self.hook_pattern, on_pattern)]
 
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
