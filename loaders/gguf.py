@@ -367,9 +367,11 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool = True):
     """The transformers tokenizer for a GGUF file's vocabulary (transformers' own GGUF converter).
 
     Converting a GGUF vocabulary takes tens of seconds, so the converted tokenizer is saved once under
-    `$HOOKED_CACHE` (default ~/.cache/hooked) keyed by the file's name, size and mtime, and read from
-    there afterwards (a fraction of a second). `cache=False` always converts.
+    `$HOOKED_CACHE` (default ~/.cache/hooked) keyed by the file's name, size and mtime and the
+    transformers version that converted it (another version may convert, and read a saved tokenizer,
+    differently), and read from there afterwards (a fraction of a second). `cache=False` always converts.
     """
+    import transformers
     from transformers import AutoTokenizer
 
     path = Path(path)
@@ -379,7 +381,7 @@ def load_gguf_tokenizer(path: str | os.PathLike, cache: bool = True):
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     stat = path.stat()
     root = Path(os.environ.get("HOOKED_CACHE", Path.home() / ".cache" / "hooked"))
-    saved = root / "gguf-tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    saved = root / "gguf-tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-tf{transformers.__version__}"
     if (saved / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(saved))
