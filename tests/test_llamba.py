@@ -130,11 +130,20 @@ LLAMBA_8B = {  # cartesia-ai/Llamba-8B's config.json fields (LlambaConfig's defa
 }
 
 
-@pytest.mark.parametrize("tied, count", [(True, 8_315_868_160), (False, 8_841_204_736)])
-def test_llamba_8b_builds_on_meta_with_its_parameter_count(tied, count):
-    cfg = config_from_hf(LLAMBA_8B | {"tie_embeddings": tied})
-    model = build_on_meta(find_architecture(LLAMBA_8B).build, cfg)
+LLAMBA_3B = LLAMBA_8B | {"d_model": 3072, "n_layer": 28, "mlp_cfg": {"intermediate_size": 8192}}
+
+
+@pytest.mark.parametrize("config, count", [
+    (LLAMBA_8B, 8_315_868_160),
+    (LLAMBA_8B | {"tie_embeddings": False}, 8_841_204_736),  # cartesia-ai/Llamba-8B-untied
+    (LLAMBA_3B, 3_656_994_688),  # x 4 bytes = 14.63 GB: the hub's float32 model.safetensors of Llamba-3B (14.6 GB)
+])
+def test_llamba_builds_on_meta_with_its_parameter_count(config, count):
+    cfg = config_from_hf(config)
+    model = build_on_meta(find_architecture(config).build, cfg)
     assert sum(p.numel() for p in model.parameters()) == count
+    if cfg.d_model != 4096:
+        return
     mixer = model.blocks[0].mixer
     assert mixer.in_proj.weight.shape == (2 * 4096 + 2 * 32 * 64 + 32, 4096)  # x, B, C, z, dt
     assert mixer.conv_weight.shape == (4096 + 2 * 32 * 64, 4) and mixer.z_bias.shape == (4096,)
