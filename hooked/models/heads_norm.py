@@ -16,12 +16,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from hooked.hook_points import through_hook
-from hooked.models.norms import RMSNorm
-from hooked.ops.norms import rms_norm
+from hooked.models.norms import Float32ProductRMSNorm
+from hooked.ops.norms import rms_norm_float32_product
 
 
-class HeadsRMSNorm(RMSNorm):
-    """RMSNorm of the flattened heads (weight [heads * d_head], as HF stores it)."""
+class HeadsRMSNorm(Float32ProductRMSNorm):
+    """RMSNorm of the flattened heads (weight [heads * d_head], as HF stores it), the product in float32 as
+    HF's OLMo norms take it."""
 
     def __init__(self, n_heads: int, d_head: int, eps: float) -> None:
         super().__init__(n_heads * d_head, eps)
@@ -29,14 +30,15 @@ class HeadsRMSNorm(RMSNorm):
 
     def forward(self, x: Float[Tensor, "*lead heads d_head"]) -> Float[Tensor, "*lead heads d_head"]:
         if not self.hook_scale.is_active:
-            return self.hook_normalized(rms_norm(x.flatten(-2), self.weight, self.eps).unflatten(-1, x.shape[-2:]))
+            return self.hook_normalized(rms_norm_float32_product(x.flatten(-2), self.weight, self.eps)
+                                        .unflatten(-1, x.shape[-2:]))
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         scale = x32.pow(2).mean((-2, -1), keepdim=True).add(self.eps).sqrt().expand(*x.shape[:-1], 1)
         scale, scale_was = through_hook(self.hook_scale, scale)
         if scale_was is None:
-            normed = rms_norm(x.flatten(-2), self.weight, self.eps).unflatten(-1, x.shape[-2:])
+            normed = rms_norm_float32_product(x.flatten(-2), self.weight, self.eps).unflatten(-1, x.shape[-2:])
         else:
-            normed = self.weight.view(self.n_heads, self.d_head) * (x32 / scale).to(x.dtype)
+            normed = (self.weight.view(self.n_heads, self.d_head).to(x32.dtype) * (x32 / scale)).to(x.dtype)
         return self.hook_normalized(normed)
 
     def normalize_with_scale(self, stack: Float[Tensor, "*comp heads d_head"],
@@ -44,4 +46,4 @@ class HeadsRMSNorm(RMSNorm):
         return self.weight.view(self.n_heads, self.d_head) * (stack / scale.to(stack.dtype))
 
     def normalize_fresh(self, stack: Float[Tensor, "*comp heads d_head"]) -> Float[Tensor, "*comp heads d_head"]:
-        return rms_norm(stack.flatten(-2), self.weight, self.eps).unflatten(-1, stack.shape[-2:])
+        return rms_norm_float32_product(stack.flatten(-2), self.weight, self.eps).unflatten(-1, stack.shape[-2:])

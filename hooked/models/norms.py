@@ -19,7 +19,8 @@ normalises each component with its own statistics (the logit lens).
 gradients [n *x.shape] (written over grads; hooks left out): what autograd would give through the
 unhooked norm, in one pass instead of a graph per gradient (circuits' receivers use it).
 
-`UnitOffsetRMSNorm` is Gemma's RMSNorm: its stored weight w acts as (1 + w). RMSNorms also serve as
+`UnitOffsetRMSNorm` is Gemma's RMSNorm: its stored weight w acts as (1 + w). `Float32ProductRMSNorm` is
+OLMo's: the weight multiplies before the cast to the activations' dtype. RMSNorms also serve as
 per-head q/k norms (Qwen3, Gemma 3), on [batch pos heads d_head] (hook_scale [batch pos heads 1]):
 any leading axes are accepted.
 """
@@ -31,7 +32,8 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from hooked.hook_points import HookPoint, through_hook
-from hooked.ops.norms import layer_norm, layer_norm_vjp_, rms_norm, rms_norm_unit_offset, rms_norm_vjp_
+from hooked.ops.norms import (layer_norm, layer_norm_vjp_, rms_norm, rms_norm_float32_product, rms_norm_unit_offset,
+                              rms_norm_vjp_)
 
 
 def _scale_in_graph(fast: Tensor, explicit: Tensor, scale: Tensor) -> Tensor:
@@ -71,6 +73,23 @@ class RMSNorm(nn.Module):
 
     def input_grads_(self, x: Float[Tensor, "*lead d"], grads: Float[Tensor, "n *lead d"]) -> Float[Tensor, "n *lead d"]:
         return rms_norm_vjp_(x, self.weight + getattr(self, "weight_offset", 0.0), self.eps, grads)
+
+
+class Float32ProductRMSNorm(RMSNorm):
+    """OLMo 2/3's RMSNorm: weight * x / rms(x) with the product in float32 before the cast
+    (`ops.norms.rms_norm_float32_product`); the same numbers as RMSNorm in float32 and float64."""
+
+    def forward(self, x: Float[Tensor, "*lead d"]) -> Float[Tensor, "*lead d"]:
+        if not self.hook_scale.is_active:
+            return self.hook_normalized(rms_norm_float32_product(x, self.weight, self.eps))
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        scale = x32.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
+        scale, scale_was = through_hook(self.hook_scale, scale)
+        explicit = (self.weight.to(x32.dtype) * (x32 / scale)).to(x.dtype)
+        if scale_was is None:
+            return self.hook_normalized(_scale_in_graph(rms_norm_float32_product(x, self.weight, self.eps), explicit,
+                                                        scale))
+        return self.hook_normalized(explicit)
 
 
 class UnitOffsetRMSNorm(RMSNorm):

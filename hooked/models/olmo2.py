@@ -13,9 +13,11 @@ Glossary (TransformerLens names; HF Olmo2Config names in brackets): as llama.py,
     resid   = resid + ln2_post(mlp(resid))     (SwiGLU)             blocks.{l}.ln2_post.hook_normalized
     logits  = ln_final(resid) @ W_U^T                               ln_final.hook_normalized
 
-The sublayers read the residual itself: ln1 and ln2 are identities (no ln1.* / ln2.* hooks), as on
-OLMo-hybrid's attention layers. hook_attn_out and hook_mlp_out are after the post-norms (what is
-added); the head results sum to ln1_post's input. Other hooks are attention.py's and mlp.py's.
+Every norm multiplies its weight in float32 before the cast, as HF's Olmo2RMSNorm (norms.py's
+Float32ProductRMSNorm). The sublayers read the residual itself: ln1 and ln2 are identities (no ln1.* /
+ln2.* hooks), as on OLMo-hybrid's attention layers. hook_attn_out and hook_mlp_out are after the
+post-norms (what is added); the head results sum to ln1_post's input. Other hooks are attention.py's
+and mlp.py's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from hooked.models.heads_norm import HeadsRMSNorm
 from hooked.models.language_model import LanguageModel
 from hooked.models.llama import LlamaConfig
 from hooked.models.mlp import GatedMLP
-from hooked.models.norms import RMSNorm
+from hooked.models.norms import Float32ProductRMSNorm
 from hooked.ops.rotary import Rotary
 
 
@@ -51,11 +53,12 @@ def attention(cfg: Olmo2Config, layer: int) -> Attention:
 
 def build(cfg: Olmo2Config) -> LanguageModel:
     """OLMo 2 / OLMo 3 with a hook on every quantity; load weights with `loaders.from_hf` / `from_pretrained`."""
-    def norm() -> RMSNorm:
-        return RMSNorm(cfg.d_model, cfg.eps)
+    def norm() -> Float32ProductRMSNorm:
+        return Float32ProductRMSNorm(cfg.d_model, cfg.eps)
 
     blocks = [ResidualBlock([
         Sublayer("attn", nn.Identity(), attention(cfg, layer), post_norm=norm()),
-        Sublayer("mlp", nn.Identity(), GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias), post_norm=norm()),
+        Sublayer("mlp", nn.Identity(), GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias),
+                 post_norm=norm()),
     ]) for layer in range(cfg.n_layers)]
     return LanguageModel(cfg, blocks, norm())

@@ -17,6 +17,14 @@ def rms_norm(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float) 
     return weight * normed.to(x.dtype)
 
 
+def rms_norm_float32_product(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float) -> Float[Tensor, "... d"]:
+    """weight * x / sqrt(mean(x^2) + eps) as OLMo 2/3 compute it: the product too in at least float32, then
+    the cast to x's dtype (Llama's `rms_norm` casts first). Equal to `rms_norm` in float32 and float64."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(x32.dtype) * normed).to(x.dtype)
+
+
 def rms_norm_unit_offset(x: Float[Tensor, "... d"], weight: Float[Tensor, "d"], eps: float) -> Float[Tensor, "... d"]:
     """(1 + weight) * x / sqrt(mean(x^2) + eps) as Gemma computes it: the weight is stored as an offset
     from 1, and the product too is taken in at least float32 before casting back to x's dtype
