@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_families import FAMILIES, tiny
 
-from hooked.models.model_map import label, model_map, parse_label
+from hooked.models.model_map import label, label_layer, model_map, parse_label
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 
@@ -76,6 +76,12 @@ def test_every_label_is_its_own_unit(run):
 def test_the_label_grammar(text, parsed):
     assert parse_label(text) == parsed
     assert parse_label(label(*parsed)) == parsed
+
+
+@pytest.mark.parametrize("text, layer", [("L3H5", 3), ("L12SH3", 12), ("L2C0-63", 2), ("L0Hg1", 0), ("L4shared", 4),
+                                         ("L3", None), ("mlp3", None), ("Lx3", None), ("L3.q", None)])
+def test_the_layer_of_any_label(text, layer):
+    assert label_layer(text) == layer
 
 
 @pytest.mark.parametrize("text", ["L3X5", "H5", "L3H", "L2C5-3", "l3h5", 35, "L3H5.q"])

@@ -18,9 +18,7 @@ from typing import Any
 
 from analysis.circuits.graph import Edge
 from analysis.plots import _figure, _save
-
-_LAYER = re.compile(r"^L(\d+)|^[a-z]+?(\d+)$")
-
+from hooked.models.model_map import label_layer
 
 def node_of(label: str) -> tuple[str, str]:
     """(node, input part) of a graph label: "L1H0.q" -> ("L1H0", "q"), "mlp2" -> ("mlp2", "")."""
@@ -33,10 +31,13 @@ def layer_of(node: str, n_layers: int) -> float:
         return -1.0
     if node == "logits":
         return float(n_layers)
-    m = _LAYER.match(node)
-    if m is None:
-        raise ValueError(f"cannot place node {node!r} in a layer")
-    return float(m.group(1) or m.group(2))
+    layer = label_layer(node)  # a unit's or an input group's label (hooked.models.model_map's grammar)
+    if layer is None:  # a whole sublayer: "mlp2", "attn1", "mixer0", "shared3"
+        name = node.rstrip("0123456789")
+        if not (name.isalpha() and name.islower() and len(name) < len(node)):
+            raise ValueError(f"cannot place node {node!r} in a layer")
+        layer = int(node[len(name):])
+    return float(layer)
 
 
 def draw_circuit(edges: Sequence[Edge], n_layers: int, path: str | Path, title: str = "") -> Path:

@@ -69,6 +69,13 @@ def parse_label(text: Any) -> tuple[int, str, int, int]:
     return int(m.group(1)), m.group(2), first, last
 
 
+def label_layer(text: str) -> int | None:
+    """The layer of any label `label` builds ("L3H5", "L2C0-63", "L0Hg1", "L4shared"), None for another name."""
+    digits = text[1:len(text) - len(text[1:].lstrip("0123456789"))]
+    rest = text[1 + len(digits):]
+    return int(digits) if text.startswith("L") and digits and rest[:1].isalpha() else None
+
+
 @dataclass(frozen=True)
 class Site:
     layer: int
