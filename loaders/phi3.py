@@ -24,9 +24,10 @@ from loaders.keymaps import LLAMA_NORMS, decoder_keys, first_half, llama_fields,
 
 def config_from_hf(hf: dict[str, Any]) -> Phi3Config:
     rope = rope_fields(hf)
-    return Phi3Config(**llama_fields(hf) | dict(rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"],
-                                               n_ctx=hf.get("max_position_embeddings", 4096), eps=hf.get("rms_norm_eps", 1e-5)),
-                      sliding_window=hf.get("sliding_window"), partial_rotary_factor=rope["partial_rotary_factor"])
+    fields = llama_fields(hf) | dict(rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"],
+                                     n_ctx=hf.get("max_position_embeddings", 4096), eps=hf.get("rms_norm_eps", 1e-5))
+    return Phi3Config(**fields, sliding_window=hf.get("sliding_window"),
+                      partial_rotary_factor=rope["partial_rotary_factor"])
 
 
 def _rows(start: int, stop: int) -> Callable[[Tensor], Tensor]:
