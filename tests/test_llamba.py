@@ -303,3 +303,23 @@ def test_the_analyses_run_on_llamba_and_agree_with_the_weights():
     flow = info_flow(model, load_facts()[:2], window=1, sources=("last",), batch_size=2, require_correct=False,
                      progress=False)
     assert flow.changes.shape == (2, 1, 3) and torch.isfinite(flow.changes).all()
+
+
+@pytest.mark.parametrize("scan", ["chunked", "fused"])
+def test_every_scan_backend_gives_the_loops_logits_and_decoding(scan):
+    """"chunked" (two-level scan) and "fused" (mamba-ssm's kernels, or on a CPU their stand-ins; float32,
+    a kernel dtype) as "loop", whole sequences and decoding steps."""
+    from hooked import backends
+
+    model, toks = from_hf(reference("gqa", torch.float32)), tokens(pos=13)
+    with torch.no_grad():
+        want = model(toks)
+        with backends.use(scan=scan):
+            got = model(toks)
+            ran = backends.active(model)["blocks.0.mixer"]
+            state = DecodeState()
+            stepped = torch.cat([model(toks[:, :7], state=state)] + [model(toks[:, t:t + 1], state=state)
+                                                                     for t in range(7, 13)], 1)
+    assert ran == scan
+    rel_close(got, want, 1e-5, scan)
+    rel_close(stepped, want, 1e-5, f"{scan}, decoding")
