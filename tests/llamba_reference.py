@@ -60,8 +60,10 @@ class Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.H))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
 
-    def forward(self, u: Tensor, h_delta: dict[int, Tensor] | None = None) -> Tensor:
-        """The mixer's output; h_delta {t: [batch H P N]} is added to the state after position t."""
+    def forward(self, u: Tensor, h_delta: dict[int, Tensor] | None = None,
+                dt_factor: dict[int, Tensor] | None = None) -> Tensor:
+        """The mixer's output; h_delta {t: [batch H P N]} is added to the state after position t; dt_factor
+        {t: [batch H]} multiplies the step dt_t of the discretisation (exp(dt A), dt B), not the input x / dt."""
         batch, L, _ = u.shape
         H, G, N, d_inner = self.H, self.G, self.N, self.d_inner
         P = d_inner // H
@@ -85,8 +87,9 @@ class Mixer(nn.Module):
         ys = []
         for t in range(L):
             scan_in = x[:, t] / dt[:, t, :, None]  # Cartesia feeds the SSD x / dt with step dt
-            h = torch.exp(dt[:, t] * A)[..., None, None] * h \
-                + (dt[:, t, :, None] * scan_in)[..., None] * B[:, t, group][:, :, None, :]
+            step = dt[:, t] * (dt_factor[t] if dt_factor is not None and t in dt_factor else 1)
+            h = torch.exp(step * A)[..., None, None] * h \
+                + (step[..., None] * scan_in)[..., None] * B[:, t, group][:, :, None, :]
             h = h + h_delta[t] if h_delta is not None and t in h_delta else h
             ys.append((h * C[:, t, group][:, :, None, :]).sum(-1))
         y = torch.stack(ys, 1) + self.D[:, None] * x

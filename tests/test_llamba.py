@@ -208,6 +208,24 @@ def test_state_edit_equals_the_recurrence_from_the_edited_state(positions):
     assert (out - clean).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("t_edit", [0, 6, 12])
+def test_a_dt_edit_changes_the_discretisation_not_the_input(t_edit):
+    """hook_dt edited at one position: exp(dt' A) and dt' B there, with u = x / dt as computed before the hook."""
+    model, toks, layer = from_hf(reference("gqa")), tokens(), 0
+    factor = 1 + torch.rand(2, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def edit(dt, hook):
+        dt = dt.clone()
+        dt[:, t_edit] *= factor
+        return dt
+
+    x, out = run_layer(model, toks, layer, [(f"blocks.{layer}.mixer.hook_dt", edit)])
+    ref_mixer = reference("gqa").backbone.layers[layer].mixer
+    with torch.no_grad():
+        want = ref_mixer(x, dt_factor={t_edit: factor})
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12 * want.abs().max().item())
+
+
 # -------------------------------------------------------------------------------------- knockout
 @pytest.mark.parametrize("layers, sources, targets, channels, conv", [
     ([1], [2, 3], [-1], None, False),
