@@ -11,6 +11,10 @@ shared transformer, "+moe" with experts) and backend setting:
     fused     mamba-ssm's kernels, SDPA: each kernel call counted as one launch (its CPU stand-in's ops
               are not counted)
     +hook_h   chunked with an identity hook on every mixer's hook_h: the states built in few launches
+    kernels   (--kernels) the installed kernels themselves (mamba-ssm's Triton SSD, state update and gated
+              norm, fla's conv and delta rules), each call counted as one launch and its own ops not:
+              run in .venv-triton, where tests/triton_shims.py lets them run on the CPU under Triton's
+              interpreter (slow: use short --lengths); the count is what a GPU launches outside them
 The target for the GPU algorithms: Mamba-1 at most 300 ops per layer at 2,048 tokens, growing at most
 as L / 64. The two-level scan's chunk is about sqrt(L), so its scan costs about 2 sqrt(L) ops, which
 is at most 64 + L / 64 at every L (equal at L = 4,096): below the line of a fixed 64-token chunk,
@@ -28,13 +32,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hooked.models import jamba, llama, mamba, mamba2, zamba2
+from hooked.models import jamba, kimi_linear, lfm2, llama, mamba, mamba2, qwen3_next, zamba2
 
 try:
     from hooked import backends
@@ -52,6 +59,14 @@ def configs() -> dict:
         "mamba2": mamba2.Mamba2Config(n_layers=2, d_model=D_MODEL, n_heads=4, d_head=32, d_state=16, d_vocab=VOCAB),
         "zamba2": zamba2.Zamba2Config(n_layers=2, d_model=D_MODEL, d_vocab=VOCAB, layer_types=["mamba", "hybrid"],
                                       n_heads=4, d_state=16, n_attn_heads=4),
+        "qwen3_next": qwen3_next.Qwen3NextConfig(d_model=D_MODEL, d_vocab=VOCAB, layer_types=["delta", "attention"],
+                                                 n_heads=4, n_k_heads=2, d_k=16, d_v=16, n_attn_heads=4,
+                                                 n_attn_kv_heads=2, d_attn_head=16, d_mlp=128),
+        "kimi_linear": kimi_linear.KimiLinearConfig(d_model=D_MODEL, d_vocab=VOCAB, layer_types=["delta", "attention"],
+                                                    mlp_types=["dense", "dense"], n_heads=4, d_k=16, d_mlp=128,
+                                                    n_attn_heads=4, d_nope=16, d_rope=8, d_attn_head=16, kv_rank=32),
+        "lfm2": lfm2.Lfm2Config(d_model=D_MODEL, d_vocab=VOCAB, layer_types=["conv", "attention"], n_heads=4,
+                                d_mlp=128),
         "llama": llama.LlamaConfig(n_layers=2, d_model=D_MODEL, n_heads=4, n_kv_heads=2, d_head=16, d_mlp=128,
                                    d_vocab=VOCAB),
         "jamba": jamba.JambaConfig(n_layers=2, d_model=D_MODEL, d_vocab=VOCAB, d_mlp=128,
@@ -75,8 +90,9 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def one_launch_kernels(counter: OpCount) -> "Kernels":
-    """The stand-ins, each call counted as one launch (the real kernel's), their own ops not counted."""
+def one_launch_kernels(counter: OpCount, base: "Kernels | None" = None) -> "Kernels":
+    """The stand-ins (or `base`'s kernels, taking any device), each call counted as one launch (the real
+    kernel's), their own ops not counted."""
     def wrap(fn):
         def kernel(*args, **kwargs):
             counter.ops[counter.block] += 1
@@ -86,6 +102,10 @@ def one_launch_kernels(counter: OpCount) -> "Kernels":
             finally:
                 counter.paused = False
         return kernel
+    if base is not None:
+        fields = {f.name: wrap(getattr(base, f.name)) for f in dataclasses.fields(base)
+                  if callable(getattr(base, f.name))}
+        return dataclasses.replace(base, **fields, real=False)
     return Kernels(*(wrap(getattr(REFERENCE, n)) for n in ("selective_scan_fn", "causal_conv1d_fn",
                                                             "mamba_chunk_scan_combined")), real=False)
 
@@ -93,24 +113,27 @@ def one_launch_kernels(counter: OpCount) -> "Kernels":
 def kind(block: torch.nn.Module) -> str:
     names = {type(m).__name__ for m in block.modules()}
     base = ("hybrid" if "SharedTransformer" in names else
-            "mamba2" if "Mamba2Mixer" in names else "mamba" if "MambaMixer" in names else "attn")
+            "mamba2" if "Mamba2Mixer" in names else "mamba" if "MambaMixer" in names else
+            "kda" if "KimiDeltaMixer" in names else "delta" if any("DeltaMixer" in n for n in names) else
+            "conv" if "GatedShortConv" in names else "attn")
     return base + ("+moe" if "MoE" in names else "")
 
 
-def count(model, tokens: torch.Tensor, setting: str) -> dict[str, float]:
+def count(model, tokens: torch.Tensor, setting: str, installed: "Kernels | None" = None) -> dict[str, float]:
     counter = OpCount()
     handles = []
     for i, block in enumerate(model.blocks):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "block", i)))
         handles.append(block.register_forward_hook(lambda m, a, o: setattr(counter, "block", None)))
     scan, attention = {"exact": ("loop", "eager"), "chunked": ("chunked", "sdpa"), "fused": ("fused", "sdpa"),
-                       "+hook_h": ("chunked", "sdpa")}[setting]
+                       "+hook_h": ("chunked", "sdpa"), "kernels": ("fused", "sdpa")}[setting]
     with contextlib.ExitStack() as stack:
         if backends is not None:
             stack.enter_context(backends.use(scan=scan, attention=attention))
-            if setting == "fused":
+            if setting in ("fused", "kernels"):
                 old = backends.fused_kernels
-                backends.fused_kernels = lambda device: one_launch_kernels(counter)
+                counted = one_launch_kernels(counter, installed if setting == "kernels" else None)
+                backends.fused_kernels = lambda device: counted
                 stack.callback(setattr, backends, "fused_kernels", old)
         if setting == "+hook_h":
             stack.enter_context(model.hooks(fwd_hooks=[(lambda n: n.endswith("mixer.hook_h"), lambda x, h: None)]))
@@ -129,23 +152,36 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--families", nargs="+", default=list(configs()))
+    parser.add_argument("--kernels", action="store_true", help="also count the installed kernels (.venv-triton)")
     args = parser.parse_args(argv)
+    installed = None
+    if args.kernels:  # the tier's shims first: TRITON_INTERPRET=1 before anything imports triton
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import triton_shims
+
+        if triton_shims.missing():
+            raise SystemExit(f"--kernels needs {', '.join(triton_shims.missing())}: {triton_shims.SETUP}")
+        triton_shims.install()
+        from hooked.ops.fused import mamba_ssm_kernels
+
+        installed = dataclasses.replace(mamba_ssm_kernels(), selective_scan_fn=None, causal_conv1d_fn=None)
     from hooked.models.families import build
 
     settings = ["exact"] if backends is None else ["exact", "chunked", "fused", "+hook_h"]
+    settings += ["kernels"] if installed is not None else []
     print(f"{'family':<13} {'layer':<10} {'setting':<8} " + " ".join(f"{f'L={L}':>8}" for L in args.lengths)
           + "   growth per L/64")
     for family in args.families:
         torch.manual_seed(0)
         model = build(configs()[family]).eval()
-        ssm = any(type(m).__name__ in ("MambaMixer", "Mamba2Mixer") for m in model.modules())
+        ssm = any(name.endswith("mixer.hook_h") for name in model.hook_dict)
         rows: dict[tuple[str, str], list[float]] = defaultdict(list)
         for L in args.lengths:
             tokens = torch.randint(0, VOCAB, (1, L), generator=torch.Generator().manual_seed(L))
             for setting in settings:
                 if setting == "+hook_h" and not ssm:
                     continue
-                for k, n in count(model, tokens, setting).items():
+                for k, n in count(model, tokens, setting, installed).items():
                     rows[(k, setting)].append(n)
         for (k, setting), ns in sorted(rows.items(), key=lambda r: (r[0][0], settings.index(r[0][1]))):
             growth = (ns[-1] - ns[0]) / ((args.lengths[-1] - args.lengths[0]) / 64) if len(ns) > 1 else math.nan

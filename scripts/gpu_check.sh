@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU check in one call, on a box that reaches no package registry and may hold nothing but torch (issue 29).
+# The wheels include fla's (pure Python; its Triton kernels need the box's triton, which comes with CUDA torch).
 #
 #   bash scripts/gpu_check.sh --fetch [3.12 ...]   # HERE, with PyPI: the wheels of scripts/gpu_requirements.txt
 #                                                  # into .whl/ (ignored by git) for those Pythons (default 3.12;
@@ -29,12 +30,12 @@ $PY scripts/gpu_wheels.py install --wheels "$WHEELS" --target "$SITE" || {
 }
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 $PY - <<'EOF'
-import sys, torch, transformers, accelerate
+import dataclasses, sys, torch, transformers, accelerate
 from hooked.ops.fused import mamba_ssm_kernels
 k = mamba_ssm_kernels()
 print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, transformers "
-      f"{transformers.__version__}, accelerate {accelerate.__version__}; mamba-ssm kernels: "
-      f"{[n for n in ('selective_scan_fn', 'causal_conv1d_fn', 'mamba_chunk_scan_combined') if getattr(k, n)] or 'none'}")
+      f"{transformers.__version__}, accelerate {accelerate.__version__}; kernels (mamba-ssm, causal-conv1d, fla): "
+      f"{[f.name for f in dataclasses.fields(k) if callable(getattr(k, f.name))] or 'none'}")
 if not torch.cuda.is_available():
     raise SystemExit("no CUDA device visible: the GPU tests would only skip")
 print("device:", torch.cuda.get_device_name())

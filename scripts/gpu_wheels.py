@@ -43,6 +43,11 @@ REQUIREMENTS = HERE / "gpu_requirements.txt"
 ROOTS = ["transformers", "tokenizers", "huggingface_hub", "safetensors", "accelerate", "einops", "jaxtyping",
          "beartype", "pytest", "numpy", "tqdm", "gguf"]
 EXACT = {"transformers"}  # pyproject pins it: the parity oracle's version
+# fla's Triton kernels (the delta rules' and short convs' fast paths, hooked/ops/fla_kernels.py): pure-Python
+# wheels, tested under Triton's interpreter in .venv-triton (scripts/setup_triton.sh), so not installed here:
+# freeze writes these versions for them
+ROOTS += ["flash-linear-attention", "fla-core"]
+TESTED = {"flash-linear-attention": "0.6.0", "fla-core": "0.6.0"}
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]
@@ -82,6 +87,7 @@ def freeze() -> None:
     need: dict[str, tuple[str | None, list[str]]] = {}
     for python in PYTHONS:
         for name, version in _closure(ROOTS, python).items():
+            version = version or TESTED.get(name)
             if name not in torch_side:
                 need.setdefault(name, (version, []))[1].append(python)
     lines = ["# Wheels scripts/gpu_check.sh installs on a GPU box besides torch (scripts/gpu_wheels.py; do not edit:",

@@ -4,7 +4,8 @@ delta-rule mixers), behind delta_rule_chunked's signature.
 Glossary (ops/delta_rule.py has the rule and the axis words)
     chunked     fla's chunk_gated_delta_rule / chunk_kda: the WY form, for a prompt (any length)
     recurrent   fla's fused_recurrent_gated_delta_rule / fused_recurrent_kda: one launch per call, for a
-                decoding step (one position)
+                decoding step (one position) that autograd does not record: neither has a backward (the
+                gated one raises, KDA's returns no gradient), so a recorded step takes the chunked kernel
     g           fla's decay in log space: log(alpha), [b l h] (Gated DeltaNet) or [b l h d_k] (KDA). The
                 hooks give alpha (hook_alpha), so an edit of alpha is what the kernel reads
     GVA         fla's grouped values: value head h reads q/k head h // (n_heads // n_k_heads), our (and HF's)
@@ -23,15 +24,16 @@ from jaxtyping import Float
 from torch import Tensor
 
 from hooked.ops.delta_rule import CHUNK, delta_rule_chunked
-from hooked.ops.fused import Kernels, _pick, record
+from hooked.ops.fused import Kernels, _pick, needs_grad, record
 
 _OPS = {(False, False): "chunk_gated_delta_rule", (False, True): "fused_recurrent_gated_delta_rule",
         (True, False): "chunk_kda", (True, True): "fused_recurrent_kda"}  # (per-channel decay, one position)
 
 
-def delta_rule_op(alpha: Tensor, seq_len: int) -> str:
-    """The Kernels field that computes a rule with this decay (per channel: KDA) over seq_len positions."""
-    return _OPS[(alpha.ndim == 4, seq_len == 1)]
+def delta_rule_op(alpha: Tensor, seq_len: int, grad: bool = False) -> str:
+    """The Kernels field that computes a rule with this decay (per channel: KDA) over seq_len positions
+    (grad: autograd records the call)."""
+    return _OPS[(alpha.ndim == 4, seq_len == 1 and not grad)]
 
 
 def delta_rule_fused(
@@ -46,10 +48,12 @@ def delta_rule_fused(
     kernels: Kernels | None = None,
     ran: list[str] | None = None,
 ) -> tuple[Float[Tensor, "batch pos n_heads d_v"], Float[Tensor, "batch n_heads d_k d_v"]]:
-    """delta_rule_chunked's (o, S_last) through fla: chunked for a prompt, recurrent for one position; our
+    """delta_rule_chunked's (o, S_last) through fla: chunked for a prompt, recurrent for one position (without
+    autograd); our
     chunked rule where no kernel takes the call (kernels: None for the installed ones where they run, as
     ops/fused.py; ran: its glossary). o and S_last in v's dtype; the kernels compute in float32."""
-    fn = _pick(kernels, delta_rule_op(alpha, v.shape[1]), q, k, v, beta, alpha)
+    op = delta_rule_op(alpha, v.shape[1], needs_grad(q, k, v, beta, alpha, S0))
+    fn = _pick(kernels, op, q, k, v, beta, alpha)
     if fn is None:
         record(ran, delta_rule_chunked)
         return delta_rule_chunked(q, k, v, beta, alpha, S0, chunk_size=chunk_size)

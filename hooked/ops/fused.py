@@ -21,7 +21,8 @@ Glossary
 Each wrapper has the signature and the result of the op it replaces, so a mixer can call either:
     selective_scan_fused(u, dt, A, B, C, h0=None)  ~ selective_scan / selective_scan_chunked
     causal_conv1d_fused(x, weight, bias=None)      ~ causal_conv1d
-    ssd_fused(x, dt, A, B, C, chunk_size, h0=None) ~ ssd_chunked (one position from h0: selective_state_update)
+    ssd_fused(x, dt, A, B, C, chunk_size, h0=None) ~ ssd_chunked (one position from h0 without autograd:
+                                                   selective_state_update)
     rms_norm_gated_fused(x, z, weight, eps, group_size, norm_before_gate) ~ the Mamba-2 gates (None where no
                                                    kernel takes it: the mixer's own norm runs)
 Every kernel is called with keywords only (positions differ between kernels and releases).
@@ -114,6 +115,12 @@ def record(ran: list[str] | None, fn: Callable) -> None:
         ran.append(kernel_name(fn))
 
 
+def needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on these tensors: the decoding kernels (selective_state_update, fla's
+    fused_recurrent_*) have no backward, so such a call takes the prompt kernel instead."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _pick(kernels: Kernels | None, op: str, *tensors: Tensor) -> Callable | None:
     """The kernel function that takes this call, or None (then our own op computes it)."""
     kernels = mamba_ssm_kernels() if kernels is None else kernels
@@ -194,7 +201,8 @@ def ssd_fused(
     ran: list[str] | None = None,
 ) -> tuple[Float[Tensor, "batch pos n_heads d_head"], Float[Tensor, "batch n_heads d_head d_state"]]:
     """ssd_chunked's result through mamba-ssm's mamba_chunk_scan_combined (or its stand-in); one position
-    from a state (a decoding step) through selective_state_update where it is there.
+    from a state (a decoding step) through selective_state_update where it is there and no gradient is
+    recorded (it has no backward).
 
     The kernel's layout is ours; it takes the initial state. dt, B, C are cast to x's dtype, A to
     float32.
@@ -204,7 +212,7 @@ def ssd_fused(
     Returns:
         y (no D skip) in x's dtype, and h_last in x's dtype.
     """
-    if x.shape[1] == 1 and h0 is not None:
+    if x.shape[1] == 1 and h0 is not None and not needs_grad(x, dt, A, B, C, h0):
         fn = _pick(kernels, "selective_state_update", x, dt, B, C, h0)
         if fn is not None:
             record(ran, fn)
@@ -223,12 +231,14 @@ def _state_update(fn: Callable, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: 
                   h0: Tensor) -> tuple[Tensor, Tensor]:
     """One position of the SSD recurrence through selective_state_update, which writes the state in place
     (into a float32 copy of h0 here). dt and A are per head, given to the kernel as stride-0 views over
-    d_head (its tied fast path); its dt_bias must be a tensor (None crashes it): zeros, dt is after softplus."""
+    d_head (its tied fast path); its dt_bias and D must be tensors (None crashes its launch): zeros, as dt
+    is after softplus and the D skip is added outside (hook_ssm_out)."""
     n_heads, d_head, d_state = h0.shape[1:]
     state = h0.float().clone()
+    zeros = h0.new_zeros(1, 1, dtype=torch.float32).expand(n_heads, d_head)
     out = fn(state=state, x=x[:, 0], dt=dt[:, 0, :, None].to(x.dtype).expand(-1, -1, d_head),
              A=A.float()[:, None, None].expand(n_heads, d_head, d_state), B=B[:, 0].to(x.dtype), C=C[:, 0].to(x.dtype),
-             D=None, z=None, dt_bias=dt.new_zeros(1, 1).float().expand(n_heads, d_head), dt_softplus=False)
+             D=zeros, z=None, dt_bias=zeros, dt_softplus=False)
     return out[:, None].to(x.dtype), state.to(x.dtype)
 
 
