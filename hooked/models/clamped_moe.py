@@ -31,7 +31,7 @@ class ClampedSwiGLUMoE(MoE):
 
     def __init__(self, d_model: int, d_expert: int, n_experts: int, select: nn.Module, alpha: float = 1.702,
                  limit: float = 7.0) -> None:
-        super().__init__(d_model, d_expert, n_experts, select, "silu", gated=True)
+        super().__init__(d_model, d_expert, n_experts, select, "silu", gated=True, narrow_router=True)
         self.alpha, self.limit = float(alpha), float(limit)
         self.router = nn.Linear(d_model, n_experts, bias=True)
         self.gate_bias = nn.Parameter(torch.zeros(n_experts, d_expert))

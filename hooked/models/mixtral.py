@@ -58,4 +58,4 @@ def moe_decoder(cfg: Any, mlp: Callable[[Any, int], nn.Module],
 def build(cfg: MixtralConfig) -> LanguageModel:
     """Mixtral; every blocks.{l}.mlp is a MoE of n_experts SwiGLU experts."""
     return moe_decoder(cfg, lambda c, layer: MoE(c.d_model, c.d_mlp, c.n_experts, SoftmaxTopK(c.top_k, renormalise=True),
-                                                 c.act_fn))
+                                                 c.act_fn, narrow_router=True))

@@ -128,11 +128,14 @@ class MoE(ExpertMixture, ExpertWeights, nn.Module):
         gated: experts are down(act(gate) * up) when True, down(act(up)) when False.
         shared: the always-on MLP, or None.
         router_dtype: the router's compute dtype floor (HF routes in float32).
+        narrow_router: the router's linear runs in the activations' dtype and its logits are widened after
+            (Mixtral, OLMoE, Qwen3-MoE, GPT-OSS in HF: bf16 logits, so bf16 ties are chosen as HF does).
     """
 
     def __init__(self, d_model: int, d_expert: int, n_experts: int, select: nn.Module, act_fn: str = "silu",
-                 gated: bool = True, shared: nn.Module | None = None) -> None:
+                 gated: bool = True, shared: nn.Module | None = None, narrow_router: bool = False) -> None:
         super().__init__()
+        self.narrow_router = narrow_router
         self.n_experts, self.top_k, self.act_fn = n_experts, select.top_k, act_fn
         self.act = activation(act_fn)
         self.router = nn.Linear(d_model, n_experts, bias=False)
@@ -229,8 +232,11 @@ class MoE(ExpertMixture, ExpertWeights, nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Any = None) -> Float[Tensor, "batch pos d_model"]:
         batch, _, d_model = x.shape
         router_dtype = torch.promote_types(x.dtype, torch.float32)
-        bias = None if self.router.bias is None else self.router.bias.to(router_dtype)  # GPT-OSS's router has one
-        router_logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype), bias)
+        if self.narrow_router:
+            router_logits = self.router(x).to(router_dtype)
+        else:
+            bias = None if self.router.bias is None else self.router.bias.to(router_dtype)  # GPT-OSS's router has one
+            router_logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype), bias)
         router_logits = self.hook_router_logits(router_logits)
         chosen, weights = self.select(rearrange(router_logits, "b l e -> (b l) e"))
         chosen = self.hook_chosen(rearrange(chosen, "(b l) k -> b l k", b=batch))

@@ -50,4 +50,4 @@ def attention(cfg: OlmoeConfig, layer: int, rotary: Rotary) -> Attention:
 def build(cfg: OlmoeConfig) -> LanguageModel:
     """OLMoE; every blocks.{l}.mlp is a MoE of n_experts SwiGLU experts."""
     return moe_decoder(cfg, lambda c, layer: MoE(c.d_model, c.d_mlp, c.n_experts, SoftmaxTopK(c.top_k, c.renormalise),
-                                                 c.act_fn), attention)
+                                                 c.act_fn, narrow_router=True), attention)

@@ -56,7 +56,8 @@ class Qwen3MoeConfig(Qwen3Config):
 def mlp(cfg: Qwen3MoeConfig, layer: int) -> nn.Module:
     if cfg.mlp_type(layer) == "dense":
         return GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn)
-    return MoE(cfg.d_model, cfg.d_expert, cfg.n_experts, SoftmaxTopK(cfg.top_k, cfg.renormalise), cfg.act_fn)
+    return MoE(cfg.d_model, cfg.d_expert, cfg.n_experts, SoftmaxTopK(cfg.top_k, cfg.renormalise), cfg.act_fn,
+               narrow_router=True)
 
 
 def build(cfg: Qwen3MoeConfig) -> LanguageModel:
