@@ -44,9 +44,10 @@ def head_layout(model: Any) -> dict[str, Site]:
     return {s.path: s for s in model_map(model).mixers()}
 
 
-def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]:
-    """{module prefix: sorted head indices}; (layer, h) means the layer's mixer or attention."""
-    layout = head_layout(model)
+def resolve_heads(model: Any, heads: Iterable[HeadSpec], layout: dict[str, Site] | None = None) -> dict[str, list[int]]:
+    """{module prefix: sorted head indices}; (layer, h) means the layer's mixer or attention (its "H" or "C"
+    units). `layout`: head_layout(model), when the caller has it already."""
+    layout = head_layout(model) if layout is None else layout
     out: dict[str, set[int]] = {}
     for spec in heads:
         if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
@@ -56,7 +57,7 @@ def resolve_heads(model: Any, heads: Iterable[HeadSpec]) -> dict[str, list[int]]
             prefix = where
         else:
             layer = layer_index(where, model.cfg.n_layers, f"the layer of head {spec!r}")
-            own = [s.path for s in model_map(model).layer_sites(layer) if s.tag in ("H", "C")]  # L{layer}H{h}
+            own = [p for p, s in layout.items() if s.layer == layer and s.tag in ("H", "C")]  # L{layer}H{h}
             if not own:
                 raise ValueError(f"layer {where} has no attention or mixer heads")
             prefix = own[0]
@@ -107,7 +108,7 @@ def ablate_heads(model: Any, heads: Iterable[HeadSpec], keep: bool = False, mode
     if mode not in ("zero", "mean"):
         raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
     layout = head_layout(model)
-    chosen = resolve_heads(model, heads)
+    chosen = resolve_heads(model, heads, layout)
     hooks = []
     for prefix, hs in chosen.items():
         module = layout[prefix]
@@ -143,7 +144,7 @@ def ablate_heads_rows(model: Any, groups: Sequence[Iterable[HeadSpec]], mode: st
     if mode not in ("zero", "mean"):
         raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
     layout = head_layout(model)
-    chosen = [resolve_heads(model, g) for g in groups]
+    chosen = [resolve_heads(model, g, layout) for g in groups]
     hooks = []
     for prefix in sorted({p for c in chosen for p in c}):
         module = layout[prefix]
