@@ -475,3 +475,22 @@ def test_tl_weight_names_of_the_router_and_each_expert(family: str, variant: str
             hidden = moe.glu(gate, up) if family == "gpt_oss" else torch.nn.functional.silu(gate) * up
             torch.testing.assert_close(hidden @ ex.W_out + ex.b_out, moe.expert(e, x), rtol=0, atol=1e-12)
         assert moe.experts[1].W_in.data_ptr() == moe.up_proj[1].data_ptr()  # a view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_experts_grouped_loop_and_every_expert_paths_agree(dtype) -> None:
+    """GPT-OSS's experts three ways: grouped multiplies with per-row biases (no autograd), one expert at a time
+    (autograd), every expert on every token (the compile path)."""
+    moe = from_hf(make_hf("gpt_oss", "strong_sinks_tight_clamp")).blocks[0].mlp.to(dtype)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(10)).to(dtype)
+    chosen = torch.randint(0, 4, (40, 2), generator=torch.Generator().manual_seed(11))
+    chosen[:, 1] = (chosen[:, 0] + 1) % 4
+    with torch.no_grad():
+        assert moe._grouped_mm_applies(x)
+        grouped = moe.expert_outputs(x, chosen)
+        every = moe._every_expert(x).gather(1, chosen[..., None].expand(40, 2, 64))
+    with torch.enable_grad():
+        loop = moe.expert_outputs(x.requires_grad_(), chosen)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grouped, loop.detach(), **tol)
+    torch.testing.assert_close(every, loop.detach(), **tol)
