@@ -13,6 +13,8 @@ Glossary
 
 `expert_view(renames, stacks)` is an Architecture's `adapt`: a source without any such name passes
 through unchanged; otherwise a lazy view is returned (tensors read and stacked when the loader asks).
+`mxfp4_view()` presents MXFP4-quantised tensors (gpt-oss's `<name>_blocks` + `<name>_scales`) as `<name>`,
+dequantised as HF's `convert_moe_packed_tensors` does.
 """
 
 from __future__ import annotations
@@ -157,6 +159,54 @@ def concat_view(parts: Sequence[str], target: str) -> Callable[[Any], Any]:
         used = {n for members in groups.values() for n in members}
         view = _Concat(source, {n: n for n in names if n not in used},
                        {prefix + target: [members] for prefix, members in groups.items()})
+        return _with_files(MappingSource(view, origin=getattr(source, "origin", "checkpoint"),
+                                         shapes={n: view.shape(n) for n in view}), view)
+
+    return adapt
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
+
+
+def mxfp4_dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """MXFP4 -> dense, as HF's convert_moe_packed_tensors: blocks [.. R G 16] (uint8, two e2m1 codes a byte, low
+    nibble first), scales [.. R G] (uint8, exponent + 127 per group of 32) -> [.. G*32 R] (the last two axes
+    swapped: gpt-oss's in-memory layout). Exact in bf16 and wider (an e2m1 value times a power of two)."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    codes = blocks.to(torch.uint8)
+    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1).flatten(-2)  # [.. R G 32]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None]).to(dtype)
+    return values.flatten(-2).transpose(-1, -2).contiguous()
+
+
+class _Dequantized(_View):
+    """_View whose `stacked` entries are one (blocks, scales) pair each, read dequantised (mxfp4_dequantize)."""
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.plain:
+            return self.source.read(self.plain[name])
+        blocks, scales = self.stacked[name][0]
+        return mxfp4_dequantize(self.source.read(blocks), self.source.read(scales), self.dtype or torch.float32)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.plain:
+            return tuple(self.source.shape(self.plain[name]))
+        *lead, rows, groups, width = self.source.shape(self.stacked[name][0][0])
+        return (*lead, groups * width * 2, rows)
+
+
+def mxfp4_view() -> Callable[[Any], Any]:
+    """An `adapt` function: each `<name>_blocks` with its `<name>_scales` is seen as `<name>`, dequantised in the
+    checkpoint's floating dtype (gpt-oss: bf16, exact). A source without them passes through unchanged."""
+
+    def adapt(source: Any) -> Any:
+        names = list(source.keys())
+        pairs = {n.removesuffix("_blocks"): [n, n.removesuffix("_blocks") + "_scales"] for n in names
+                 if n.endswith("_blocks") and n.removesuffix("_blocks") + "_scales" in names}
+        if not pairs:
+            return source
+        used = {n for pair in pairs.values() for n in pair}
+        view = _Dequantized(source, {n: n for n in names if n not in used}, {t: [pair] for t, pair in pairs.items()})
         return _with_files(MappingSource(view, origin=getattr(source, "origin", "checkpoint"),
                                          shapes={n: view.shape(n) for n in view}), view)
 

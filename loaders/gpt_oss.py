@@ -12,9 +12,10 @@ Key layout: Llama's attention (with biases on q, k, v, o) and norms, plus per la
     mlp.experts.gate_up_proj_bias [E 2F]               -> gate_bias, up_bias (even / odd)
     mlp.experts.down_proj [E F d_model]                -> down_proj [E d_model F] (transposed)
     mlp.experts.down_proj_bias [E d_model]             -> down_bias
-The released checkpoints store the experts in MXFP4 (`*_blocks`, `*_scales`); they are not read here (a
-load names them as unexpected and the plain tensors as missing): dequantise first (HF loads them with
-`Mxfp4Config(dequantize=True)` and saves plain tensors).
+The released checkpoints store gate_up_proj and down_proj in MXFP4 (`<name>_blocks` [E rows groups 16] and
+`<name>_scales` [E rows groups]): `adapt` (checkpoint_view.mxfp4_view) reads them dequantised, as HF's
+`Mxfp4Config(dequantize=True)` does (exact in bf16), into the layout above; the config's `quantization_config`
+describes only that storage.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from hooked.models.gpt_oss import GptOssConfig, build
 from loaders.architecture import Architecture, Key
+from loaders.checkpoint_view import mxfp4_view
 from loaders.keymaps import LLAMA_NORMS, decoder_keys, llama_fields, rope_from_hf
 
 
@@ -89,4 +91,5 @@ ARCHITECTURE = Architecture(
     config_from_hf=config_from_hf,
     build=build,
     key_map=key_map,
+    adapt=mxfp4_view(),
 )

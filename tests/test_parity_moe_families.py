@@ -18,6 +18,7 @@ import types
 
 import pytest
 import safetensors
+import safetensors.torch
 import torch
 import transformers as T
 from attention_parity import build_hf, compare, key_map_matches, make_batch, run_ours
@@ -494,3 +495,35 @@ def test_clamped_experts_grouped_loop_and_every_expert_paths_agree(dtype) -> Non
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grouped, loop.detach(), **tol)
     torch.testing.assert_close(every, loop.detach(), **tol)
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_dequantised_as_hf(tmp_path) -> None:
+    """The released gpt-oss layout (experts in MXFP4: `*_blocks` + `*_scales`) loads through mxfp4_view: each
+    dequantised tensor equals HF's convert_moe_packed_tensors (bf16), and the logits equal HF's model holding those
+    tensors."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = make_hf("gpt_oss", "alternating")
+    g = torch.Generator().manual_seed(12)
+    state = {n: t.contiguous() for n, t in hf.state_dict().items() if not n.endswith(("gate_up_proj", "down_proj"))}
+    for l, layer in enumerate(hf.model.layers):
+        experts = layer.mlp.experts
+        for name, (rows, width) in {"gate_up_proj": (64, 64), "down_proj": (64, 32)}.items():
+            blocks = torch.randint(0, 256, (4, rows, width // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(122, 128, (4, rows, width // 32), generator=g, dtype=torch.uint8)
+            state[f"model.layers.{l}.mlp.experts.{name}_blocks"] = blocks
+            state[f"model.layers.{l}.mlp.experts.{name}_scales"] = scales
+            dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+            assert dense.shape == getattr(experts, name).shape
+            with torch.no_grad():
+                getattr(experts, name).copy_(dense.float())
+    hf.config.save_pretrained(tmp_path)
+    safetensors.torch.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = from_pretrained(tmp_path, dtype=torch.float32)
+    direct = from_hf(hf)
+    for (name, p), (_, q) in zip(model.named_parameters(), direct.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    tokens, mask = make_batch([20, 9], "left", VOCAB)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, mask)[mask.bool()], hf(tokens, attention_mask=mask).logits[mask.bool()],
+                                   rtol=0, atol=1e-4)
