@@ -349,6 +349,25 @@ class HookPoint(nn.Module):
                 x = self._checked(tap(x), x, type(tap).__name__)
         return x
 
+    def steps(self) -> list[Callable[[Tensor], Tensor]]:
+        """What a call runs, one function per hook and tap, in order (each checked, None -> its input).
+
+        Running them one after another is `self(x)`; hooked.state_edit runs them one at a time so that
+        the recurrence is continued between them (a later hook sees the states an earlier edit left)."""
+        out: list[Callable[[Tensor], Tensor]] = [
+            (lambda x, fn=hook.fn: self._checked(fn(x, self), x, "hook")) for hook in self.visible_hooks()]
+        for tap in self._taps:
+            if tap.is_active:
+                if isinstance(tap, HookPoint):  # a view: its own hooks (and taps), each a step
+                    out.extend(tap.tap_steps())
+                else:
+                    out.append(lambda x, tap=tap: self._checked(tap(x), x, type(tap).__name__))
+        return out
+
+    def tap_steps(self) -> list[Callable[[Tensor], Tensor]]:
+        """`steps()` of this point run as a tap of its parent (a view reshapes around each)."""
+        return self.steps()
+
     def _checked(self, out: Any, x: Tensor, what: str) -> Tensor:
         """`out` when it may replace `x` (same shape and dtype), `x` for None; otherwise an error naming the hook."""
         if out is None:

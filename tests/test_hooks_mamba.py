@@ -238,7 +238,9 @@ def test_state_edit_continues_the_recurrence(t: int, how: str) -> None:
     torch.testing.assert_close(edited, patched, **CLOSE)
 
 
-def test_state_edits_at_two_positions_compose() -> None:
+def test_state_edits_at_two_positions_set_the_states_there() -> None:
+    """Two positions edited (h + delta at 2 and 6 of what the hook received): the state at 6 IS the
+    returned one (clean h_6 + delta_6), not the state continued from 2 plus delta_6 (tests/test_state_edits.py)."""
     model = make_model("falcon")
     cfg = model.cfg
     deltas = {2: torch.randn(BATCH, cfg.d_inner, cfg.d_state, dtype=torch.float64),
@@ -249,10 +251,12 @@ def test_state_edits_at_two_positions_compose() -> None:
         for s, d in deltas.items():
             x[:, s] += d
         return x
+    clean = mixer_inputs(model, tokens(), layer=1)["hook_h"]
     q = mixer_inputs(model, tokens(), layer=1, edits=[("blocks.1.mixer.hook_h", add)])
-    y, _ = brute_force(q["hook_ssm_in"], q["hook_dt"], model.blocks[1].mixer.A(), q["hook_B"], q["hook_C"],
-                       edit_h=lambda s, h: h + deltas[s] if s in deltas else h)
+    y, h = brute_force(q["hook_ssm_in"], q["hook_dt"], model.blocks[1].mixer.A(), q["hook_B"], q["hook_C"],
+                       edit_h=lambda s, h: clean[:, s] + deltas[s] if s in deltas else h)
     torch.testing.assert_close(q["hook_y"], y, **CLOSE)
+    torch.testing.assert_close(q["hook_h"], h, **CLOSE)  # what a later hook sees: the continued states
 
 
 @pytest.mark.parametrize("j, i", [(5, 2), (4, 4), (POS - 1, 0)])

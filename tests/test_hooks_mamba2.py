@@ -59,9 +59,9 @@ def tokens_for(cfg: Mamba2Config = CFG, batch: int = BATCH, pos: int = POS, seed
 
 
 # ------------------------------------------------------------------------------------------ oracle
-def brute_mixer(mix: Mamba2Mixer, x: torch.Tensor, edit=None, h_delta=None, kernel_delta=None) -> dict:
+def brute_mixer(mix: Mamba2Mixer, x: torch.Tensor, edit=None, h_set=None, kernel_delta=None) -> dict:
     """The mixer as loops over positions. `edit(name, tensor_at_t, t)` may replace dt_t, A_bar_t or
-    B_bar_t; h_delta {t: [b h p n]} is added to the state after position t; kernel_delta
+    B_bar_t; h_set {t: [b h p n]} replaces the state after position t; kernel_delta
     [(b, head, j, i, delta)] adds delta * u_i to y_j."""
     batch, seq_len, _ = x.shape
     H, P, G, N, W = mix.n_heads, mix.d_head, mix.n_groups, mix.d_state, mix.conv_weight.shape[1]
@@ -89,8 +89,8 @@ def brute_mixer(mix: Mamba2Mixer, x: torch.Tensor, edit=None, h_delta=None, kern
         B_bar = dt_t[..., None] * B[:, t, group]  # [b h n]
         B_bar = B_bar if edit is None else edit("B_bar", B_bar, t)
         h = A_bar[..., None, None] * h + u[:, t, :, :, None] * B_bar[:, :, None, :]
-        if h_delta is not None and t in h_delta:
-            h = h + h_delta[t]
+        if h_set is not None and t in h_set:
+            h = h_set[t]
         states.append(h)
         A_bars.append(A_bar)
         B_bars.append(B_bar)
@@ -267,7 +267,8 @@ def test_state_edit_propagates_like_the_recurrence(positions, in_place):
         return h
 
     x, out = run_layer(model, tokens, layer, [(f"blocks.{layer}.mixer.hook_h", edit)])
-    ref = brute_mixer(model.blocks[layer].mixer, x, h_delta=deltas)
+    clean = brute_mixer(model.blocks[layer].mixer, x)["h"]  # the hook received these: edited ones are set
+    ref = brute_mixer(model.blocks[layer].mixer, x, h_set={t: clean[:, t] + d for t, d in deltas.items()})
     torch.testing.assert_close(out, ref["out"], **TOL)
     assert not torch.allclose(out, brute_mixer(model.blocks[layer].mixer, x)["out"], atol=1e-3)
 

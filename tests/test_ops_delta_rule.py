@@ -5,7 +5,8 @@ decays and betas (alpha 0, near 0, near 1, 1; KDA channels mixing them; beta 0, 
 that are negative or above 1); the kernel == its definition (explicit products of the transitions) ==
 the rule run on identity values, and A v == o; rows, columns and pairs == slices of the kernel, never
 a pos x pos tensor; knockout == zeroing dense kernel entries == rerunning with the sources' values
-removed; a state edit == a brute-force recurrence that adds the edit; autograd through the chunked
+removed; a state edit == a brute-force recurrence that adds the edit, and a set state (entries fixed
+to a value) == a brute-force recurrence that replaces them; autograd through the chunked
 form == through the loop; grouped q/k heads == repeated heads; bad inputs refused.
 """
 
@@ -19,13 +20,13 @@ from jaxtyping import TypeCheckError
 from test_ops_ssm import LargestTensor
 
 from hooked.ops import (
+    delta_rule_carry,
     delta_rule_chunked,
     delta_rule_kernel,
     delta_rule_kernel_cols,
     delta_rule_kernel_pairs,
     delta_rule_kernel_rows,
     delta_rule_knockout,
-    delta_rule_propagate,
     delta_rule_sequential,
     l2norm,
 )
@@ -326,19 +327,28 @@ def test_knockout_of_no_edge_changes_nothing():
 
 
 # ---------------------------------------------------------------- state edits
-def run_with_edits(inp, dS):
-    """Brute force: the recurrence, adding dS_t to the state right after position t is read."""
+def run_with_edits(inp, dS, fixed=None):
+    """Brute force: the recurrence, adding dS_t to the state right after position t is read; where
+    `fixed` is True the state is set to dS_t instead."""
     q, k, v, beta, alpha = rule_args(inp)
     n_heads = beta.shape[2]
     q, k = (t.repeat_interleave(n_heads // t.shape[2], dim=2) for t in (q, k))
     a = alpha[..., None] if alpha.ndim == 4 else alpha[..., None, None]
-    S, outs = inp["S0"], []
+    S, outs, states = inp["S0"], [], []
     for t in range(v.shape[1]):
         S = a[:, t] * S
         S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * (v[:, t] - einsum(S, k[:, t], "b h c v, b h c -> b h v")))[:, :, None]
-        S = S + dS[:, t]
+        S = S + dS[:, t] if fixed is None else torch.where(fixed[:, t], dS[:, t], S)
+        states.append(S)
         outs.append(einsum(S, q[:, t], "b h c v, b h c -> b h v"))
-    return torch.stack(outs, dim=1), S
+    return torch.stack(outs, dim=1), S, torch.stack(states, dim=1)
+
+
+def carried(inp, dS, fixed=None, chunk_size=16):
+    """(change of every output, of the last state, of every state) from delta_rule_carry."""
+    D = delta_rule_carry(inp["q"], inp["k"], inp["beta"], inp["alpha"], dS, fixed, chunk_size=chunk_size)
+    q = inp["q"].repeat_interleave(inp["beta"].shape[2] // inp["q"].shape[2], dim=2)
+    return einsum(D, q, "b l h c v, b l h c -> b l h v"), D[:, -1], D
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -349,12 +359,39 @@ def test_state_edit_equals_brute_force(edited, kda):
     dS = torch.zeros(2, 40, 4, 5, 3, dtype=torch.float64)
     dS[:, edited] = torch.randn(2, len(edited), 4, 5, 3, generator=g, dtype=torch.float64)
     o, S = delta_rule_chunked(*rule_args(inp), inp["S0"], chunk_size=16)
-    do, dS_last = delta_rule_propagate(inp["q"], inp["k"], inp["beta"], inp["alpha"], dS, chunk_size=16)
-    o_ref, S_ref = run_with_edits(inp, dS)
+    do, dS_last, _ = carried(inp, dS)
+    o_ref, S_ref, _ = run_with_edits(inp, dS)
     close(o + do, o_ref, "edited outputs")
     close(S + dS_last, S_ref, "edited final state")
     first = min(edited)
     assert (do[:, :first] == 0).all()
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("where", ["one", "two", "all", "entries"])
+def test_set_states_equal_brute_force(where, kda):
+    """Entries set to values (the meaning of a hook_h edit): every state == the recurrence that replaces them."""
+    inp = inputs(40, kda=kda)
+    g = torch.Generator().manual_seed(6)
+    values = torch.randn(2, 40, 4, 5, 3, generator=g, dtype=torch.float64)
+    fixed = torch.zeros(2, 40, 4, 5, 3, dtype=torch.bool)
+    if where == "one":
+        fixed[:, 17] = True
+    elif where == "two":
+        fixed[:, [5, 22]] = True
+    elif where == "all":
+        fixed[:] = True
+    else:  # some entries of some heads at a few positions: the set entries feed the continued ones beside them
+        fixed[0, 9, 1, :2] = True
+        fixed[1, 9, 3, :, 1] = True
+        fixed[:, 30, 2, 4] = True
+    _, _, states = delta_rule_sequential(*rule_args(inp), inp["S0"], return_states=True)
+    o, _ = delta_rule_sequential(*rule_args(inp), inp["S0"])
+    do, _, D = carried(inp, torch.where(fixed, values - states, 0.0), fixed)
+    o_ref, _, states_ref = run_with_edits(inp, values, fixed)
+    close(states + D, states_ref, "every state")
+    close(o + do, o_ref, "outputs")
+    close((states + D)[fixed], values[fixed], "the set entries")
 
 
 def test_state_edit_equals_continuing_from_the_edited_state():
@@ -366,7 +403,7 @@ def test_state_edit_equals_continuing_from_the_edited_state():
     dS = torch.zeros_like(states)
     dS[:, t] = edit
     o, _ = delta_rule_sequential(*rule_args(inp), inp["S0"])
-    do, _ = delta_rule_propagate(inp["q"], inp["k"], inp["beta"], inp["alpha"], dS)
+    do, _, _ = carried(inp, dS, chunk_size=64)
     after = [x[:, t + 1 :] for x in rule_args(inp)]
     o_after, _ = delta_rule_sequential(*after, states[:, t] + edit)
     close((o + do)[:, t + 1 :], o_after, "after the edit")
@@ -377,9 +414,20 @@ def test_state_edit_equals_continuing_from_the_edited_state():
 
 def test_no_edit_changes_nothing():
     inp = inputs(9)
-    do, dS = delta_rule_propagate(inp["q"], inp["k"], inp["beta"], inp["alpha"], torch.zeros(2, 9, 4, 5, 3,
-                                                                                             dtype=torch.float64))
+    do, dS, _ = carried(inp, torch.zeros(2, 9, 4, 5, 3, dtype=torch.float64))
     assert not do.any() and not dS.any()
+
+
+def test_a_zero_edit_that_carries_a_gradient_gets_the_total_derivative():
+    """e = 0 requiring grad (attribution patching): d o_j / d e_i is the transition from i to j, read by q_j."""
+    inp = inputs(12)
+    e = torch.zeros(2, 12, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    do, _, _ = carried(inp, e, chunk_size=4)
+    do[:, 9].sum().backward()
+    bump = torch.zeros_like(e)
+    bump[:, 3] = 1.0
+    dS_bumped = carried(inp, bump.detach())[0][:, 9].sum()  # the same edit by value: linear in e
+    close((e.grad * bump).sum(), dS_bumped, "gradient through later states")
 
 
 def test_underflowing_decay_stays_finite():

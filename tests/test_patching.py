@@ -245,9 +245,13 @@ def test_attribution_is_exact_where_the_metric_is_linear(arch):
 
 @pytest.mark.parametrize("arch, template, over", [("llama", "blocks.{layer}.attn.hook_z", ("layer", "pos", "head")),
                                                   ("mamba2", "blocks.{layer}.mixer.hook_h", ("layer", "head")),
+                                                  ("mamba2", "blocks.{layer}.mixer.hook_h", ("layer", "pos")),
                                                   ("gpt2", "blocks.{layer}.hook_resid_mid", ("pos", "layer"))])
 def test_attribution_equals_finite_differences(arch, template, over):
     """The estimate's slope equals a central difference: patch a step of +-eps toward the source.
+
+    On a state (hook_h) a patch by position sets one position and continues the later ones (the slope is
+    the total derivative), a patch by head sets every position of the head (each state's own effect).
 
     (eps is not tiny: HF-style RMS norms compute in float32 even in a float64 model.)
     """

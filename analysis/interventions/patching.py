@@ -43,6 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from analysis.interventions.batching import tiles_for
+from hooked.state_edit import set_everywhere
 from hooked.validate import Integer, NotAnIndex, as_index, check, index_list, index_mask, layer_list, metric_value
 
 Metric = Callable[[Tensor], Any]
@@ -411,6 +412,9 @@ def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metr
     the gradient taken on the base run. Each hooked activation is replaced by a copy of itself so
     that lazy quantities (hook_h, hook_kernel, hook_result) sit on the path to the logits. No
     parameter gradient is accumulated (torch.autograd.grad on the activations only).
+    A recurrent state (hook_h) patched at one position is continued from there, so its gradient is the
+    total derivative through the later states; when `over` has no "pos", every index spans every
+    position and every state is set (hooked/state_edit.py), so the gradient is each state's own effect.
     """
     over = _check_over(over, hook_name_template)
     layers = [l for l in range(model.cfg.n_layers) if hook_name_template.format(layer=l) in model.hook_dict] \
@@ -425,7 +429,7 @@ def attribution_patch(model: Any, tokens: Tensor, clean_cache: Any, metric: Metr
 
     def grab(act: Tensor, hook: Any) -> Tensor:
         acts[hook.name] = _on_graph(act, hook.name)
-        return acts[hook.name]
+        return acts[hook.name] if "pos" in over else set_everywhere(acts[hook.name])
 
     with torch.enable_grad():
         logits = _run(model, tokens, None, tokens, attention_mask, [(n, grab) for n in names.values()])

@@ -31,8 +31,8 @@ cut_conv the sources' conv taps into the targets (a head's v channels; a q/k hea
 value head reading it is cut). decay_norms: d_k * exp(-exp(A_log)), the decay summed over the state's
 rows at softplus(a + dt_bias) = 1 (Mamba-2's ||exp(A)||_1 at dt = 1).
 
-Edits propagate: q, k, v, beta, alpha are what the rule reads; an edit e = h' - h of the states scans
-forward exactly (`delta_rule_propagate`: the rule continues from the edited state); an edited kernel
+Edits propagate: q, k, v, beta, alpha are what the rule reads; a state returned by a hook of hook_h is
+set there and the rule continues from it (hooked/state_edit.py; `delta_rule_carry`); an edited kernel
 adds (A' - A) v to y; an edited head_out is summed into the output. With no lazy hook active the
 forward is the chunked rule alone.
 """
@@ -55,11 +55,12 @@ from hooked.models.decode_state import stepping_state
 from hooked.models.head_writes import written_by_units
 from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along
 from hooked.ops.conv import causal_conv1d
-from hooked.ops.delta_rule import delta_rule_chunked, delta_rule_propagate, l2norm
+from hooked.ops.delta_rule import _per_head, delta_rule_carry, delta_rule_chunked, l2norm
 from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
                                           delta_rule_knockout)
 from hooked.ops.edge_cut import edge_pairs
 from hooked.ops.norms import rms_norm_gated
+from hooked.state_edit import through_state_hook
 from hooked.weights import MixerWeights
 
 GATE_FUNCTIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
@@ -323,10 +324,14 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             def states_fn() -> Tensor:
                 return delta_rule_chunked(q, k, v, beta, alpha, chunk_size=chunk, return_states=True)[2]
 
+            def carry(dS: Tensor, fixed: Tensor) -> Tensor:  # the rule is affine in S: carry the edit forward
+                return delta_rule_carry(q, k, beta, alpha, dS, fixed, chunk_size=chunk)
+
             y, _, states = delta_rule_chunked(q, k, v, beta, alpha, chunk_size=chunk, return_states=True)
-            h, h_was = through_hook(self.hook_h, states, states_fn)
-            if h_was is not None:  # the rule is affine in S: carry the edit forward
-                y = y + delta_rule_propagate(q, k, beta, alpha, h - h_was, chunk_size=chunk)[0]
+            edit = through_state_hook(self.hook_h, states, states_fn, carry)
+            if edit.clean is not None:  # y_t = S_t^T q_t on the edited (set and continued) states, from the
+                s, q_heads = edit.first, _per_head(q, self.spec.n_heads)  # first one changed
+                y = torch.cat([y[:, :s], einsum(edit.h[:, s:], q_heads[:, s:], "b l h c v, b l h c -> b l h v")], dim=1)
         if self.hook_kernel.is_active:
             kernel_fn = lambda: delta_rule_kernel(q, k, beta, alpha, chunk_size=chunk)  # noqa: E731
             kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)

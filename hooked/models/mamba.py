@@ -31,9 +31,9 @@ tensors: hook_in, hook_conv, hook_ssm_in, hook_dt, hook_B, hook_C fire before it
 propagate; hook_y and after fire on its output.
 
 Edits propagate. dt, B, C feed everything after them. Edited A_bar / B_bar are what the scan
-uses (`linear_scan` on the discrete tensors). An edit of h with difference e = h' - h gives the
-states h + linear_scan(A_bar, e): the recurrence continued from the edited state; y is recomputed
-from them. An edit of the kernel adds (K' - K)·u to y. An edit of head_out makes the mixer output
+uses (`linear_scan` on the discrete tensors). A state returned by a hook of h is SET at the entries
+where it differs from what the hook received, and the recurrence continues from it (hooked/state_edit.py,
+ops/set_scan.py); y = C . h on those states. An edit of the kernel adds (K' - K)·u to y. An edit of head_out makes the mixer output
 head_out.sum(d_inner) (+ out_proj bias). Unedited lazy hooks leave the fast path's numbers
 untouched (bit-identical logits); an in-place edit is seen through the tensor's version counter
 (under torch.inference_mode, by comparing with a copy).
@@ -71,6 +71,8 @@ from hooked.ops.fused import causal_conv1d_fused, selective_scan_fused
 from hooked.ops.scan_chunked import linear_scan_chunked, selective_scan_chunked
 from hooked.ops.selective_kernel import mamba1_kernel_chunked, mamba1_kernel_cols, mamba1_kernel_rows
 from hooked.ops.selective_scan import linear_scan, mamba1_kernel_discrete, mamba1_kernel_pairs, selective_scan
+from hooked.ops.set_scan import set_scan
+from hooked.state_edit import through_state_hook
 from hooked.weights import MixerWeights
 
 HEAD_OUT_BUDGET_BYTES = 2 * 1024**3  # hook_head_out is refused above this size (it is b*l*d_inner*d_model)
@@ -280,11 +282,13 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             if discrete_edited:
                 y = einsum(h, C, "b l d n, b l n -> b l d")
             if self.hook_h.is_active:
-                h, h_orig = through_hook(self.hook_h, h, lambda: linear(A_bar, B_bar * u[..., None]))
-                if h_orig is not None:  # the recurrence continued from the edited states: scan the difference
-                    if y is None:  # (added to the unedited y, so positions before the edit keep their bits)
+                edit = through_state_hook(self.hook_h, h, lambda: linear(A_bar, B_bar * u[..., None]),
+                                          lambda e, fixed: set_scan(A_bar, e, fixed))
+                if edit.clean is not None:  # y = C . h on the edited states from the first one changed
+                    if y is None:  # (before it the unedited y, to the bit)
                         y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
-                    y = y + einsum(linear(A_bar, h - h_orig), C, "b l d n, b l n -> b l d")
+                    s = edit.first
+                    y = torch.cat([y[:, :s], einsum(edit.h[:, s:], C[:, s:], "b l d n, b l n -> b l d")], dim=1)
         if y is None:
             y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
         if self.hook_kernel.is_active:

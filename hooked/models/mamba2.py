@@ -34,7 +34,9 @@ states (hook_h, edits) come from the sequential and the two-level scan respectiv
 mamba-ssm's mamba_chunk_scan_combined (and causal_conv1d_fn), or stand-ins with their semantics,
 fed the hooked u, dt, B, C; no lazy hook is active then.
 Edits propagate: dt, B, C feed everything after them; an edited A_bar or B_bar is what the scan
-uses; an edit e = h' - h scans forward (h + linear_scan_heads(A_bar, e)) into y; an edited kernel
+uses; a state returned by a hook of h is SET where it differs from what the hook received and the
+recurrence continues from it (hooked/state_edit.py: the change is scanned with A_bar = 0 at the set
+entries), y = C . h on those states; an edited kernel
 adds (K' - K) u to y; an edited head_out is summed into the mixer output. A lazy quantity whose
 hook changed nothing leaves the fast path's numbers bit-identical.
 """
@@ -65,7 +67,9 @@ from hooked.ops.conv import causal_conv1d
 from hooked.ops.fused import causal_conv1d_fused, ssd_fused
 from hooked.ops.scan_chunked import linear_scan_chunked
 from hooked.ops.ssd import linear_scan_heads, mamba2_kernel_pairs, ssd_chunked
+from hooked.ops.set_scan import set_scan
 from hooked.ops.ssd_kernel import mamba2_kernel_chunked, mamba2_kernel_cols, mamba2_kernel_discrete, mamba2_kernel_rows
+from hooked.state_edit import through_state_hook
 from hooked.weights import MixerWeights
 
 
@@ -343,9 +347,11 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
             states = None
             y, _ = ssd_chunked(u, dt, A, B, C, self.chunk_size)
         if need_states:
-            h, h_was = through_hook(self.hook_h, states if states is not None else states_fn(), states_fn)
-            if h_was is not None:  # the recurrence is linear in h: scan the edit forward
-                y = y + einsum(linear(A_bar, h - h_was), C_heads, "b l h p n, b l h n -> b l h p")
+            edit = through_state_hook(self.hook_h, states if states is not None else states_fn(), states_fn,
+                                      lambda e, fixed: set_scan(A_bar[..., None, None], e, fixed))
+            if edit.clean is not None:  # y = C . h on the edited (set and continued) states, from the first
+                s = edit.first  # one changed (before it the unedited y, to the bit)
+                y = torch.cat([y[:, :s], einsum(edit.h[:, s:], C_heads[:, s:], "b l h p n, b l h n -> b l h p")], dim=1)
         if self.hook_kernel.is_active:
             if discrete_edited:
                 kernel_fn = lambda: mamba2_kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731

@@ -3,8 +3,8 @@
 from hooked.ops.big_buffer import big_zeros
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import (
+    delta_rule_carry,
     delta_rule_chunked,
-    delta_rule_propagate,
     delta_rule_sequential,
     delta_rule_step,
     l2norm,

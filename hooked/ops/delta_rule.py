@@ -46,7 +46,7 @@ products themselves would not.
 
 import torch
 from einops import einsum, rearrange
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 CHUNK = 64  # positions per chunk (HF's chunk_size)
@@ -253,45 +253,54 @@ def _chunk_states(
     return rearrange(f.G[..., None] * S[:, :, None] + written, "b h j c v -> b j h c v")
 
 
-def delta_rule_propagate(
+def delta_rule_carry(
     q: Float[Tensor, "batch pos n_k_heads d_k"],
     k: Float[Tensor, "batch pos n_k_heads d_k"],
     beta: Float[Tensor, "batch pos n_heads"],
     alpha: Float[Tensor, "batch pos n_heads *channel"],
     dS: Float[Tensor, "batch pos n_heads d_k d_v"],
+    fixed: Bool[Tensor, "batch pos n_heads d_k d_v"] | None = None,
     *,
     chunk_size: int = CHUNK,
-) -> tuple[Float[Tensor, "batch pos n_heads d_v"], Float[Tensor, "batch n_heads d_k d_v"]]:
-    """How edits dS_t to the states S_t (hook_h) change o and the final state.
+) -> Float[Tensor, "batch pos n_heads d_k d_v"]:
+    """How edits of the states S_t (hook_h) change every state: D_t = S'_t - S_t.
 
-    The recurrence is affine in S, so the change D_t = S'_t - S_t obeys D_t = M_t D_{t-1} + dS_t
-    (D_{-1} = 0) and o changes by D_t^T q_t: an edit at t changes o_t and, through the recurrence,
-    every later output exactly as if the rule had continued from the edited state. Between edited
-    positions D runs through the chunked rule with v = 0.
+    The recurrence is affine in S, so D_t = M_t D_{t-1} + dS_t (D_{-1} = 0): an edit at t changes
+    S_t and every later state exactly as if the rule had continued from the edited state. Entries in
+    `fixed` (bool, as dS) are set, not continued: there D_t = dS_t, the edited value minus the
+    original (hooked/state_edit.py). Between the positions with an edit or a fixed entry D runs
+    through the chunked rule with v = 0; the output changes by D_t^T q_t.
 
     Args:
         q, k, beta, alpha: as delta_rule_sequential. dS: edited minus original state per position
-            (zero where nothing was edited).
+            (zero where nothing was edited; a dS that requires grad is visited at every position, so
+            that its gradient is the total derivative). fixed: the set entries (None: none).
     Returns:
-        (do [b l h d_v], dS_last): the change of every output and of the state after the last position.
+        D: the change of every state [b l h d_k d_v].
     """
     batch, seq_len, n_heads, d_k, d_v = dS.shape
-    edited = dS.flatten(2).ne(0).any(dim=(0, 2)).nonzero()[:, 0].tolist()
-    do = dS.new_zeros(batch, seq_len, n_heads, d_v)
-    D = dS.new_zeros(batch, n_heads, d_k, d_v)
-    if not edited:
-        return do, D
+    visit = dS.detach().ne(0) if fixed is None else dS.detach().ne(0) | fixed
+    if dS.requires_grad and torch.is_grad_enabled():
+        visit = torch.ones_like(visit)
+    visited = visit.flatten(2).any(dim=(0, 2)).nonzero()[:, 0].tolist()
+    if not visited:
+        return torch.zeros_like(dS)
     q, k = _per_head(q, n_heads), _per_head(k, n_heads)
     no_input = dS.new_zeros(batch, n_heads, d_v)
-    for n, t in enumerate(edited):
+    D = dS.new_zeros(batch, n_heads, d_k, d_v)
+    runs = [dS.new_zeros(batch, visited[0], n_heads, d_k, d_v)]
+    for n, t in enumerate(visited):
         if n:  # one step of the recurrence into t (no input), then the edit
             D = delta_rule_step(D, q[:, t], k[:, t], no_input, beta[:, t], alpha[:, t])[1]
+            if fixed is not None:
+                D = D.masked_fill(fixed[:, t], 0.0)
         D = D + dS[:, t]
-        do[:, t] = einsum(D, q[:, t], "b h c v, b h c -> b h v")
-        stop = edited[n + 1] if n + 1 < len(edited) else seq_len
-        if stop > t + 1:  # no edit in (t, stop): the rule with v = 0 from D
+        runs.append(D[:, None])
+        stop = visited[n + 1] if n + 1 < len(visited) else seq_len
+        if stop > t + 1:  # nothing set in (t, stop): the rule with v = 0 from D
             run = slice(t + 1, stop)
             v0 = dS.new_zeros(batch, stop - t - 1, n_heads, d_v)
-            do[:, run], D = delta_rule_chunked(q[:, run], k[:, run], v0, beta[:, run], alpha[:, run], D,
-                                               chunk_size=chunk_size)
-    return do, D
+            _, D, states = delta_rule_chunked(q[:, run], k[:, run], v0, beta[:, run], alpha[:, run], D,
+                                              chunk_size=chunk_size, return_states=True)
+            runs.append(states)
+    return torch.cat(runs, dim=1)

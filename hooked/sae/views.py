@@ -10,6 +10,8 @@ recurrence). It costs nothing until hooked; it is made the first time the name i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from hooked.hook_points import HookPoint
@@ -29,6 +31,9 @@ class HeadsView(HookPoint):
 
     def __call__(self, x: Tensor) -> Tensor:  # as a tap of its parent: reshape, run the hooks, reshape back
         return super().__call__(x.flatten(3)).reshape(x.shape)
+
+    def tap_steps(self) -> list[Callable[[Tensor], Tensor]]:
+        return [lambda x, step=step: step(x.flatten(3)).reshape(x.shape) for step in self.steps()]
 
 
 def heads_view(root, name: str) -> HookPoint | None:

@@ -1,0 +1,105 @@
+"""Edits of a recurrent state hook (`hook_h`): a returned state is SET there, and the recurrence continues.
+
+Glossary
+    trajectory   the states h_0 .. h_{L-1} of one mixer, one per position (hook_h's activation).
+    received     what a hook function gets: the clean trajectory for the first hook; for each later
+                 hook (or tap: an SAE splice, a `hook_heads` view), the trajectory the earlier edits left.
+    set          an entry of the returned tensor that differs from the entry received. The state there
+                 IS the returned value: the recurrence does not add it to anything.
+    continued    every other entry: the recurrence run on from the states before it, the set ones
+                 included. So zeroing h at positions 5 and 8 leaves h_8 = 0 (not h_8 plus the change the
+                 edit at 5 carried there), and a hook that returns another run's whole trajectory runs
+                 the model on exactly those states.
+    declared     a hook may return `set_everywhere(t)`: every entry of t counts as set, equal or not
+                 (attribution patching of an index that spans every position: the gradient of such a
+                 patch is each state's own effect, since no set state is continued from another).
+    fixed        the entries set by any hook so far: a later hook that edits an earlier position does not
+                 undo a set entry after it (as hooks run one position at a time would behave).
+    carry        the mixer's own map from (difference e, fixed mask) to the change d of every state:
+                 d_t = e_t where fixed, else M_t d_{t-1} + e_t (M_t the state transition, d_{-1} = 0).
+                 It is linear in e; e is zero wherever nothing was set, except that a hook's output that
+                 equals its input but carries its own gradient (attribution patching's
+                 `act.detach().requires_grad_()`) counts as an edit with e = 0: its gradient is the
+                 total derivative through every later state.
+
+An entry is one scalar recurrence where the transition is elementwise (Mamba-1: h[d, n]; Mamba-2:
+h[head, p, n]); in the delta rule the transition mixes a state's key rows, so an entry's set value
+feeds the continued entries beside it through M_t, which `carry` applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from hooked.hook_points import HookPoint, _version, is_recording
+
+Carry = Callable[[Tensor, Tensor], Tensor]  # (e, fixed) -> d, every state's change
+_DECLARED = "_hooked_set_everywhere"
+
+
+def set_everywhere(t: Tensor) -> Tensor:
+    """`t` marked so that a state hook sets every entry of it, also those equal to what it received."""
+    setattr(t, _DECLARED, True)
+    return t
+
+
+class StateEdit(NamedTuple):
+    """What a state hook did: the trajectory to read y from, the clean one (None: nothing changed), and
+    the first position whose state changed (y before it is the clean y, to the bit)."""
+
+    h: Tensor
+    clean: Tensor | None
+    first: int
+
+
+def through_state_hook(hook: HookPoint, value: Tensor, rebuild: Callable[[], Tensor], carry: Carry) -> StateEdit:
+    """Pass a state trajectory through its hook and continue the recurrence after each edit.
+
+    Each hook and tap of `hook` runs in turn (HookPoint.steps); after each one that changed anything,
+    the entries it set are fixed and the rest continued by `carry`, so the next one receives the
+    continued trajectory. `clean` is None when nothing changed (the model keeps its fast path).
+    `rebuild()` makes the clean trajectory again when the first hook edits it in place.
+
+    Args:
+        hook: the state's HookPoint (hook_h).
+        value: the clean trajectory [batch pos *state].
+        rebuild: recomputes `value` (for an in-place edit by the first hook).
+        carry: the mixer's (e, fixed) -> d (module glossary).
+    """
+    if not hook.has_hooks or is_recording():  # (a recording of the forward order runs no hook)
+        return StateEdit(hook(value), None, value.shape[1])
+    x, fixed, clean, edited, first = value, None, value, False, value.shape[1]
+    for n, step in enumerate(hook.steps()):
+        version = _version(x)
+        saved = x.clone() if version is None or n > 0 else None  # a later step's input has no rebuild
+        out = step(x)
+        if saved is not None:
+            received = saved
+            if n == 0:  # (the value itself may have been edited in place)
+                clean = saved
+        elif _version(x) != version:  # the first hook edited the clean trajectory in place
+            received = clean = rebuild()
+        else:
+            received = x
+        declared = getattr(out, _DECLARED, False)
+        if out is received and not declared:  # returned None, or itself
+            continue
+        carries_grad = out is not received and out.requires_grad and torch.is_grad_enabled()
+        new = torch.ones_like(out, dtype=torch.bool) if declared else out != received
+        everywhere = declared or bool(new.all())  # (a whole trajectory patched: no position to look for)
+        changed = [] if everywhere else new.flatten(2).any(2).any(0).nonzero()[:, 0].tolist()
+        if not (everywhere or carries_grad or changed):
+            x = received
+            continue
+        edited = True
+        first = 0 if everywhere or carries_grad else min(first, changed[0])
+        fixed = new if fixed is None else fixed | new
+        if everywhere or bool(fixed.all()):
+            x = out
+        else:
+            x = torch.where(new, out, received + carry(out - received, fixed))
+    return StateEdit(x, clean if edited else None, first)
