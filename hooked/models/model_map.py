@@ -40,8 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hooked.models.protocol import (ExpertMixture, HookPoint, Mixing, RecurrentCut, TokenMixer, token_mixers,
-                                    unit_tags)
+from hooked.models.protocol import ExpertMixture, HookPoint, Mixing, RecurrentCut, TokenMixer, token_mixers
 
 _LABEL = re.compile(r"L(\d+)(SH|H|M|C|E|N)(\d+)(?:-(\d+))?")
 TAGS = ("H", "M", "SH", "C", "E", "N")
@@ -74,6 +73,19 @@ def label_layer(text: str) -> int | None:
     digits = text[1:len(text) - len(text[1:].lstrip("0123456789"))]
     rest = text[1 + len(digits):]
     return int(digits) if text.startswith("L") and digits and rest[:1].isalpha() else None
+
+
+def _mixer_tags(model: Any) -> dict[str, str]:
+    """{mixer name: label letter} for every TokenMixer of the model: "H" for a block's own heads (attention,
+    or the SSM mixer of a block without attention), "M" for SSM units beside attention in the same block
+    (Falcon-H1), "SH" for a shared attention invocation (Zamba2); ModelMap gives units one feature wide "C"."""
+    tags = {}
+    for layer, block in enumerate(model.blocks):
+        mixers = token_mixers(block)
+        beside_attention = any(m.unit_tag == "H" for _, m in mixers)
+        for name, m in mixers:
+            tags[f"blocks.{layer}.{name}"] = "H" if m.unit_tag == "M" and not beside_attention else m.unit_tag
+    return tags
 
 
 @dataclass(frozen=True)
@@ -166,7 +178,7 @@ class ModelMap:
 
     def __init__(self, model: Any) -> None:
         self.sites: list[Site] = []
-        tags = unit_tags(model)
+        tags = _mixer_tags(model)
         for layer, block in enumerate(model.blocks):
             writers = {id(w.module): w for w in block.writers()}
             for name, m in token_mixers(block):

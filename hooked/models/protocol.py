@@ -11,7 +11,7 @@ Glossary
                  at `write_hook` (attention: query heads at hook_z [.. n_heads d_head]; Mamba-2: SSM
                  heads at hook_gated [.. d_inner], d_head each; Mamba-1: channels, width 1). Zeroing a
                  unit there zeroes its columns of the output projection.
-    unit_tag     the letter of its units in labels "L{layer}{tag}{h}": "H" (attention heads), "M" (SSM
+    unit_tag     the letter of its units in labels "L{layer}{tag}{h}" (model_map.py): "H" (attention heads), "M" (SSM
                  heads or channels), "SH" (Zamba2's shared attention, set by the family's build)
     edge         (target j <- source i) inside one layer; `cut_edges` returns the hooks that remove
                  exactly those edges in a forward (hooked/ops/edge_cut.py holds the arithmetic)
@@ -436,20 +436,6 @@ class ExpertMixture:
         the slots that chose it (the shared MLP left out)."""
         onehot = torch.nn.functional.one_hot(chosen, self.n_experts).to(expert_out.dtype)  # [.. pos k E]
         return torch.einsum("...ke,...k,...kd->...ed", onehot, weights.to(expert_out.dtype), expert_out)
-
-
-def unit_tags(model: Any) -> dict[str, str]:
-    """{mixer name: label letter} for every TokenMixer of the model, the one naming every analysis and
-    the cache use ("L{layer}{tag}{h}"): "H" for a block's own heads (attention, or the SSM mixer of a
-    block without attention), "M" for SSM units beside attention in the same block (Falcon-H1), "SH"
-    for a shared attention invocation (Zamba2)."""
-    tags = {}
-    for layer, block in enumerate(model.blocks):
-        mixers = token_mixers(block)
-        beside_attention = any(m.unit_tag == "H" for _, m in mixers)
-        for name, m in mixers:
-            tags[f"blocks.{layer}.{name}"] = "H" if m.unit_tag == "M" and not beside_attention else m.unit_tag
-    return tags
 
 
 def token_mixers(module: torch.nn.Module) -> list[tuple[str, TokenMixer]]:
