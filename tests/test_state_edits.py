@@ -1,6 +1,7 @@
 """Edits of a recurrent state (hook_h) SET the state where they differ, and the recurrence continues (float64).
 
-For every state-bearing mixer (Mamba-1, Mamba-2, the gated delta rule, KDA), against a sequential
+For every family with a state-bearing mixer (Mamba-1 and its variants, Mamba-2 and Llamba's discrete
+Mamba-2, the gated delta rule, KDA), against a sequential
 float64 reference written here that REPLACES the state at the set entries (hooked/state_edit.py):
 edits at one, two and every position, at some entries only, in place; a whole trajectory patched from
 another prompt runs on exactly that prompt's states; a second hook on the same point sees the continued
@@ -18,7 +19,6 @@ import functools
 import pytest
 import torch
 from einops import einsum
-from test_delta_mixer import DELTA, model_of
 from test_sae import TinySAE
 from tiny_families import tiny
 
@@ -81,16 +81,20 @@ INPUTS = {mamba1_states: ("ssm_in", "dt", "B", "C"), mamba2_states: ("ssm_in", "
           delta_states: ("q", "k", "v", "beta", "alpha")}
 
 
+REFERENCES = {("d_inner", "d_state"): mamba1_states, ("d_head", "d_state"): mamba2_states,
+              ("d_k", "d_v"): delta_states}
+
+
 @functools.cache
 def site(name: str):
-    """(model in float64, mixer site, reference) of one state-bearing mixer."""
-    if name in DELTA:
-        return model_of(name), DELTA[name], delta_states
+    """(model in float64, its last mixer with a state hook, the reference for that hook's recurrence)."""
     model = copy.deepcopy(tiny(name)).double()
-    return model, "blocks.1.mixer", mamba1_states if name in ("mamba", "falcon_mamba") else mamba2_states
+    where = [n for n in model.hook_dict if n.endswith("mixer.hook_h")][-1].removesuffix(".hook_h")
+    return model, where, REFERENCES[tuple(model.hook_dict[f"{where}.hook_h"].axes[-2:])]
 
 
-SITES = ["mamba", "falcon_mamba", "mamba2", "zamba2", "qwen3_next", "kimi_linear"]
+SITES = ["mamba", "falcon_mamba", "jamba", "mamba2", "zamba2", "bamba", "granite", "falcon_h1", "nemotron_h",
+         "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid"]
 
 
 def tokens(seed: int = 0, pos: int = POS):
@@ -113,7 +117,7 @@ def run(model, where, edits, toks=None):
 
 def reference(name, q, edit):
     model, where, states = site(name)
-    A = model.get_submodule(where).A() if states is not delta_states else None
+    A = model.get_submodule(where).A().to(torch.float64) if states is not delta_states else None
     return states(q, A, edit)
 
 
