@@ -27,9 +27,10 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
     mlp_types = tuple("moe" if l not in only and n_experts > 0 and (l + 1) % step == 0 else "dense"
                       for l in range(n_layers))
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    top_k = int(hf.get("num_experts_per_tok", 8))
     return Qwen3MoeConfig(**llama_fields(hf), qkv_bias=False, sliding_window=window,
                           layer_types=("sliding_attention",) * n_layers if window is not None else None,
-                          n_experts=max(n_experts, 1), top_k=int(hf.get("num_experts_per_tok", 8)),
+                          n_experts=n_experts or top_k, top_k=top_k,  # no MoE layer: both unused
                           d_expert=int(hf.get("moe_intermediate_size", 768)),
                           renormalise=bool(hf.get("norm_topk_prob", False)),
                           mlp_types=None if set(mlp_types) == {"moe"} else mlp_types)
