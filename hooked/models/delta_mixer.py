@@ -53,6 +53,7 @@ from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.decode_state import stepping_state
 from hooked.models.head_writes import written_by_units
+from hooked.models.mlp import activation
 from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import _per_head, delta_rule_carry, delta_rule_chunked, l2norm
@@ -73,6 +74,7 @@ class DeltaSpec:
     per_channel_decay: KDA (Kimi Linear): alpha per key channel, dt_bias [n_heads d_k]; else one per head.
     gate_fn: the output gate's activation after the norm ("silu": Qwen, OLMo; "sigmoid": Kimi).
     beta_scale: 2 lets beta reach [0, 2] (OLMo-hybrid's linear_allow_neg_eigval).
+    conv_act: the short conv's activation (HF applies the config's hidden_act there, as in the MLP).
     """
 
     d_model: int
@@ -86,12 +88,14 @@ class DeltaSpec:
     beta_scale: float = 1.0
     per_channel_decay: bool = False
     chunk_size: int = 64
+    conv_act: str = "silu"
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_k_heads:
             raise ValueError(f"value heads ({self.n_heads}) must be a multiple of the q/k heads ({self.n_k_heads})")
         if self.gate_fn not in GATE_FUNCTIONS:
             raise ValueError(f"gate_fn must be one of {tuple(GATE_FUNCTIONS)}, got {self.gate_fn!r}")
+        activation(self.conv_act)  # an unknown name is refused here, by name
 
     @property
     def key_dim(self) -> int:
@@ -289,7 +293,7 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             conv = causal_conv1d(window, self.conv_weight)[:, window.shape[1] - qkv.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
         rule_dtype = torch.promote_types(x.dtype, torch.float32)
-        q, k, v = F.silu(conv).split([spec.key_dim, spec.key_dim, spec.value_dim], dim=-1)
+        q, k, v = activation(spec.conv_act)(conv).split([spec.key_dim, spec.key_dim, spec.value_dim], dim=-1)
         q = self.hook_q(l2norm(rearrange(q.to(rule_dtype), "b l (g c) -> b l g c", c=spec.d_k)))
         k = self.hook_k(l2norm(rearrange(k.to(rule_dtype), "b l (g c) -> b l g c", c=spec.d_k)))
         v = self.hook_v(rearrange(v.to(rule_dtype), "b l (h v) -> b l h v", v=spec.d_v))

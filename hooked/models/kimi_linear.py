@@ -88,7 +88,8 @@ class KimiLinearConfig:
     @property
     def mixer(self) -> DeltaSpec:
         return DeltaSpec(self.d_model, self.n_heads, self.n_heads, self.d_k, self.d_k, self.d_conv, eps=self.eps,
-                         gate_fn="sigmoid", per_channel_decay=True, chunk_size=self.chunk_size)
+                         gate_fn="sigmoid", per_channel_decay=True, chunk_size=self.chunk_size,
+                         conv_act=self.act_fn)
 
 
 class KimiDeltaMixer(DeltaMixer):

@@ -78,7 +78,8 @@ class OlmoHybridConfig:
     @property
     def mixer(self) -> DeltaSpec:
         return DeltaSpec(self.d_model, self.n_heads, self.n_k_heads, self.d_k, self.d_v, self.d_conv,
-                         eps=GATED_NORM_EPS, beta_scale=2.0 if self.neg_eigval else 1.0, chunk_size=self.chunk_size)
+                         eps=GATED_NORM_EPS, beta_scale=2.0 if self.neg_eigval else 1.0, chunk_size=self.chunk_size,
+                         conv_act=self.act_fn)
 
     @property
     def rotary(self) -> Rotary | None:

@@ -89,7 +89,7 @@ class Qwen3NextConfig:
     @property
     def mixer(self) -> DeltaSpec:
         return DeltaSpec(self.d_model, self.n_heads, self.n_k_heads, self.d_k, self.d_v, self.d_conv, eps=self.eps,
-                         chunk_size=self.chunk_size)
+                         chunk_size=self.chunk_size, conv_act=self.act_fn)
 
     @property
     def rotary(self) -> Rotary:
