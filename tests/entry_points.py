@@ -140,15 +140,6 @@ def edges_and_one(model: Any) -> int:
     return len(graph_of(model)) + 1
 
 
-CTX_POS = 6  # positions of the run whose token-edge scores tests/test_entry_points.py checks
-
-
-def token_edges_and_one(model: Any) -> int:
-    """One past the number of token edges of that run: (target, source) pairs with source <= target, per unit."""
-    from analysis.circuits.token_edges import token_sites
-
-    return sum(len(labels) for _, _, labels in token_sites(model)) * CTX_POS * (CTX_POS + 1) // 2 + 1
-
 
 ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "hooked.generate.generate": {
@@ -214,11 +205,11 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "analysis.intervals.clopper_pearson": {"n": Int(1), "k": Int(0, 3), "confidence": PROB},  # k in [0, n]; n = 2 here
     "analysis.intervals.mean_interval": {"confidence": PROB},
     "analysis.intervals.paired_interval": {"confidence": PROB, "draws": Int(1)},
-    "analysis.circuits.eap.EdgeScores.top": {"n": Int(0, edges_and_one), "absolute": FLAG},
+    "analysis.circuits.eap.EdgeScores.top": {"n": Int(0), "absolute": FLAG},  # past n_edges: every edge
     "analysis.circuits.eap.edge_attribution": {
         "method": Choice("eap", "eap-ig"), "steps": Int(1), "token_edges": FLAG, "batch_size": BATCH,
         "attention": Choice("scores", "pattern"), "attention_mask": None},  # a tensor (all ones: one length)
-    "analysis.circuits.verify.prune": {"top_n": Int(0, edges_and_one, none=True), "threshold": Real(0, none=True)},
+    "analysis.circuits.verify.prune": {"top_n": Int(0, none=True), "threshold": Real(0, none=True)},
     "analysis.circuits.verify.rescore": {"shortlist": Int(0, edges_and_one), "batch_size": BATCH},
     "analysis.circuits.verify.circuit_metric": {"batch_size": BATCH},
     "analysis.circuits.verify.verify_circuit": {"batch_size": BATCH},
@@ -226,7 +217,7 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
                                                     "sizes": None},  # each in [0, n_edges]: tests/test_index_grammar.py
     "analysis.circuits.verify.edge_effects": {"batch_size": BATCH, "replicas": Int(1, none=True)},
     "analysis.circuits.metrics.AnswerDiff.__init__": {"pos": Int()},  # its range: at the call (the logits' positions)
-    "analysis.circuits.token_edges.TokenEdgeScores.top": {"n": Int(0, token_edges_and_one), "absolute": FLAG},
+    "analysis.circuits.token_edges.TokenEdgeScores.top": {"n": Int(0), "absolute": FLAG},
     "analysis.circuits.token_edges.verify_token_edges": {"attention": Choice("scores", "pattern")},
 }
 

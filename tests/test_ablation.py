@@ -232,7 +232,8 @@ def test_hooks_removed_when_body_raises():
         assert torch.equal(model(tokens), plain)
 
 
-@pytest.mark.parametrize("heads, match", [([(5, 0)], "no attention or mixer heads|outside"), ([(0, 4)], "outside"),
+@pytest.mark.parametrize("heads, match", [([(5, 0)], r"the layer of head \(5, 0\) is 5: must be in \[-3, 3\)"),
+                                          ([(0, 4)], r"head \(0, 4\) is 4: must be in \[-4, 4\)"),
                                           ([("blocks.0.mlp", 0)], "not a head module"), ([(0,)], "a head is")])
 def test_bad_heads_raise(heads, match):
     _, model = _pair("gpt2")

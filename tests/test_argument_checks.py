@@ -85,8 +85,8 @@ def test_knockout_negative_layer_is_explicit(llama):
 @pytest.mark.parametrize("head, error, message", [
     ((0, 1.5), NotAnIndex, r"head \(0, 1\.5\): expected an integer index"),
     ((0.5, 1), NotAnIndex, r"the layer of head \(0\.5, 1\)"),
-    ((0, 4), IndexOutOfRange, r"=4: must be in \[-4, 4\)"),
-    ((5, 0), IndexOutOfRange, r"=5: must be in \[-2, 2\)"),
+    ((0, 4), IndexOutOfRange, r"head \(0, 4\) is 4: must be in \[-4, 4\)"),
+    ((5, 0), IndexOutOfRange, r"the layer of head \(5, 0\) is 5: must be in \[-2, 2\)"),
     ((0, "1"), NotAnIndex, r"got '1'"),
 ])
 def test_ablate_heads_refuses(llama, head, error, message):

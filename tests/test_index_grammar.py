@@ -29,7 +29,7 @@ from analysis.circuits import (cut_token_edges, edge_attribution, edge_effects, 
                                verify_token_edges)
 from analysis.circuits.metrics import AnswerDiff
 from analysis.intervals import clopper_pearson
-from analysis.interventions import ablate_heads, decay_norms, knockout, patch
+from analysis.interventions import ablate_experts, ablate_heads, decay_norms, knockout, patch, skip_layers
 from analysis.kernel_rows import kernel_rows
 from tests.test_sae import TinySAE
 
@@ -88,8 +88,8 @@ def _n(scores) -> int:
 
 # ---------------------------------------------------------------------------------- named cases
 NAMED: dict[str, tuple[Callable[[Any, Any], Any], type, str]] = {  # case -> (call(model, scores), error, message)
-    "EdgeScores.top(-1)": (lambda m, s: s.top(-1), ValueError, r"top: n=-1: must be in \[0, {n}\]"),
-    "EdgeScores.top(2.5)": (lambda m, s: s.top(2.5), TypeError, r"top: n: expected an integer in \[0, {n}\], got 2.5"),
+    "EdgeScores.top(-1)": (lambda m, s: s.top(-1), ValueError, r"top: n=-1: must be >= 0"),
+    "EdgeScores.top(2.5)": (lambda m, s: s.top(2.5), TypeError, r"top: n: expected an integer >= 0, got 2.5"),
     "prune(threshold=nan)": (lambda m, s: prune(s, threshold=math.nan), ValueError,
                              r"prune: threshold=nan: must be a finite number >= 0"),
     "faithfulness_curve(sizes=[-1])": (lambda m, s: faithfulness_curve(m, s, TOKENS, CORRUPT, AnswerDiff([9, 10]), [-1]),
@@ -176,6 +176,13 @@ def test_named_case_is_refused_by_name(llama, scores, case):
     unchanged(llama, reference)
 
 
+def test_named_top_past_the_edge_count_is_every_edge(scores):
+    """top(n) is "at most n" (a slice's meaning); a curve or a shortlist past the edge count is refused above."""
+    every = scores.top(len(scores) + 5)
+    assert len(every) == len(scores) and every == scores.top(len(scores))
+    assert len(scores.token.top(len(scores.token) + 1)) == len(scores.token)
+
+
 def test_named_sae_on_int64_expert_ids_is_refused(jamba):
     with pytest.raises(ValueError, match=r"add_sae: hook_name='blocks.0.mlp.hook_chosen' holds int64 indices"):
         jamba.add_sae(TinySAE(2, 8), "blocks.0.mlp.hook_chosen")
@@ -251,6 +258,11 @@ def _sae(**kw):
     return run
 
 
+def _within(context, m):
+    with context:
+        return m(TOKENS)
+
+
 def _patched(m, v):
     clean = m.run_with_cache(CORRUPT, names_filter="blocks.0.attn.hook_z")[1]
     return patch(m, TOKENS, clean, "blocks.0.attn.hook_z", index={"pos": v, "head": 1})
@@ -298,6 +310,18 @@ GRAMMAR: dict[str, GrammarCase] = {
     "forward stop_at_layer": GrammarCase("stop_at_layer", "llama", NEG_LAYERS, lambda m: m.cfg.n_layers + 1,
                                          lambda m, v: m(TOKENS, stop_at_layer=v),
                                          lambda v, m: v + m.cfg.n_layers if v < 0 else v, none_ok=True),
+    "skip_layers layers": GrammarCase("layers", "llama", NEG_LAYERS, LAYERS, lambda m, v: _within(skip_layers(m, v), m),
+                                      WRAP_LAYER),
+    "ablate_experts expert": GrammarCase("expert", "jamba", lambda m: -4, lambda m: 4,
+                                         lambda m, v: _within(ablate_experts(m, [(1, v)]), m), lambda v, m: v % 4),
+    "ablate_experts layer": GrammarCase("layer", "jamba", NEG_LAYERS, LAYERS,
+                                        lambda m, v: _within(ablate_experts(m, [(v, 1)]), m), WRAP_LAYER),
+    "get_neuron_results neuron_slice": GrammarCase(
+        "neuron_slice", "llama", lambda m: -m.cfg.d_mlp, lambda m: m.cfg.d_mlp,
+        lambda m, v: m.run_with_cache(TOKENS)[1].get_neuron_results(1, neuron_slice=[v]), lambda v, m: v % m.cfg.d_mlp),
+    "accumulated_resid layer": GrammarCase("layer", "llama", lambda m: -1, lambda m: m.cfg.n_layers + 1,
+                                           lambda m, v: m.run_with_cache(TOKENS)[1].accumulated_resid(v),
+                                           lambda v, m: m.cfg.n_layers if v == -1 else v, none_ok=True),
     "edge_effects edge numbers": GrammarCase("edge", "llama", lambda m: -_n(_graph(m)), lambda m: _n(_graph(m)),
                                              lambda m, v: edge_effects(m, [v], TOKENS, CORRUPT, AnswerDiff([9, 10])),
                                              lambda v, m: v % _n(_graph(m))),
@@ -311,7 +335,7 @@ def _graph(m):
 
 
 def _models(request) -> dict[str, Any]:
-    return {"llama": request.getfixturevalue("llama"), "mamba": request.getfixturevalue("mamba")}
+    return {name: request.getfixturevalue(name) for name in ("llama", "mamba", "jamba")}
 
 
 def _same(a: Any, b: Any) -> bool:

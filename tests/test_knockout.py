@@ -350,7 +350,7 @@ def test_weights_untouched_and_hooks_removed(name):
     (dict(sources=[L], targets=[-1], layers=[0]), IndexError, "sources"),
     (dict(sources=[1], targets=[-L - 1], layers=[0]), IndexError, "targets"),
     (dict(sources=torch.ones(3, L, dtype=torch.bool), targets=[-1], layers=[0]), ValueError, "shape"),
-    (dict(sources=[1], targets=[-1], layers=[7]), ValueError, "outside"),
+    (dict(sources=[1], targets=[-1], layers=[7]), ValueError, r"layers=7: must be in \[-3, 3\)"),
     (dict(sources=[1], targets=[-1], layers=[0], attention="softmax"), ValueError, "attention"),
     (dict(sources=[1], targets=[-1], layers=[0], channels=[99]), IndexError, "channels"),
     (dict(sources=[1], targets=[-1], layers=[0, 1], channels={0: [1]}), ValueError, "layer 1"),

@@ -62,9 +62,9 @@ class EdgeScores:
         key = self.scores.abs() if absolute else self.scores
         return torch.argsort(key, descending=True, stable=True)
 
-    @checked(n=Integer(ge=0, le=lambda args: len(args["self"])), absolute=Flag())
+    @checked(n=Integer(ge=0), absolute=Flag())
     def top(self, n: int, absolute: bool = True) -> list[Edge]:
-        """The n edges of largest |score| (or score), largest first (n in [0, len(self)])."""
+        """The n edges of largest |score| (or score), largest first (n >= 0; past len(self): every edge)."""
         return [self.graph.edge(int(i), float(self.scores[i])) for i in self.order(absolute)[:n]]
 
     def edges(self) -> list[Edge]:

@@ -171,7 +171,7 @@ class TokenEdgeScores:
         name, i = self._units[unit]
         return self.sites[name][1][i]
 
-    @checked(n=Integer(ge=0, le=lambda args: len(args["self"])), absolute=Flag())
+    @checked(n=Integer(ge=0), absolute=Flag())  # past len(self): every token edge
     def top(self, n: int, absolute: bool = True) -> list[TokenEdge]:
         flat, index = [], []
         for name, (labels, s) in self.sites.items():

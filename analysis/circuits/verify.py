@@ -37,7 +37,7 @@ Metric = Callable[[Tensor], Tensor]
 N_EDGES = lambda args: len(args["scores"])  # noqa: E731  (a count of edges is at most the graph's)
 
 
-@checked(top_n=Integer(ge=0, le=N_EDGES, none=True), threshold=Number(ge=0, none=True))
+@checked(top_n=Integer(ge=0, none=True), threshold=Number(ge=0, none=True))
 def prune(scores: EdgeScores, top_n: int | None = None, threshold: float | None = None) -> list[Edge]:
     """The edges kept by `top_n` (largest |score| first) or by `threshold` (|score| >= threshold); one of them."""
     if (top_n is None) == (threshold is None):

@@ -177,7 +177,7 @@ def skip_layers(model: Any, layers: Iterable[int]) -> Iterator[Any]:
     The block still runs (its hooks fire) but its output is its input. Hooks the user put on a
     skipped block's resid_post run after ours and see the passed-through residual.
     """
-    chosen = layer_list(list(layers) if not isinstance(layers, (int, Tensor)) else layers, model.cfg.n_layers)
+    chosen = layer_list(layers, model.cfg.n_layers)  # one layer, a list, range or generator of them
     hooks = []
     for layer in chosen:
         seen: dict[str, Tensor] = {}

@@ -50,7 +50,8 @@ def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list
             prefix = next((s.path for s in model_map(model).layer_sites(layer) if not s.mixes_tokens), f"block {layer}")
         if prefix not in layout:
             known = ", ".join(layout) or "none"
-            raise ValueError(f"{prefix!r} is not a mixture-of-experts MLP; the model's MoE layers: {known}")
+            raise ValueError(f"the layer of expert {spec!r}: {prefix!r} is not a mixture-of-experts MLP; the model's MoE "
+                             f"layers: {known}")
         n = layout[prefix]
         out.setdefault(prefix, set()).add(as_index(e, n, f"expert {spec!r}", f"experts of {prefix!r}"))
     return {p: sorted(es) for p, es in out.items()}

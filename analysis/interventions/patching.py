@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from analysis.interventions.batching import tiles_for
 from hooked.state_edit import set_everywhere
-from hooked.validate import Integer, NotAnIndex, as_index, check, index_list, index_mask, layer_list, metric_value
+from hooked.validate import Integer, NotAnIndex, axis_index, check, layer_list, metric_value
 
 Metric = Callable[[Tensor], Any]
 Setter = Callable[[Tensor, Tensor, tuple], Tensor]
@@ -104,23 +104,13 @@ def index_tuple(point: Any, index: dict[str, Any] | tuple | int | None,
     if shape is not None:
         if len(out) > len(shape) - 1:
             raise IndexError(f"index {index!r} has {len(out)} entries; {point.name} has {len(shape) - 1} axes after batch")
-        out = tuple(_checked(i, shape[d + 1], f"index {index!r} on {point.name}, axis {d + 1}")
+        out = tuple(axis_index(i, shape[d + 1], f"index {index!r} on {point.name}, axis {d + 1}")
                     for d, i in enumerate(out))
     return out
 
 
 def _scalar(i: Any) -> bool:
     return not isinstance(i, (list, tuple, range, str, bytes)) and not getattr(i, "ndim", 0)
-
-
-def _checked(i: Any, n: int, what: str) -> Any:
-    if isinstance(i, slice) or i is Ellipsis:
-        return i
-    if isinstance(i, (list, tuple, range)) or (torch.is_tensor(i) and i.ndim == 1 and i.dtype != torch.bool):
-        return index_list(i, n, what)
-    if torch.is_tensor(i) and i.dtype == torch.bool:
-        return index_mask(i, n, what)
-    return as_index(i, n, what)
 
 
 # ------------------------------------------------------------------------------ patched runs

@@ -6,7 +6,7 @@ Glossary
                  end, as in Python and TransformerLens: -1 is the last. Never a bool, float or string:
                  `1.7`, `True`, "12" are refused, not rounded, cast or split into characters. Returned in
                  [0, n)
-    index list   one index, a list / tuple / range / set of them, or a 1-D integer tensor or array
+    index list   one index, a list / tuple / range / set / generator of them, or a 1-D integer tensor or array
     mask         a bool tensor (or list of bools) of exactly the axis' length: its True entries
     positions    an index list or a mask over the sequence axis (`position_list`: in order;
                  `position_mask`: [batch pos], a [batch pos] mask too). A list of 0s and 1s with repeats
@@ -29,6 +29,7 @@ all of them as usage errors (exit 2) without a traceback.
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,11 @@ class IndexOutOfRange(IndexError, ValueError):
 
 
 # ------------------------------------------------------------------------------------- indices
+def _at(what: str, value: Any) -> str:
+    """"layers=9" for an argument's name, "the layer of head (5, 0) is 5" for a description."""
+    return f"{what}={value}" if re.search(r"(^|: )[\w.\[\]-]+$", what) else f"{what} is {value}"
+
+
 def as_index(value: Any, n: int, what: str, unit: str = "entries") -> int:
     """`value` as an index in [0, n) (negative counts from the end); refuses non-integers by name."""
     if torch.is_tensor(value):
@@ -61,7 +67,7 @@ def as_index(value: Any, n: int, what: str, unit: str = "entries") -> int:
                          f"({type(value).__name__})")
     value = int(value)
     if not -n <= value < n:
-        raise IndexOutOfRange(f"{what}={value}: must be in [-{n}, {n}) (the {n} {unit})")
+        raise IndexOutOfRange(f"{_at(what, value)}: must be in [-{n}, {n}) (the {n} {unit})")
     return value + n if value < 0 else value
 
 
@@ -85,6 +91,8 @@ def index_list(spec: Any, n: int, what: str, unit: str = "entries") -> list[int]
         return [as_index(spec, n, what, unit)]
     if isinstance(spec, (set, frozenset)):
         spec = sorted(spec, key=lambda v: (str(type(v)), v))
+    elif not isinstance(spec, (list, tuple, range)) and hasattr(spec, "__iter__") and not hasattr(spec, "__len__"):
+        spec = list(spec)  # a generator or other one-pass iterable of indices
     if not isinstance(spec, (list, tuple, range)):
         raise NotAnIndex(f"{what}: expected an index or a list of indices, got {_show(spec)} ({type(spec).__name__})")
     return [as_index(v, n, f"{what}[{i}]" if len(spec) > 1 else what, unit) for i, v in enumerate(spec)]
@@ -109,6 +117,18 @@ def index_mask(spec: Any, n: int, what: str, unit: str = "entries",
     if idx:
         mask[idx] = True
     return mask
+
+
+def axis_index(i: Any, n: int, what: str) -> Any:
+    """One entry of an index tuple over an axis of n: a slice or Ellipsis (kept), an index list, a bool mask
+    [n], or one index (all checked against n, negatives counted from the end)."""
+    if isinstance(i, slice) or i is Ellipsis:
+        return i
+    if is_mask(i):
+        return index_mask(i, n, what)
+    if isinstance(i, (list, tuple, range)) or (torch.is_tensor(i) and i.ndim == 1):
+        return index_list(i, n, what)
+    return as_index(i, n, what)
 
 
 def head_index(value: Any, n_heads: int, what: str = "head") -> int:
