@@ -14,6 +14,8 @@ from loaders import (bamba, falcon_h1, gemma2, gemma3, gpt2, granitemoehybrid, j
                      llamba, mamba2, mistral, nemotron_h, olmo_hybrid, qwen2, qwen3, qwen3_next, zamba2)
 from loaders import gemma, gpt_neox, olmo2, olmo3, phi3
 from loaders import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we have
+from loaders import recurrent_gemma  # issue 41's new mixer kinds
+from loaders import minimax  # issue 41's new mixer kinds
 from loaders import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from loaders.architecture import Architecture, Key
 
@@ -55,6 +57,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     llamba.ARCHITECTURE,
     lfm2_moe.ARCHITECTURE,
     bailing_hybrid.ARCHITECTURE,
+    recurrent_gemma.ARCHITECTURE,
+    minimax.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}

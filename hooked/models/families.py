@@ -7,6 +7,8 @@ from typing import Any
 from hooked.models import (bamba, falcon_h1, gemma2, gpt2, granitemoehybrid, jamba, kimi_linear, lfm2, llama, llamba,
                            mamba, mamba2, nemotron_h, olmo_hybrid, qwen3_next, zamba2)
 from hooked.models import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we have
+from hooked.models import recurrent_gemma  # issue 41's new mixer kinds
+from hooked.models import minimax  # issue 41's new mixer kinds
 from hooked.models import gemma, gpt_neox, olmo2
 from hooked.models import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from hooked.models.gemma3 import Gemma3Config
@@ -51,6 +53,8 @@ BUILDERS = {
     llamba.LlambaConfig: llamba.build,
     lfm2_moe.Lfm2MoeConfig: lfm2_moe.build,
     bailing_hybrid.BailingHybridConfig: bailing_hybrid.build,
+    recurrent_gemma.RecurrentGemmaConfig: recurrent_gemma.build,
+    minimax.MiniMaxConfig: minimax.build,
 }
 
 
