@@ -26,6 +26,12 @@ printed. Measured (this CPU; the counts do not depend on the machine), ops per l
     Mamba-2  exact 77 / 91 / 91          fused 36 / 34 / 34       chunked + hook_h 121 / 167 / 199
     Llama    eager 64                    SDPA 45 (66 before: the rotary table read the positions' max)
     Jamba    Mamba + MoE layer: exact 527 / 1,871 / 3,663 (555 / 1,899 / 3,691 before), chunked 119 / 151 / 183
+On the kernel path (--kernels, .venv-triton, issue 44), ops per layer at 64 / 256 tokens, flat in L:
+    Mamba-2 layer      kernels 25 (fla conv, mamba_chunk_scan_combined, rmsnorm_fn)   fused stand-ins 36   exact 77
+    Zamba2 hybrid      kernels 65                                                     fused stand-ins 76   exact 129
+    Qwen3-Next delta   kernels 68 (fla conv, chunk_gated_delta_rule)   exact 119 / 263
+    Kimi KDA           kernels 75 (fla conv, chunk_kda)                exact 126 / 270
+    LFM2 conv          kernels 31 (fla conv)                           exact 32
 """
 
 from __future__ import annotations

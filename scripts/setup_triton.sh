@@ -23,7 +23,7 @@ pip_install() {  # quiet; this machine's pip warns for every local index it cann
 pip_install --upgrade pip
 pip_install "torch==2.13.0"  # the CPU build (an unpinned torch pulls a multi-GB CUDA build)
 # the package and what the tier's tests import; not the main suite's transformer_lens / sae-lens
-pip_install "${PINS[@]}" -e . pytest beartype
+pip_install "${PINS[@]}" -e . pytest pytest-xdist beartype
 pip_install "${PINS[@]}" "fla-core==0.6.0" "flash-linear-attention==0.6.0"
 pip_install "${PINS[@]}" setuptools wheel packaging ninja  # mamba-ssm's build, without isolation
 MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE \

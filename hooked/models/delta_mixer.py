@@ -49,6 +49,7 @@ from einops import einsum, rearrange
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from hooked import backends
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.decode_state import stepping_state
@@ -60,6 +61,8 @@ from hooked.ops.delta_rule import _per_head, delta_rule_carry, delta_rule_chunke
 from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
                                           delta_rule_knockout)
 from hooked.ops.edge_cut import edge_pairs
+from hooked.ops.fla_kernels import delta_rule_fused
+from hooked.ops.fused import causal_conv1d_fused
 from hooked.ops.norms import rms_norm_gated
 from hooked.state_edit import through_state_hook
 from hooked.weights import MixerWeights
@@ -286,13 +289,14 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
         qkv, gate, b, a = self.project(x)
         qkv = self.hook_in(qkv)
         gate = self.hook_gate(rearrange(gate, "b l (h v) -> b l h v", v=spec.d_v))
+        rule_dtype = torch.promote_types(x.dtype, torch.float32)
+        backend, ran = backends.scan_backend(self, x.device, rule_dtype, op="chunk_gated_delta_rule"), []
         if ctx.state is None:
-            conv = causal_conv1d(qkv, self.conv_weight).contiguous()
+            conv = self._conv(qkv, backend, ran).contiguous()
         else:  # decoding: the conv also reads the previous d_conv - 1 inputs
             window = ctx.state.conv_window(self, qkv, spec.d_conv)
-            conv = causal_conv1d(window, self.conv_weight)[:, window.shape[1] - qkv.shape[1]:].contiguous()
+            conv = self._conv(window, backend, ran)[:, window.shape[1] - qkv.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
-        rule_dtype = torch.promote_types(x.dtype, torch.float32)
         q, k, v = activation(spec.conv_act)(conv).split([spec.key_dim, spec.key_dim, spec.value_dim], dim=-1)
         q = self.hook_q(l2norm(rearrange(q.to(rule_dtype), "b l (g c) -> b l g c", c=spec.d_k)))
         k = self.hook_k(l2norm(rearrange(k.to(rule_dtype), "b l (g c) -> b l g c", c=spec.d_k)))
@@ -301,16 +305,29 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
         beta = self.hook_beta((beta if spec.beta_scale == 1.0 else beta * spec.beta_scale).to(rule_dtype))
         alpha = self.hook_alpha(self.decay(a, rule_dtype))
         q_read = q * spec.d_k**-0.5
-        if ctx.state is None:
+        if ctx.state is None and backend == "fused":  # fla's kernels: no state is built
+            y = delta_rule_fused(q_read, k, v, beta, alpha, chunk_size=spec.chunk_size,
+                                 kernels=backends.fused_kernels(x.device), ran=ran)[0]
+        elif ctx.state is None:
             y = self._rule(q_read, k, v, beta, alpha)
         else:  # decoding: continue from the state the previous positions left
             ctx.state.refuse_lazy(self, [self.hook_h, self.hook_kernel])
-            y, S = delta_rule_chunked(q_read, k, v, beta, alpha, ctx.state.ssm_state(self), chunk_size=spec.chunk_size)
+            rule = delta_rule_fused if backend == "fused" else delta_rule_chunked
+            fused = {"kernels": backends.fused_kernels(x.device), "ran": ran} if backend == "fused" else {}
+            y, S = rule(q_read, k, v, beta, alpha, ctx.state.ssm_state(self), chunk_size=spec.chunk_size, **fused)
             ctx.state.set_ssm_state(self, S)
+        self.last_kernels = tuple(ran)
         y = self.hook_y(y)
         gated = rearrange(self.norm(y.to(x.dtype), gate), "b l h v -> b l (h v)")
         gated = self.hook_gated(gated)
         return self._out_proj(gated)
+
+    def _conv(self, x: Float[Tensor, "batch pos conv_dim"], backend: str,
+              ran: list[str]) -> Float[Tensor, "batch pos conv_dim"]:
+        """The short conv (no bias, no activation); on the fused backend through a kernel (ops/fused.py)."""
+        if backend == "fused":
+            return causal_conv1d_fused(x, self.conv_weight, kernels=backends.fused_kernels(x.device), ran=ran)
+        return causal_conv1d(x, self.conv_weight)
 
     def _rule(
         self,

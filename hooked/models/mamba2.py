@@ -31,8 +31,9 @@ A_bar, B_bar, h, kernel and head_out are lazy: built only when their hook is act
 A_bar and B_bar, when h needs them). With no hooks the forward is the chunked SSD alone.
 Backends, per forward (hooked/backends.py): y is the chunked SSD for "loop" and "chunked", whose
 states (hook_h, edits) come from the sequential and the two-level scan respectively; "fused" is
-mamba-ssm's mamba_chunk_scan_combined (and causal_conv1d_fn), or stand-ins with their semantics,
-fed the hooked u, dt, B, C; no lazy hook is active then.
+mamba-ssm's mamba_chunk_scan_combined (a decoding step: selective_state_update), the conv through
+causal_conv1d_fn or fla's Triton conv and the gated norm through mamba-ssm's Triton rmsnorm_fn (or
+stand-ins with their semantics, ops/fused.py), fed the hooked u, dt, B, C; no lazy hook is active then.
 Edits propagate: dt, B, C feed everything after them; an edited A_bar or B_bar is what the scan
 uses; a state returned by a hook of h is SET where it differs from what the hook received and the
 recurrence continues from it (hooked/state_edit.py: the change is scanned with A_bar = 0 at the set
@@ -64,7 +65,7 @@ from hooked.models.language_model import LanguageModel
 from hooked.models.norms import RMSNorm
 from hooked.models.protocol import Heads, StateSpaceMixer, TokenMixer
 from hooked.ops.conv import causal_conv1d
-from hooked.ops.fused import causal_conv1d_fused, ssd_fused
+from hooked.ops.fused import causal_conv1d_fused, rms_norm_gated_fused, ssd_fused
 from hooked.ops.scan_chunked import linear_scan_chunked
 from hooked.ops.ssd import linear_scan_heads, mamba2_kernel_pairs, ssd_chunked
 from hooked.ops.set_scan import set_scan
@@ -269,14 +270,12 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         gate = self.hook_gate(gate)
         ssm_dtype = torch.promote_types(x.dtype, torch.float32)
         backend = backends.scan_backend(self, x.device, ssm_dtype, op="mamba_chunk_scan_combined")
-        if ctx.state is None and backend == "fused":
-            conv = causal_conv1d_fused(xBC, self.conv_weight, self.conv_bias, kernels=backends.fused_kernels(x.device))
-            conv = conv.contiguous()
-        elif ctx.state is None:
-            conv = causal_conv1d(xBC, self.conv_weight, self.conv_bias).contiguous()  # a hook's clone has this layout
+        ran: list[str] = []  # the kernels called on the fused path (ops/fused.py)
+        if ctx.state is None:
+            conv = self._causal_conv(xBC, backend, ran).contiguous()  # a hook's clone has this layout
         else:  # decoding: the conv also reads the previous d_conv - 1 inputs
             window = ctx.state.conv_window(self, xBC, self.conv_weight.shape[1])
-            conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, window.shape[1] - xBC.shape[1]:].contiguous()
+            conv = self._causal_conv(window, backend, ran)[:, window.shape[1] - xBC.shape[1]:].contiguous()
         conv = self.hook_conv(conv)
         xBC = F.silu(conv) if mask is None else F.silu(conv) * mask
         u, B, C = xBC.to(ssm_dtype).split([self.d_inner, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
@@ -288,29 +287,53 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         B = self.hook_B(B)
         C = rearrange(C, "b l (g n) -> b l g n", g=self.n_groups)
         C = self.hook_C(C)
-        if ctx.state is None:
+        if ctx.state is None and backend == "fused":  # no lazy hook is active on this path
+            y = ssd_fused(ssm_in, dt, self.A().to(ssm_dtype), B, C, self.chunk_size,
+                          kernels=backends.fused_kernels(x.device), ran=ran)[0]
+        elif ctx.state is None:
             y = self._scan(ssm_in, dt, self.A().to(ssm_dtype), B, C, backend)
         else:  # decoding: continue from the state the previous positions left
             ctx.state.refuse_lazy(self, [self.hook_A_bar, self.hook_B_bar, self.hook_h, self.hook_kernel])
-            y, h = self.state_scan(ssm_in, dt, B, C, ctx.state.ssm_state(self), backend)
+            y, h = self.state_scan(ssm_in, dt, B, C, ctx.state.ssm_state(self), backend, ran=ran)
             ctx.state.set_ssm_state(self, h)
         y = self.hook_y(y)
         ssm_out = y + self.D.to(ssm_dtype)[:, None] * ssm_in
         ssm_out = self.hook_ssm_out(ssm_out)
-        gated = self.norm(rearrange(ssm_out, "b l h p -> b l (h p)"), gate).to(x.dtype)
+        gated = self._gate(rearrange(ssm_out, "b l h p -> b l (h p)"), gate, backend, ran).to(x.dtype)
+        self.last_kernels = tuple(ran)
         gated = self.hook_gated(gated)
         return self._out_proj(gated)
 
     def state_scan(self, u: Float[Tensor, "batch pos n_heads d_head"], dt: Float[Tensor, "batch pos n_heads"],
                    B: Float[Tensor, "batch pos n_groups d_state"], C: Float[Tensor, "batch pos n_groups d_state"],
                    h0: Float[Tensor, "batch n_heads d_head d_state"] | None,
-                   backend: str = "loop") -> tuple[Tensor, Tensor]:
+                   backend: str = "loop", *, ran: list[str] | None = None) -> tuple[Tensor, Tensor]:
         """(y, h_last) of the recurrence from h0 (None: zero), chunked SSD in u's dtype (the scan's);
-        backend "fused": mamba-ssm's kernel or its stand-in."""
+        backend "fused": mamba-ssm's kernels (one position: selective_state_update) or the stand-in."""
         chunk, A = min(self.chunk_size, u.shape[1]), self.A().to(u.dtype)
         if backend == "fused":
-            return ssd_fused(u, dt, A, B, C, chunk, h0=h0, kernels=backends.fused_kernels(u.device))
+            return ssd_fused(u, dt, A, B, C, chunk, h0=h0, kernels=backends.fused_kernels(u.device), ran=ran)
         return ssd_chunked(u, dt, A, B, C, chunk, h0=h0)
+
+    def _causal_conv(self, x: Float[Tensor, "batch pos conv_dim"], backend: str,
+                     ran: list[str]) -> Float[Tensor, "batch pos conv_dim"]:
+        """The causal conv (with its bias, no activation); on the fused backend through a kernel (ops/fused.py)."""
+        if backend == "fused":
+            return causal_conv1d_fused(x, self.conv_weight, self.conv_bias, kernels=backends.fused_kernels(x.device),
+                                       ran=ran)
+        return causal_conv1d(x, self.conv_weight, self.conv_bias)
+
+    def _gate(self, y: Float[Tensor, "batch pos d_inner"], gate: Float[Tensor, "batch pos d_inner"], backend: str,
+              ran: list[str]) -> Float[Tensor, "batch pos d_inner"]:
+        """The step between the SSM and out_proj (self.norm); on the fused backend a gated RMSNorm runs as
+        mamba-ssm's Triton kernel where it is there (ops/fused.py)."""
+        norm = self.norm
+        if backend == "fused" and isinstance(norm, (GatedRMSNorm, NormThenGate)):
+            out = rms_norm_gated_fused(y, gate, norm.weight, norm.eps, norm.group_size, isinstance(norm, NormThenGate),
+                                       kernels=backends.fused_kernels(y.device), ran=ran)
+            if out is not None:
+                return out
+        return norm(y, gate)
 
     def _scan(
         self,
