@@ -136,9 +136,9 @@ NAMED: dict[str, tuple[Callable[[Any, Any], Any], type, str]] = {  # case -> (ca
         lambda m, s: edge_attribution(m, TOKENS, CORRUPT, through_argmax), ValueError,
         r"metric through_argmax has no gradient with respect to the logits"),
     "metric returning [batch]": (lambda m, s: edge_attribution(m, TOKENS, CORRUPT, per_prompt), ValueError,
-                                 r"metric per_prompt must return a scalar tensor .* got shape \(2,\)"),
+                                 r"metric per_prompt must return one number per run \(a scalar\), got a tensor of shape \(2,\)"),
     "metric returning a tuple": (lambda m, s: edge_attribution(m, TOKENS, CORRUPT, two_numbers), TypeError,
-                                 r"metric two_numbers must return a scalar tensor .* got tuple"),
+                                 r"metric two_numbers must return one number per run \(a scalar\), got tuple"),
     "SAE positions=[1.5]": (lambda m, s: m.add_sae(TinySAE(64, 8), "blocks.0.hook_resid_post", positions=[1.5]),
                             TypeError, r"positions"),
     "SAE positions=[0, 1, 1, 0] (a 0/1 list)": (

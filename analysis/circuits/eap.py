@@ -32,7 +32,7 @@ from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.metrics import at_rows, tail_of
 from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
 from hooked.models.protocol import ATTENTION_MODES
-from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_tensor
+from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_name, metric_value
 
 METHODS = ("eap", "eap-ig")
 Metric = Callable[[Tensor], Tensor]
@@ -166,7 +166,7 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     for part in chunks(n, batch_size):
         weight, m = (part.stop - part.start) / n, at_rows(metric, part)
         c_logits, corr = record(model, graph, corrupt[part], tail=tail_of(m))
-        values[1] += weight * float(metric_tensor(m(c_logits), metric))
+        values[1] += weight * metric_value(m(c_logits), metric_name(metric))
         if method == "eap":
             value, cl, grads = gradients(model, graph, clean[part], m, token=token, pending=True)
         else:
@@ -202,5 +202,5 @@ def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, met
         value = gradients(model, graph, clean, metric, token=token)[0]
     else:
         with torch.no_grad():
-            value = float(metric_tensor(metric(forward_logits(model, clean, None, tail_of(metric))), metric))
+            value = metric_value(metric(forward_logits(model, clean, None, tail_of(metric))), metric_name(metric))
     return value, total

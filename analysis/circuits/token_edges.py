@@ -33,7 +33,7 @@ from analysis.circuits.runs import forward_logits
 from hooked.hook_points import scoped_hooks
 from hooked.models.model_map import model_map
 from hooked.models.protocol import ATTENTION_MODES
-from hooked.validate import Flag, Integer, OneOf, Text, check, checked, token_edge
+from hooked.validate import Flag, Integer, OneOf, Text, check, checked, metric_name, metric_value, token_edge
 
 
 @dataclass(frozen=True)
@@ -272,8 +272,8 @@ def verify_token_edges(model: Any, tokens: Tensor, edges: Sequence[Any], metric:
     """The metric's exact change when the listed token edges are all cut, beside the sum of their estimates
     (TokenEdges carry theirs): {"exact", "estimated", "clean"}."""
     tail = tail_of(metric)
-    clean = float(metric(forward_logits(model, tokens, None, tail)))
+    clean = metric_value(metric(forward_logits(model, tokens, None, tail)), metric_name(metric))
     with cut_token_edges(model, edges, attention):
-        cut = float(metric(forward_logits(model, tokens, None, tail)))
+        cut = metric_value(metric(forward_logits(model, tokens, None, tail)), metric_name(metric))
     estimated = sum(e.score for e in edges if isinstance(e, TokenEdge))
     return {"clean": clean, "exact": cut - clean, "estimated": float(estimated)}

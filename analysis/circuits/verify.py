@@ -29,7 +29,7 @@ from analysis.circuits.graph import Edge, Graph, graph_of
 from analysis.circuits.metrics import at_rows, tail_of
 from analysis.circuits.runs import forward_logits, patched, record
 from analysis.interventions.batching import tiles_for
-from hooked.validate import Integer, Number, Seq, checked, metric_tensor
+from hooked.validate import Integer, Number, Seq, checked, metric_name, metric_value
 
 Metric = Callable[[Tensor], Tensor]
 
@@ -78,7 +78,7 @@ def sweep(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Metri
             block = coefs[start:start + r]
             logits = patched(model, graph, base[part], src, block.to(dtype), frozen=frozen, tail=tail_of(m))
             for k in range(block.shape[0]):
-                out[start + k] += (rows / n) * float(metric_tensor(m(logits[k * rows:(k + 1) * rows]), metric))
+                out[start + k] += (rows / n) * metric_value(m(logits[k * rows:(k + 1) * rows]), metric_name(metric))
     return out
 
 
@@ -89,7 +89,7 @@ def metric_of(model: Any, tokens: Tensor, metric: Metric, batch_size: int | None
     total = 0.0
     for p in chunks(n, batch_size):
         m = at_rows(metric, p)
-        total += (p.stop - p.start) / n * float(metric_tensor(m(forward_logits(model, tokens[p], None, tail_of(m))), metric))
+        total += (p.stop - p.start) / n * metric_value(m(forward_logits(model, tokens[p], None, tail_of(m))), metric_name(metric))
     return total
 
 

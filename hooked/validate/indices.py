@@ -41,6 +41,9 @@ from torch import Tensor
 from hooked.validate.rules import Integer, WrongType, _is_bool, _number, _show
 
 
+_UNKNOWN = 2**62  # an axis length not known yet (positions before the run): types are checked, ranges later
+
+
 class NotAnIndex(WrongType):
     """A float, bool, string or other non-integer where an index was expected."""
 
@@ -63,8 +66,8 @@ def as_index(value: Any, n: int, what: str, unit: str = "entries") -> int:
                              f"{tuple(value.shape)}")
         value = int(value)
     if _is_bool(value) or not isinstance(value, numbers.Integral):
-        raise NotAnIndex(f"{what}: expected an integer index in [-{n}, {n}), got {_show(value)} "
-                         f"({type(value).__name__})")
+        within = f" in [-{n}, {n})" if n < _UNKNOWN else " (negative counts from the end)"  # n unknown yet
+        raise NotAnIndex(f"{what}: expected an integer index{within}, got {_show(value)} ({type(value).__name__})")
     value = int(value)
     if not -n <= value < n:
         raise IndexOutOfRange(f"{_at(what, value)}: must be in [-{n}, {n}) (the {n} {unit})")
@@ -191,14 +194,13 @@ def check_positions(spec: Any, what: str = "positions") -> Any:
     if spec is None or is_mask(spec):
         return spec
     not_a_01_mask(spec, what)
-    index_list(spec, 2**62, what, "positions")
+    index_list(spec, _UNKNOWN, what, "positions")
     return spec
 
 
 def _signed_positions(spec: Any, what: str) -> list[int]:
     """The integers of an index list as given (types checked by index_list, no range)."""
-    huge = 2**62
-    return [v - huge if v >= huge // 2 else v for v in index_list(spec, huge, what, "positions")]
+    return [v - _UNKNOWN if v >= _UNKNOWN // 2 else v for v in index_list(spec, _UNKNOWN, what, "positions")]
 
 
 def pos_index(pos_slice: Any, n_pos: int, name: str = "pos_slice", unit: str = "positions") -> Any:
