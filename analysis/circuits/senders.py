@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from hooked.models.model_map import label
-from hooked.models.protocol import ExpertMixture
+from hooked.models.protocol import ExpertMixture, keeper
 
 Emit = Callable[..., None]
 Hooks = list[tuple[Any, Callable[[Tensor, Any], Any]]]
@@ -128,17 +128,12 @@ class UnitSender(_Writes):
     def hooks(self, emit: Emit) -> Hooks:
         seen: dict[str, Tensor] = {}
 
-        def keep(i: int) -> Callable[[Tensor, Any], None]:
-            def on_read(x: Tensor, hook: Any) -> None:
-                seen[f"read{i}"] = x
-            return on_read
-
         def on_out(out: Tensor, hook: Any) -> None:
-            reads = [seen.pop(f"read{i}") for i in range(len(self.reads))]
+            reads = [seen.pop(i) for i in range(len(self.reads))]
             write = self.writer.module.unit_inputs(*reads)  # linear in what build maps: Parts.minus holds
             emit(self, Parts(self, write, out, seen.pop("scale", None)))
 
-        return ([(h, keep(i)) for i, h in enumerate(self.reads)] + self._scale_hooks(seen)
+        return ([(h, keeper(seen, i)) for i, h in enumerate(self.reads)] + self._scale_hooks(seen)
                 + [(self.writer.out_hook, on_out)])
 
     def build(self, write: Tensor, out: Tensor, scale: Tensor | None) -> Tensor:
@@ -153,16 +148,12 @@ class ExpertSender(_Writes):
     def __init__(self, writer: Any, layer: int, stage: int) -> None:
         super().__init__(writer, layer, stage)
         moe = writer.module
-        self.labels = [label(layer, "E", e) for e in range(moe.n_experts)] + ([label(layer, "shared")] if moe.shared else [])
+        shared = [label(layer, "shared")] if moe.shared is not None else []  # the always-on MLP, whole
+        self.labels = [label(layer, "E", e) for e in range(moe.n_experts)] + shared
 
     def hooks(self, emit: Emit) -> Hooks:
         moe, seen = self.writer.module, {}
         reads = moe.write_reads()  # what each expert's write is computed from (hooked.models.protocol)
-
-        def keep(key: Any) -> Callable[[Tensor, Any], None]:
-            def fn(x: Tensor, hook: Any) -> None:
-                seen[key] = x
-            return fn
 
         def on_out(out: Tensor, hook: Any) -> None:
             parts = moe.unit_writes(*(seen.pop(i) for i in range(len(reads)))).movedim(-2, 0)  # [E b p d]
@@ -170,8 +161,8 @@ class ExpertSender(_Writes):
                 parts = torch.cat([parts, seen.pop("shared_out")[None]])
             emit(self, self._to_stream(parts, out, seen.pop("scale", None)))
 
-        shared = [(moe.hook_shared_out, keep("shared_out"))] if moe.shared is not None else []
-        return ([(h, keep(i)) for i, h in enumerate(reads)] + shared + self._scale_hooks(seen)
+        shared = [(moe.hook_shared_out, keeper(seen, "shared_out"))] if moe.shared is not None else []
+        return ([(h, keeper(seen, i)) for i, h in enumerate(reads)] + shared + self._scale_hooks(seen)
                 + [(self.writer.out_hook, on_out)])
 
 

@@ -65,7 +65,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from einops import einsum, rearrange
 from jaxtyping import Float
 from torch import Tensor, nn
@@ -73,6 +72,7 @@ from torch import Tensor, nn
 from hooked import backends
 from hooked.hook_points import HookPoint
 from hooked.models.base import Context
+from hooked.models.head_writes import head_columns, written_by_heads
 from hooked.models.protocol import AttentionCut, Heads, TokenMixer
 from hooked.models.softcap import SoftCap
 from hooked.ops.rotary import Rotary, apply_rotary
@@ -154,16 +154,7 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
             z = self._eager_z(q, k, v, shared, ctx)
         z = self.hook_z(z)
         z = self.gate_heads(z, x)
-
-        flat_z = rearrange(z, "batch pos n_heads d_head -> batch pos (n_heads d_head)")
-        if not self.hook_result.is_active:
-            return self.o_proj(flat_z)
-        result = self.head_results(z)  # lazy: [batch pos n_heads d_out] only when someone asks
-        written = result.detach().sum(dim=2)  # before the hooks, which may edit `result` in place
-        result = self.hook_result(result)
-        # the value of o_proj(z) (bit-identical when nothing is edited), the gradient through the results
-        unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
-        return unedited + (result.sum(dim=2) - written)
+        return written_by_heads(self.o_proj, z, self.hook_result, self.head_results)  # hook_result: head_writes.py
 
     def _eager_z(self, q: Float[Tensor, "batch q_pos n_heads d_head"], k: Float[Tensor, "batch k_pos n_kv_heads d_head"],
                  v: Float[Tensor, "batch k_pos n_kv_heads d_head"], shared: Any, ctx: Context
@@ -232,10 +223,9 @@ class Attention(AttentionCut, TokenMixer, AttentionWeights, nn.Module):
 
     def head_results(self, z: Float[Tensor, "*batch pos n_heads d_head"]) -> Float[Tensor, "*batch pos n_heads d_out"]:
         """Each head's write to the output, without o_proj's bias (which belongs to no head)."""
-        w_o = rearrange(self.o_proj.weight, "d_out (n_heads d_head) -> n_heads d_head d_out", d_head=self.d_head)
-        return einsum(z, w_o, "... pos n_heads d_head, n_heads d_head d_out -> ... pos n_heads d_out")
+        return head_columns(self.o_proj, z)
 
-    head_writes = head_results  # the name every mixer shares (ActivationCache.compute_head_results)
+    head_writes = head_results  # the name every mixer shares (protocol.TokenMixer.unit_writes)
 
     def extra_repr(self) -> str:
         rope = f", rotary={self.rotary}" if self.rotary is not None else ""

@@ -55,7 +55,8 @@ from hooked.models.base import Context
 from hooked.models.decode_state import stepping_state
 from hooked.models.head_writes import written_by_units
 from hooked.models.mlp import activation
-from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along
+from hooked.models.protocol import (CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along, keeper,
+                                    slicer)
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import _per_head, delta_rule_carry, delta_rule_chunked, l2norm
 from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
@@ -111,15 +112,6 @@ class DeltaSpec:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
-
-
-def _slicer(positions: Callable[[int, torch.device], Tensor], on_slice: Callable[[Tensor], None],
-            axis: str) -> Callable[[Tensor, Any], None]:
-    """A hook on a [b h q_pos k_pos] kernel calling on_slice with its chosen rows or columns."""
-    def on_kernel(kernel: Tensor, hook: Any) -> None:
-        idx = positions(kernel.shape[-1], kernel.device)
-        on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
-    return on_kernel
 
 
 class HeadGatedNorm(nn.Module):
@@ -208,11 +200,6 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
         spec = ("ssm", None if channels is None else tuple(channels.tolist()), cut_conv)
         chunk = self.spec.chunk_size
 
-        def keep(key: str) -> Callable[[Tensor, Any], None]:
-            def fn(x: Tensor, hook: Any) -> None:
-                seen[key] = x
-            return fn
-
         def on_y(y: Tensor, hook: Any) -> Tensor | None:
             q, k, v, beta, alpha = (seen.pop(n) for n in ("q", "k", "v", "beta", "alpha"))
             q = q * self.spec.d_k**-0.5
@@ -232,8 +219,9 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             heads = None if channels is None else channels.to(y.device).nonzero()[:, 0]
             return delta_rule_knockout(y, q, k, v, beta, alpha, row, j, i, heads, chunk_size=chunk)
 
-        hooks: CutHooks = [(self.hook_q, keep("q")), (self.hook_k, keep("k")), (self.hook_v, keep("v")),
-                           (self.hook_beta, keep("beta")), (self.hook_alpha, keep("alpha")), (self.hook_y, on_y)]
+        hooks: CutHooks = [(self.hook_q, keeper(seen, "q")), (self.hook_k, keeper(seen, "k")),
+                           (self.hook_v, keeper(seen, "v")), (self.hook_beta, keeper(seen, "beta")),
+                           (self.hook_alpha, keeper(seen, "alpha")), (self.hook_y, on_y)]
         if not cut_conv:
             return hooks
         return self._conv_hooks(masks, self.conv_channels(channels)) + hooks
@@ -246,22 +234,17 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
         if axis not in ("rows", "cols"):
             raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
         if self.hook_kernel.has_hooks:
-            return [(self.hook_kernel, _slicer(positions, on_slice, axis))]
+            return [(self.hook_kernel, slicer(positions, on_slice, axis))]
         seen: dict[str, Tensor] = {}
         fn = delta_rule_kernel_rows if axis == "rows" else delta_rule_kernel_cols
-
-        def keep(key: str) -> Callable[[Tensor, Any], None]:
-            def hook(x: Tensor, _: Any) -> None:
-                seen[key] = x
-            return hook
 
         def on_alpha(alpha: Tensor, hook: Any) -> None:
             q, k, beta = seen.pop("q"), seen.pop("k"), seen.pop("beta")
             idx = positions(alpha.shape[1], alpha.device)
             on_slice(fn(q * self.spec.d_k**-0.5, k, beta, alpha, idx, chunk_size=self.spec.chunk_size))
 
-        return [(self.hook_q, keep("q")), (self.hook_k, keep("k")), (self.hook_beta, keep("beta")),
-                (self.hook_alpha, on_alpha)]
+        return [(self.hook_q, keeper(seen, "q")), (self.hook_k, keeper(seen, "k")),
+                (self.hook_beta, keeper(seen, "beta")), (self.hook_alpha, on_alpha)]
 
     def conv_channels(self, heads: Tensor | None) -> Tensor | None:
         """The conv channels [q | k | v] of the value heads `heads` (bool [n_heads]; None: all): each head's

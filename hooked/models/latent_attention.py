@@ -29,7 +29,6 @@ While decoding, the state keeps the expanded keys and values (attention.py's ent
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from einops import einsum, rearrange, repeat
 from jaxtyping import Float
 from torch import Tensor, nn
@@ -37,6 +36,7 @@ from torch import Tensor, nn
 from hooked.hook_points import HookPoint
 from hooked.models.attention import Attention
 from hooked.models.base import Context
+from hooked.models.head_writes import head_columns, written_by_heads
 from hooked.models.norms import RMSNorm
 from hooked.models.protocol import AttentionCut, Heads, TokenMixer
 from hooked.ops.rotary import Rotary, apply_rotary
@@ -127,14 +127,7 @@ class LatentAttention(AttentionCut, TokenMixer, nn.Module):
             z = shared.mix(pattern[..., :p0]) + einsum(pattern[..., p0:], v, "b h q k, b k h d -> b q h d")
         z = self.hook_z(z)
         z = self.gate_heads(z, x)
-        flat_z = rearrange(z, "b l h d -> b l (h d)")
-        if not self.hook_result.is_active:
-            return self.o_proj(flat_z)
-        result = self.head_results(z)  # as attention.py: o_proj(z) plus what the hooks changed
-        written = result.detach().sum(dim=2)
-        result = self.hook_result(result)
-        unedited = F.linear(flat_z.detach(), self.o_proj.weight.detach(), self.o_proj.bias)
-        return unedited + (result.sum(dim=2) - written)
+        return written_by_heads(self.o_proj, z, self.hook_result, self.head_results)  # as attention.py
 
     def gate_heads(self, z: Float[Tensor, "batch pos n_heads d_head"],
                    x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos n_heads d_head"]:
@@ -143,8 +136,7 @@ class LatentAttention(AttentionCut, TokenMixer, nn.Module):
 
     def head_results(self, z: Float[Tensor, "*batch pos n_heads d_head"]) -> Float[Tensor, "*batch pos n_heads d_out"]:
         """Each head's write, o_proj without its bias."""
-        w_o = rearrange(self.o_proj.weight, "m (h d) -> h d m", d=self.d_head)
-        return einsum(z, w_o, "... l h d, h d m -> ... l h m")
+        return head_columns(self.o_proj, z)
 
     head_writes = head_results
 

@@ -57,6 +57,23 @@ SourceScan = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]]  # (only_s
 ATTENTION_MODES = ("scores", "pattern")
 
 
+def slicer(index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> Callable[[Tensor, Any], None]:
+    """A hook on a [batch units q_pos k_pos] matrix (a pattern, a kernel) calling on_slice with its rows
+    matrix[:, :, idx] (axis "rows") or columns matrix[..., idx], idx = index(pos, device): the slices of
+    what the hook holds, edits of earlier hooks included."""
+    def on_matrix(matrix: Tensor, hook: Any) -> None:
+        idx = index(matrix.shape[-1], matrix.device)
+        on_slice(matrix[:, :, idx] if axis == "rows" else matrix[..., idx])
+    return on_matrix
+
+
+def keeper(seen: dict, key: Any) -> Callable[[Tensor, Any], None]:
+    """A hook storing what it sees in seen[key], for a later hook of the same forward to read."""
+    def keep(x: Tensor, hook: Any) -> None:
+        seen[key] = x
+    return keep
+
+
 def along(mask: Tensor, x: Tensor) -> Tensor:
     """A bool [batch pos] mask as x's dtype, broadcastable against x [batch pos ...]."""
     return mask.reshape(mask.shape + (1,) * (x.ndim - 2)).to(x.dtype)
@@ -172,11 +189,7 @@ class AttentionCut:
         return t
 
     def matrix_slices(self, index: Index, on_slice: Callable[[Tensor], None], axis: str = "rows") -> CutHooks:
-        def on_pattern(pattern: Tensor, hook: Any) -> None:
-            idx = index(pattern.shape[-1], pattern.device)
-            on_slice(pattern[:, :, idx] if axis == "rows" else pattern[..., idx])
-
-        return [(self.hook_pattern, on_pattern)]
+        return [(self.hook_pattern, slicer(index, on_slice, axis))]
 
     def cut_edges(self, masks: Masks, channels: Tensor | None = None, *, attention: str = "scores",
                   cut_conv: bool = False) -> CutHooks:
@@ -278,9 +291,6 @@ class RecurrentCut:
         otherwise the mixer's state cut (whose spec says cut_conv) keeps it."""
         seen: dict[str, Tensor] = {}
 
-        def keep(x: Tensor, hook: Any) -> None:
-            seen["in"] = x
-
         def on_conv(conv: Tensor, hook: Any) -> Tensor | None:
             conv_in = seen.pop("in")
             step = stepping_state()
@@ -297,7 +307,7 @@ class RecurrentCut:
             delta = conv_cut(conv_in, self.conv_weight, t, s, conv_chan)  # read now: real when offloaded
             return conv - delta[:, delta.shape[1] - conv.shape[1]:]
 
-        return [(self.hook_in, keep), (self.hook_conv, on_conv)]
+        return [(self.hook_in, keeper(seen, "in")), (self.hook_conv, on_conv)]
 
     def _conv_window(self, step: DecodeState, masks: Masks, conv_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(the conv input with the previous width - 1 inputs in front, target, source over those
@@ -361,11 +371,6 @@ class StateSpaceMixer(RecurrentCut):
         pairs = type(self).kernel_pairs
         spec = ("ssm", None if channels is None else tuple(channels.tolist()), cut_conv)
 
-        def keep(key: str) -> Callable[[Tensor, Any], None]:
-            def fn(x: Tensor, hook: Any) -> None:
-                seen[key] = x
-            return fn
-
         def on_y(y: Tensor, hook: Any) -> Tensor | None:
             u, dt, B, C = (seen.pop(k) for k in ("u", "dt", "B", "C"))
             step = stepping_state()
@@ -382,8 +387,8 @@ class StateSpaceMixer(RecurrentCut):
 
         on_y.needs_exact = True  # hooked.backends.exact_hook: y from the exact path (no fused kernel)
 
-        hooks: CutHooks = [(self.hook_ssm_in, keep("u")), (self.hook_dt, keep("dt")), (self.hook_B, keep("B")),
-                           (self.hook_C, keep("C")), (self.hook_y, on_y)]
+        hooks: CutHooks = [(self.hook_ssm_in, keeper(seen, "u")), (self.hook_dt, keeper(seen, "dt")),
+                           (self.hook_B, keeper(seen, "B")), (self.hook_C, keeper(seen, "C")), (self.hook_y, on_y)]
         if not cut_conv:
             return hooks
         return self._conv_hooks(masks, conv_channels(channels, self.conv_weight.shape[0], self.d_inner)) + hooks
@@ -392,19 +397,9 @@ class StateSpaceMixer(RecurrentCut):
         if axis not in ("rows", "cols"):
             raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
         if any(p.has_hooks for p in (self.hook_A_bar, self.hook_B_bar, self.hook_kernel)):
-
-            def on_kernel(kernel: Tensor, hook: Any) -> None:  # the kernel others asked for, edits included
-                idx = index(kernel.shape[-1], kernel.device)
-                on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
-
-            return [(self.hook_kernel, on_kernel)]
+            return [(self.hook_kernel, slicer(index, on_slice, axis))]  # the kernel others asked for, edits included
         seen: dict[str, Tensor] = {}
         fn = type(self).kernel_rows if axis == "rows" else type(self).kernel_cols
-
-        def keep(key: str) -> Callable[[Tensor, Any], None]:
-            def hook(x: Tensor, hook: Any) -> None:
-                seen[key] = x
-            return hook
 
         def on_C(C: Tensor, hook: Any) -> None:
             if stepping_state() is not None:
@@ -415,7 +410,7 @@ class StateSpaceMixer(RecurrentCut):
             dt, B, C = (t.to(A.dtype) for t in (seen.pop("dt"), seen.pop("B"), C))
             on_slice(fn(dt, A, B, C, index(dt.shape[1], dt.device)))
 
-        return [(self.hook_dt, keep("dt")), (self.hook_B, keep("B")), (self.hook_C, on_C)]
+        return [(self.hook_dt, keeper(seen, "dt")), (self.hook_B, keeper(seen, "B")), (self.hook_C, on_C)]
 
 
 class ExpertMixture:

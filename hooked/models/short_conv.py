@@ -34,7 +34,7 @@ from hooked import backends
 from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
 from hooked.models.head_writes import written_by_units
-from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer
+from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, slicer
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.conv_kernel import conv_kernel, conv_kernel_cols, conv_kernel_rows
 from hooked.ops.fused import causal_conv1d_fused
@@ -90,10 +90,7 @@ class GatedShortConv(RecurrentCut, TokenMixer, nn.Module):
         if axis not in ("rows", "cols"):
             raise ValueError(f"axis must be 'rows' or 'cols', got {axis!r}")
         if self.hook_kernel.has_hooks:
-            def on_kernel(kernel: Tensor, hook: Any) -> None:
-                idx = positions(kernel.shape[-1], kernel.device)
-                on_slice(kernel[:, :, idx] if axis == "rows" else kernel[..., idx])
-            return [(self.hook_kernel, on_kernel)]
+            return [(self.hook_kernel, slicer(positions, on_slice, axis))]
         fn = conv_kernel_rows if axis == "rows" else conv_kernel_cols
 
         def on_C(C: Tensor, hook: Any) -> None:
