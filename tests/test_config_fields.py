@@ -174,6 +174,7 @@ FAMILY: dict[str, dict[str, Any]] = {
     "gpt_oss": {"swiglu_alpha": Vary(2.5), "swiglu_limit": Vary(5.0)},
     "olmo_hybrid": {"linear_allow_neg_eigval": Vary(False)},
     "bailing_hybrid": {"kda_lower_bound": Vary(-8.0), "kda_safe_gate": Vary(False), "num_mtp_layers": Vary(2)},
+    "recurrent_gemma": {"conv1d_width": Vary(3), "logits_soft_cap": Vary(5.0), "w_init_variance_scale": _INIT},
 }
 
 

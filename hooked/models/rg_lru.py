@@ -131,9 +131,14 @@ class RGLRUBlock(RecurrentCut, TokenMixer, nn.Module):
         """y_j = sum_i K[d, j, i] x_i: the kernel mixes hook_x into hook_y."""
         return Mixing(self.hook_kernel, self.hook_x, self.hook_y)
 
+    def A(self) -> Float[Tensor, "lru_width"]:
+        """A = -8 softplus(Lambda), at least float32: the decay is a_t = exp(A r_t)."""
+        return -LOG_DECAY_SCALE * F.softplus(self.recurrent_param.to(torch.promote_types(self.recurrent_param.dtype,
+                                                                                           torch.float32)))
+
     def decay_norms(self) -> Float[Tensor, "lru_width"]:
         """The decay per channel at r = 1, exp(-8 softplus(Lambda)) (d_state = 1)."""
-        return torch.exp(-LOG_DECAY_SCALE * F.softplus(self.recurrent_param.double()))
+        return torch.exp(self.A().double())
 
     def head_writes(self, gated: Float[Tensor, "*batch pos lru_width"]) -> Float[Tensor, "*batch pos lru_width d_model"]:
         """Each channel's write to the residual (out_proj without its bias)."""
