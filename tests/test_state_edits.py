@@ -1,7 +1,7 @@
 """Edits of a recurrent state (hook_h) SET the state where they differ, and the recurrence continues (float64).
 
 For every family with a state-bearing mixer (Mamba-1 and its variants, Mamba-2 and Llamba's discrete
-Mamba-2, the gated delta rule, KDA), against a sequential
+Mamba-2, the gated delta rule, KDA, MiniMax's lightning attention), against a sequential
 float64 reference written here that REPLACES the state at the set entries (hooked/state_edit.py):
 edits at one, two and every position, at some entries only, in place; a whole trajectory patched from
 another prompt runs on exactly that prompt's states; a second hook on the same point sees the continued
@@ -77,12 +77,39 @@ def delta_states(q, A, edit):
     return torch.stack(hs, 1), torch.stack(ys, 1)
 
 
+def lightning_states(q, A, edit):
+    """Per head: S <- exp(A) S + k v^T (MiniMax's lightning attention, A = -slope), then edit; y = S^T q."""
+    qh, kh, v = q["hook_q"], q["hook_k"], q["hook_v"]
+    S = v.new_zeros(v.shape[0], v.shape[2], kh.shape[-1], v.shape[-1])
+    hs, ys = [], []
+    for t in range(v.shape[1]):
+        S = torch.exp(A)[:, None, None] * S + einsum(kh[:, t], v[:, t], "b h c, b h v -> b h c v")
+        S = edit(t, S)
+        hs.append(S)
+        ys.append(einsum(S, qh[:, t], "b h c v, b h c -> b h v"))
+    return torch.stack(hs, 1), torch.stack(ys, 1)
+
+
+def rg_lru_states(q, A, edit):
+    """Per channel: h_t = a_t h_{t-1} + sqrt(1 - a_t^2) i_t x_t (RecurrentGemma's RG-LRU; a = 0 at position 0),
+    then edit; y = h."""
+    a, i, x = q["hook_a"], q["hook_input_gate"], q["hook_x"]
+    h = x.new_zeros(x.shape[0], x.shape[2], 1)
+    hs, ys = [], []
+    for t in range(x.shape[1]):
+        h = a[:, t, :, None] * h + (torch.sqrt(1 - a[:, t] ** 2) * i[:, t] * x[:, t])[..., None]
+        h = edit(t, h)
+        hs.append(h)
+        ys.append(h[..., 0])
+    return torch.stack(hs, 1), torch.stack(ys, 1)
+
+
 INPUTS = {mamba1_states: ("ssm_in", "dt", "B", "C"), mamba2_states: ("ssm_in", "dt", "B", "C"),
-          delta_states: ("q", "k", "v", "beta", "alpha")}
+          delta_states: ("q", "k", "v", "beta", "alpha"), lightning_states: ("q", "k", "v")}
 
 
 REFERENCES = {("d_inner", "d_state"): mamba1_states, ("d_head", "d_state"): mamba2_states,
-              ("d_k", "d_v"): delta_states}
+              ("d_k", "d_v"): delta_states, ("lru_width", "d_state"): rg_lru_states, ("d_key", "d_value"): lightning_states}
 
 
 @functools.cache
@@ -94,7 +121,7 @@ def site(name: str):
 
 
 SITES = ["mamba", "falcon_mamba", "jamba", "mamba2", "zamba2", "bamba", "granite", "falcon_h1", "nemotron_h",
-         "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid"]
+         "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "recurrent_gemma", "minimax"]
 
 
 def tokens(seed: int = 0, pos: int = POS):
@@ -107,7 +134,7 @@ def run(model, where, edits, toks=None):
 
     def save(x, hook):
         q[hook.name.rsplit(".", 1)[1]] = x.clone()
-    names = [f"{where}.hook_{n}" for n in ("ssm_in", "dt", "B", "C", "q", "k", "v", "beta", "alpha", "y")]
+    names = [f"{where}.hook_{n}" for n in ("ssm_in", "dt", "B", "C", "q", "k", "v", "beta", "alpha", "x", "a", "input_gate", "y")]
     hooks = [(n, save) for n in names if n in model.hook_dict]
     with torch.no_grad():
         model.run_with_hooks(tokens() if toks is None else toks,

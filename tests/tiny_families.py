@@ -100,6 +100,12 @@ CONFIGS["bailing_hybrid"] = lambda: (_T.BailingHybridForCausalLM, _T.BailingHybr
     num_attention_heads=4, num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
     kv_lora_rank=8, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
     layer_group_size=2, pad_token_id=0, eos_token_id=1))
+CONFIGS["minimax"] = lambda: (_T.MiniMaxForCausalLM, _T.MiniMaxConfig(  # lightning attention, blocks of 4 positions
+    **_SMALL, head_dim=8, intermediate_size=12, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+    block_size=4, layer_types=["linear_attention", "full_attention", "linear_attention"]))
+CONFIGS["recurrent_gemma"] = lambda: (_T.RecurrentGemmaForCausalLM, _T.RecurrentGemmaConfig(  # RG-LRU + local MQA
+    vocab_size=V, hidden_size=16, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
+    num_hidden_layers=3, lru_width=24, attention_window_size=4, block_types=["recurrent", "recurrent", "attention"]))
 FAMILIES = tuple(CONFIGS)
 
 
