@@ -177,6 +177,17 @@ optimizer updates the HF tensors that are saved): a training step on HF's slow p
 near the elimination level (answering with a value not yet asked) until step ~3,000, then rose to
 0.99 by step ~4,700. The run was stopped at step 5,200 (57 min on one shared thread).
 """),
+    "griffin-kv": Recipe("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(
+        _COMMON, hidden_size=64, num_hidden_layers=2, block_types=["recurrent", "attention"], num_attention_heads=4,
+        num_key_value_heads=1, lru_width=64, intermediate_size=256, attention_window_size=128, conv1d_width=4,
+        tie_word_embeddings=True, attn_implementation="eager"), fmt="k?", lr=3e-3, steps=5200, engine="hooked",
+        minutes=30, notes="""
+RecurrentGemma's layers (Griffin): an RG-LRU recurrent block (conv, input and recurrence gates, one decaying
+state per channel), then local multi-query attention (4 query heads, 1 key-value head; its 128-token window
+is longer than every training sequence, so it sees the whole prompt), GeGLU MLPs, trained through our model
+(engine "hooked": the RG-LRU as a linear scan), to ask which layer gathers and which aggregates, as gdn-kv
+(Gated DeltaNet then attention) and Zamba2-kv (Mamba-2 then attention) ask it.
+"""),
     "mamba2-facts": Recipe("Mamba2Config", "Mamba2ForCausalLM", dict(
         _FACTS, hidden_size=64, num_hidden_layers=4, state_size=32, head_dim=16, num_heads=8, expand=2,
         n_groups=1, chunk_size=16, conv_kernel=4, tie_word_embeddings=True), task="facts", **_FACTS_RUN),
