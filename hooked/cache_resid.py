@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from hooked.devices import onloaded
-from hooked.models.model_map import label, model_map
+from hooked.models.model_map import label, label_layer, model_map
 from hooked.models.protocol import ExpertMixture
 from hooked.validate import Flag, checked, pos_index, resid_layer, token_ids
 
@@ -84,6 +84,43 @@ class ResidualStreamMethods:
             writers = mlps
         norm = writers[0].norm
         return norm, norm.hook_scale.name.rsplit(".", 1)[0]
+
+    def _renorms(self, layer: int, mlp_input: bool) -> list[tuple[int, int, Any, float]]:
+        """(block, step, norm, alpha) of every step that renormalises the stream itself before the residual at
+        `layer` (block.stream_norms: MiniMax's resid = alpha * norm(resid) + ...; none in other blocks)."""
+        out = []
+        for l in range(min(layer + 1, self.n_layers)):
+            for i, norm, alpha in self.model.blocks[l].stream_norms():
+                if l < layer or (mlp_input and i < self._mlp_writer(l).step):
+                    out.append((l, i, norm, alpha))
+        return out
+
+    def _carried(self, stack: Tensor, origin: tuple[int, int], renorms: list, pos_slice: SliceInput = None) -> Tensor:
+        """A component added at `origin` (block, step; the embedding: (-1, 0)) as it reaches the residual:
+        through every later renormalising step, alpha times the norm with its cached scale (linear)."""
+        for l, i, norm, alpha in renorms:
+            if (l, i) <= origin:
+                continue
+            key = norm.hook_scale.name
+            if key not in self.cache_dict:
+                raise KeyError(f"a decomposition through a renormalised stream needs {key!r} in the cache")
+            with onloaded(self.model, norm):
+                device = norm.weight.device
+                scale = slice_pos(self.cache_dict[key], pos_slice).to(device)
+                stack = (norm.normalize_with_scale(stack.to(device), scale) * alpha).to(stack.device)
+        return stack
+
+    def _carried_heads(self, heads: Tensor, labels: list[str], renorms: list, pos_slice: SliceInput) -> Tensor:
+        """Per-unit writes (stack_head_results' order) carried from their block's token-mixing step."""
+        if not renorms:
+            return heads
+        layers = torch.tensor([label_layer(t) for t in labels])
+        out = heads.clone()
+        for l in layers.unique().tolist():
+            step = min(w.step for w in self.model.blocks[l].writers() if w.kind != "mlp")
+            idx = (layers == l).nonzero()[:, 0].to(heads.device)
+            out[idx] = self._carried(heads[idx], (l, step), renorms, pos_slice)
+        return out
 
     # ----------------------------------------------------------------------------- layer norm
     @checked(mlp_input=Flag(), has_batch_dim=Flag(none=True), recompute_ln=Flag())
@@ -145,18 +182,19 @@ class ResidualStreamMethods:
         if mode not in ("all", "attn", "mlp"):
             raise ValueError(f"mode must be 'all', 'attn' or 'mlp', got {mode!r}")
         layer = self._final_layer(layer)
+        renorms = self._renorms(layer, mlp_input)
         parts, labels = [], []
         if incl_embeds:
             for key in ("hook_embed", "hook_pos_embed"):
                 if key in self.cache_dict:
-                    parts.append(self.cache_dict[key])
+                    parts.append(self._carried(self.cache_dict[key], (-1, 0), renorms))
                     labels.append(key[len("hook_"):])
         for l in range(layer + (1 if mlp_input and self._mid_at(layer) else 0)):
             for w in self.model.blocks[l].writers():  # what each block adds, hooked (block.py)
                 if l == layer and w.kind == "mlp":
                     continue  # mlp_input: block `layer`'s writers before its MLP
                 if mode == "all" or (w.kind == "mlp") == (mode == "mlp"):
-                    parts.append(self.cache_dict[w.out_hook.name])
+                    parts.append(self._carried(self.cache_dict[w.out_hook.name], (l, w.step), renorms))
                     labels.append(f"{l}_{w.kind}_out")
         like = slice_pos(self["embed"], pos_slice)
         stack = _stack([slice_pos(p, pos_slice) for p in parts]) if parts else like.new_zeros((0, *like.shape))
@@ -312,37 +350,41 @@ class ResidualStreamMethods:
         broadcast over positions, or per position where a post-norm scales it."""
         layer = self._final_layer(layer)
         stop = layer + (1 if mlp_input and self._mid_at(layer) else 0)
+        renorms = self._renorms(layer, mlp_input)  # steps renormalising the stream (MiniMax): carried through
         heads, labels = self.stack_head_results(stop, pos_slice=pos_slice, return_labels=True)
-        parts, mlp_labels, bias = [heads], [], None
+        parts, mlp_labels, bias = [self._carried_heads(heads, labels, renorms, pos_slice)], [], None
         for l in range(stop):
             for w in self.model.blocks[l].writers():
                 if w.kind == "mlp" and l == layer:
                     continue  # mlp_input: block `layer`'s writers before its MLP
                 with_bias = w.kind != "mlp"  # heads leave their projection's bias out
+                mlp_parts = []
                 if w.kind == "mlp" and not expand_neurons:
-                    parts.append(slice_pos(self.cache_dict[w.out_hook.name], pos_slice)[None])
+                    mlp_parts.append(slice_pos(self.cache_dict[w.out_hook.name], pos_slice)[None])
                     mlp_labels.append(f"{l}_mlp_out")
                 elif w.kind == "mlp" and isinstance(w.module, ExpertMixture):
                     expert_parts, names = self._expert_parts(l, w)
-                    parts += [slice_pos(p, pos_slice) for p in expert_parts]
+                    mlp_parts += [slice_pos(p, pos_slice) for p in expert_parts]
                     mlp_labels += names
                 elif w.kind == "mlp":
                     neurons, names = self.stack_neuron_results(l + 1, pos_slice=pos_slice, return_labels=True)
                     keep = [i for i, n in enumerate(names) if n.startswith(label(l, "N"))]
-                    parts.append(neurons[keep])
+                    mlp_parts.append(neurons[keep])
                     mlp_labels += [names[i] for i in keep]
                     with_bias = True
+                parts += [self._carried(p, (l, w.step), renorms, pos_slice) for p in mlp_parts]
                 if with_bias:
                     with onloaded(self.model, w.module):
                         b = w.module.output_bias()
                         b = None if b is None else b.detach().to(heads.device)
                     if b is not None:
-                        b = self._to_resid(w, b)
+                        b = self._carried(self._to_resid(w, b), (l, w.step), renorms)
                         bias = b if bias is None else bias + b
         labels = labels + mlp_labels
         for key in ("hook_embed", "hook_pos_embed"):
             if key in self.cache_dict:
-                parts.append(slice_pos(self.cache_dict[key], pos_slice)[None])
+                parts.append(self._carried(slice_pos(self.cache_dict[key], pos_slice)[None], (-1, 0), renorms,
+                                           pos_slice))
                 labels.append(key[len("hook_"):])
         if bias is None:
             bias = heads.new_zeros(heads.shape[-1])

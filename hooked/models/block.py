@@ -180,6 +180,11 @@ class ResidualBlock(nn.Module):
                 pairs += getattr(self, step.side.name).norm_readers()
         return pairs
 
+    def stream_norms(self) -> list[tuple[int, nn.Module, float]]:
+        """(step, norm, alpha) of every step that renormalises the stream itself, resid = alpha * norm(resid) +
+        ... (norm_residual.py); none here. Decompositions carry earlier components through these."""
+        return []
+
     @property
     def mlp_reads_mid(self) -> bool:
         """False when the MLP is a branch of a parallel step (GPT-NeoX): it reads the block's input, and

@@ -9,9 +9,10 @@ sublayer adds), hook_resid_mid, hook_resid_post. So zeroing hook_{kind}_out remo
 (resid = alpha_i * x), as in every other block.
 
 Not as in other blocks: the writers do not sum to resid_post - resid_pre, since the stream itself is
-renormalised at every step (resid_mid = alpha_1 * ln1(resid_pre) + attn_out). A decomposition of the
-residual into writers is exact only through each norm's scale (the norm is linear in the stream once its
-scale is fixed). fold_ln is refused: the norm's weight multiplies the stream, not only its readers.
+renormalised at every step (resid_mid = alpha_1 * ln1(resid_pre) + attn_out). `stream_norms` lists those
+steps: the cache's decompositions (hooked/cache_resid.py) carry each earlier component through them, alpha
+times the norm with its cached scale (linear in the stream once the scale is fixed), so they stay exact.
+fold_ln is refused: the norm's weight multiplies the stream, not only its readers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class NormResidualBlock(ResidualBlock):
             raise ValueError("a NormResidualBlock has serial sublayers (no side input, no post-norm), one alpha each")
         super().__init__(steps)
         self.alphas = tuple(float(a) for a in alphas)
+
+    def stream_norms(self) -> list[tuple[int, nn.Module, float]]:
+        return [(i, getattr(self, f"ln{i}"), a) for (_, i, _), a in zip(self._plan, self.alphas)]
 
     def norm_readers(self) -> list[tuple[nn.Module, list[nn.Module]]]:
         raise ValueError("fold_ln: this block's residual path runs through its norms (resid = alpha * ln(resid) "
