@@ -175,6 +175,9 @@ FAMILY: dict[str, dict[str, Any]] = {
     "olmo_hybrid": {"linear_allow_neg_eigval": Vary(False)},
     "bailing_hybrid": {"kda_lower_bound": Vary(-8.0), "kda_safe_gate": Vary(False), "num_mtp_layers": Vary(2)},
     "recurrent_gemma": {"conv1d_width": Vary(3), "logits_soft_cap": Vary(5.0), "w_init_variance_scale": _INIT},
+    "minimax": {"sliding_window": Vary(4), "full_attn_alpha_factor": Vary(0.7), "full_attn_beta_factor": Vary(1.2),
+                "linear_attn_alpha_factor": Vary(1.3), "linear_attn_beta_factor": Vary(0.8),
+                "mlp_alpha_factor": Vary(0.9), "mlp_beta_factor": Vary(1.1)},
 }
 
 
