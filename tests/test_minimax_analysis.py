@@ -7,9 +7,10 @@ columns after it); knockout on every layer kind runs and, on the lightning layer
 kernel terms; patching the clean cache into the same run is the clean run, and an act_patch sweep over
 hook_h by position equals patches by hand; an SAE with its error term leaves the logits bit-identical;
 kernel_rows / kernel_cols equal hook_kernel's slices; the head units of both kinds rank, G&A scores, info_flow
-and EAP / verify_circuit run and give finite numbers. What does not hold here, by the architecture: the
-residual is not a sum of the blocks' writers (each step renormalises the stream: norm_residual.py), so exact
-decompositions of it and "every edge patched == the corrupt run" are not asked of this family.
+and EAP / verify_circuit run and give finite numbers. The residual decompositions (carried through each step's
+renormalisation, hooked/cache_resid.py) sum exactly in tests/test_attribution_exact.py and test_model_map.py;
+"every edge patched == the corrupt run" is not asked of this family (tests/test_circuits_exact.py): each
+step renormalises the stream (norm_residual.py), so a receiver reads no sum of senders.
 """
 
 from __future__ import annotations
