@@ -260,6 +260,29 @@ def test_kernel_and_states_equal_a_brute_force_recurrence_on_the_models_gates():
     close(einsum(K, x, "b d j i, b i d -> b j d"), y, "K . x vs y")
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_edited_decay_is_what_the_recurrence_and_its_multiplier_read(in_place):
+    model, toks = model64(), tokens(pos=11)
+    names = [f"{SITE}.hook_{n}" for n in ("x", "input_gate", "a", "multiplier", "y")]
+
+    def halve(a, hook):
+        if in_place:
+            a[:, 4:7] *= 0.5
+            return None
+        a = a.clone()
+        a[:, 4:7] *= 0.5
+        return a
+    with torch.no_grad(), model.hooks(fwd_hooks=[(f"{SITE}.hook_a", halve)]):
+        _, cache = model.run_with_cache(toks, names_filter=names)
+    x, i, a, m, y = (cache[n] for n in names)
+    close(m, torch.sqrt(1 - a**2), "multiplier from the edited a")
+    h, ys = torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + torch.sqrt(1 - a[:, t] ** 2) * i[:, t] * x[:, t]
+        ys.append(h)
+    close(y, torch.stack(ys, 1), "y from the edited decays")
+
+
 @pytest.mark.parametrize("channels", [None, [0, 5, 23]])
 def test_knockout_equals_zeroing_the_cut_entries_of_the_kernel(channels):
     model, toks = model64(), tokens(pos=12)

@@ -236,7 +236,8 @@ class RGLRUBlock(RecurrentCut, TokenMixer, nn.Module):
         gate_r = self.hook_recurrent_gate(gate(self.recurrent_gate_weight, self.recurrent_gate_bias))
         reset = (ctx.position_ids == 0)[..., None]  # the first real token (and padding) starts from nothing
         log_a = -LOG_DECAY_SCALE * gate_r * F.softplus(self.recurrent_param.to(dtype))
-        a, a_was = through_hook(self.hook_a, torch.exp(log_a).masked_fill(reset, 0.0))
+        decay_fn = lambda: torch.exp(log_a).masked_fill(reset, 0.0)  # noqa: E731  (rebuilds after an in-place edit)
+        a, a_was = through_hook(self.hook_a, decay_fn(), decay_fn)
         a_square = a * a if a_was is not None else torch.exp(2 * log_a).masked_fill(reset, 0.0)  # HF's a^2
         mult = self.hook_multiplier(torch.sqrt(1 - a_square))
         wx = x.to(dtype) * gate_i * mult  # HF's order: (x * i) * multiplier
