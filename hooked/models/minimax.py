@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hooked.models.block import Sublayer
 from hooked.models.hybrid import check_kinds
 from hooked.models.language_model import LanguageModel
 from hooked.models.lightning import LightningMixer, LightningSpec, minimax_slopes
 from hooked.models.llama import attention
-from hooked.models.block import Sublayer
 from hooked.models.mixtral import MixtralConfig
 from hooked.models.moe import MoE, SoftmaxTopK
 from hooked.models.norm_residual import NormResidualBlock
@@ -56,8 +56,8 @@ class MiniMaxConfig(MixtralConfig):
             self.lightning(l)  # validates the lightning fields
 
     def lightning(self, layer: int) -> LightningSpec:
-        return LightningSpec(self.d_model, self.n_heads, self.d_head, minimax_slopes(self.n_heads, layer, self.n_layers),
-                             self.block_size, self.act_fn)
+        slopes = minimax_slopes(self.n_heads, layer, self.n_layers)
+        return LightningSpec(self.d_model, self.n_heads, self.d_head, slopes, self.block_size, self.act_fn)
 
 
 def build(cfg: MiniMaxConfig) -> LanguageModel:

@@ -55,4 +55,5 @@ class NormResidualBlock(ResidualBlock):
         return self.hook_resid_post(resid)
 
     def extra_repr(self) -> str:
-        return ", then ".join(f"{a:g}*ln{i}(resid) + {s.scale:g}*{s.kind}" for a, (_, i, s) in zip(self.alphas, self._plan))
+        steps = zip(self.alphas, self._plan)
+        return ", then ".join(f"{a:g}*ln{i}(resid) + {s.scale:g}*{s.kind}" for a, (_, i, s) in steps)

@@ -79,7 +79,8 @@ def lightning_chunked(
         ys.append(y)
         # 3. the state leaving the block: lambda^n S + sum_i lambda^(n-1-i) k_i v_i^T
         kd = kb * _decay(slope, n - 1 - r).T[None, :, :, None]
-        S = _decay(slope, r.new_tensor(float(n)))[None, :, None, None] * S + einsum(kd, vb, "b i h c, b i h v -> b h c v")
+        block_decay = _decay(slope, r.new_tensor(float(n)))[None, :, None, None]
+        S = block_decay * S + einsum(kd, vb, "b i h c, b i h v -> b h c v")
     y = torch.cat(ys, dim=1) if ys else v.new_zeros(v.shape)
     return y, S
 
