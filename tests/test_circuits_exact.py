@@ -180,7 +180,7 @@ def test_token_knockout_cuts_one_unit_only(run):
     layer = int(mixer_name.split(".")[1])
     from analysis.circuits.token_edges import token_sites
 
-    labels = next(lab for n, _, lab in token_sites(model) if n == mixer_name)
+    labels = next(s.labels() for s in token_sites(model) if s.path == mixer_name)
     # before any norm mixes the units (a short conv has no y: its gated output, one channel per unit)
     point = (m.hook_z if m.heads().kind == "attn" else getattr(m, "hook_y", m.heads().write_hook)).name
     with torch.no_grad():

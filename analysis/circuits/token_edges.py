@@ -31,7 +31,7 @@ from torch import Tensor
 from analysis.circuits.metrics import tail_of
 from analysis.circuits.runs import forward_logits
 from hooked.hook_points import scoped_hooks
-from hooked.models.model_map import model_map
+from hooked.models.model_map import Site, model_map
 from hooked.models.protocol import ATTENTION_MODES
 from hooked.validate import Flag, Integer, OneOf, Text, check, checked, metric_name, metric_value, token_edge
 
@@ -47,9 +47,9 @@ class TokenEdge:
         return f"{self.unit}[{self.target}<-{self.source}]"
 
 
-def token_sites(model: Any) -> list[tuple[str, Any, list[str]]]:
-    """(mixer name, mixer, unit labels) of every token mixer, in forward order (the model map's sites)."""
-    return [(s.path, s.module, s.labels()) for s in model_map(model) if s.mixes_tokens]
+def token_sites(model: Any) -> list[Site]:
+    """Every token mixer's site of the model map (path, module, units and their labels), in forward order."""
+    return model_map(model).mixers()
 
 
 class TokenGradients:
@@ -60,17 +60,17 @@ class TokenGradients:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.attention = attention
         self.sites = token_sites(model)
-        for name, m, _ in self.sites:
-            _check_scorable(name, m)
+        for site in self.sites:
+            _check_scorable(site.path, site.module)
         self._seen: dict[str, dict[str, Tensor]] = {}
         self._pending: dict[str, Tensor] = {}
         self._total: dict[str, Tensor] = {}
 
     def hooks(self) -> list[tuple[Any, Callable]]:
-        self._seen = {name: {} for name, _, _ in self.sites}
+        self._seen = {site.path: {} for site in self.sites}
         out = []
-        for name, m, _ in self.sites:
-            seen = self._seen[name]
+        for site in self.sites:
+            seen = self._seen[site.path]
 
             def keep(key: str, seen: dict = seen) -> Callable:
                 def fn(x: Tensor, hook: Any) -> None:
@@ -83,24 +83,24 @@ class TokenGradients:
                     return seen[key]
                 return fn
 
-            mixing = m.mixing()  # output[j] = sum_i matrix[j, i] value[i]: pattern and v into z, kernel and u into y
+            mixing = site.mixing()  # output[j] = sum_i matrix[j, i] value[i]: pattern and v into z, kernel and u into y
             out += [(mixing.value, keep("v")), (mixing.matrix, keep("A")), (mixing.output, grad_at("out"))]
         return out
 
     def tensors(self) -> list[Tensor]:
-        return [self._seen[name]["out"] for name, _, _ in self.sites]
+        return [self._seen[site.path]["out"] for site in self.sites]
 
     def take(self, grads: Sequence[Tensor | None]) -> None:
-        for (name, m, labels), g in zip(self.sites, grads):
-            seen = self._seen[name]
+        for site, g in zip(self.sites, grads):
+            seen = self._seen[site.path]
             if g is None:
                 score = None
-            elif m.mixing().scores is not None:  # a softmax's entries: cut by renormalising or zeroing
-                score = _attention_scores(seen["A"], m.repeat_kv(seen["v"]), g, self.attention)
+            elif site.mixing().scores is not None:  # a softmax's entries: cut by renormalising or zeroing
+                score = _attention_scores(seen["A"], site.module.repeat_kv(seen["v"]), g, self.attention)
             else:  # a kernel's: output is linear in them
-                score = _kernel_scores(seen["A"], seen["v"], g, len(labels))
+                score = _kernel_scores(seen["A"], seen["v"], g, site.n)
             if score is not None:
-                self._pending[name] = self._pending.get(name, 0) + score
+                self._pending[site.path] = self._pending.get(site.path, 0) + score
         self._seen = {}
 
     def close_chunk(self, weight: float) -> None:
@@ -109,8 +109,8 @@ class TokenGradients:
         self._pending = {}
 
     def scores(self) -> "TokenEdgeScores":
-        return TokenEdgeScores({name: (labels, self._total[name]) for name, _, labels in self.sites
-                                if name in self._total}, self.attention)
+        return TokenEdgeScores({site.path: (site.labels(), self._total[site.path]) for site in self.sites
+                                if site.path in self._total}, self.attention)
 
 
 def kernel_io(m: Any) -> tuple[Any, Any] | None:
@@ -201,7 +201,7 @@ def cut_token_edges(model: Any, edges: Sequence[Any], attention: str = "scores")
     """Cut exactly the listed token edges (TokenEdges or (unit, target, source)) while open: attention per
     head (the other heads keep the entry), SSM per unit (mixer.cut_edges restricted to that unit)."""
     check(attention, "cut_token_edges: attention", OneOf(*ATTENTION_MODES))
-    units = {label: (m, h) for _, m, labels in token_sites(model) for h, label in enumerate(labels)}
+    units = {label: (site.module, h) for site in token_sites(model) for h, label in enumerate(site.labels())}
     by_unit: dict[str, list[tuple[int, int]]] = {}
     for unit, j, i in _as_triples(edges):
         if unit not in units:
