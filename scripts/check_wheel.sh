@@ -88,7 +88,7 @@ print("[check_wheel] tiny checkpoint:", sorted(p.name for p in out.iterdir()))
 EOF
   step "[$v] hooked parity (tiny saved Llama)" "$env_dir/bin/hooked" parity "$run/tiny-llama" --out "$run/parity" \
     >"$run/parity.log"
-  grep -E "PASS|FAIL|top-1" "$run/parity.log"
+  grep -E "PASS|FAIL|top-1|check_wheel" "$run/parity.log"
   step "[$v] disk offload (accelerate)" "$env_dir/bin/python" - "$run/tiny-llama" "$run/offload" <<'EOF'
 import sys, torch
 from loaders import from_pretrained
