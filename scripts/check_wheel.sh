@@ -21,10 +21,14 @@ PY=${PYTHON:-python3}
 if [ -n "${WORK:-}" ]; then KEEP=1; mkdir -p "$WORK"; else WORK=$(mktemp -d /tmp/hooked-wheel.XXXXXX); fi
 [ "${KEEP:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
 
-# The declared range's ends, read from pyproject.toml: "transformers>=A,<=B" (or "<B" is refused: give ends).
+# The declared range's ends, read from pyproject.toml: "transformers>=A,<=B" (both ends named, so both testable).
 range=$(grep -o '"transformers[^"]*"' "$ROOT/pyproject.toml" | head -1 | tr -d '"')
 LOW=$(sed -n 's/.*>=\([0-9.]*\).*/\1/p' <<<"$range")
 HIGH=$(sed -n 's/.*<=\([0-9.]*\).*/\1/p' <<<"$range")
+if [ -z "$LOW" ] || [ -z "$HIGH" ]; then
+  echo "check_wheel: pyproject.toml declares $range; expected transformers>=LOW,<=HIGH" >&2
+  exit 2
+fi
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=("$LOW" "$HIGH")
 # Lower bounds of the other runtime ranges, installed with the lowest transformers (read from pyproject.toml).
