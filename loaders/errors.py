@@ -2,7 +2,7 @@
 
 Glossary
     missing      a parameter none of whose checkpoint names is present (`expected`: its shape, shown after it)
-    unexpected   a checkpoint tensor no parameter reads
+    unexpected   a checkpoint tensor no parameter reads (`found`: its shape and file, shown after it)
     mis-shaped   a tensor whose shape (after its Key's transform) is not the parameter's: the tensor's
                  name, the shape found, the shape expected, and the file it is in
     hint         a line saying what the lists suggest (the checkpoint's layers against the config's)
@@ -21,14 +21,17 @@ class CheckpointError(ValueError):
     """A checkpoint that does not fit the model; `.missing`, `.unexpected`, `.mismatched` list all of it."""
 
     def __init__(self, origin: str, arch: str, missing: list[str], unexpected: list[str], mismatched: list[str],
-                 unmapped: list[str] = (), hints: Iterable[str] = (), expected: dict[str, Any] | None = None) -> None:
+                 unmapped: list[str] = (), hints: Iterable[str] = (), expected: dict[str, Any] | None = None,
+                 found: dict[str, str] | None = None) -> None:
         self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
         self.unmapped, self.hints, self.expected = list(unmapped), list(hints), dict(expected or {})
+        self.found = dict(found or {})
         self.origin, self.arch = origin, arch
         shown = [f"{n} {list(self.expected[n])}" if n in self.expected else n for n in self.missing]
+        stray = [f"{n} {self.found[n]}" if n in self.found else n for n in self.unexpected]
         parts = [*self.hints,
                  f"missing ({len(missing)}): {_listed(shown, ', ', 'missing')}" if missing else "",
-                 f"unexpected ({len(unexpected)}): {_listed(unexpected, ', ', 'unexpected')}" if unexpected else "",
+                 f"unexpected ({len(unexpected)}): {_listed(stray, ', ', 'unexpected')}" if unexpected else "",
                  f"mis-shaped ({len(mismatched)}): {_listed(mismatched, '; ', 'mismatched')}" if mismatched else "",
                  f"parameters the {arch} key map does not cover ({len(self.unmapped)}): {', '.join(self.unmapped)}"
                  if self.unmapped else ""]

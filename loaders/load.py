@@ -269,7 +269,7 @@ def load_dir(directory: str | Path, placement: Placement = Placement(), *, allow
         if hint is None:
             raise
         raise CheckpointError(e.origin, e.arch, e.missing, e.unexpected, e.mismatched, e.unmapped,
-                              [hint, *e.hints], e.expected) from None
+                              [hint, *e.hints], e.expected, e.found) from None
     model.tokenizer = load_tokenizer(d)
     return model
 
@@ -405,7 +405,7 @@ def build_from_source(hf_config: dict[str, Any], source: Any, placement: Placeme
             source = arch.adapt(source)
         except CheckpointError as e:  # raised before the architecture was known to it
             raise CheckpointError(origin, arch.name, e.missing, e.unexpected, e.mismatched, e.unmapped,
-                                  e.hints, e.expected) from None
+                                  e.hints, e.expected, e.found) from None
     cfg = follow_stored_head(cfg, arch, source)  # a stored lm_head.weight is loaded, untied, as HF does
     dtype = placement.dtype or checkpoint_dtype(hf_config, source)
     try:
@@ -469,8 +469,9 @@ def plan_load(arch: Architecture, cfg: Any, model: nn.Module, source: Any) -> di
                   and not (n in TIED_OUTPUT_KEYS and n not in referenced) and identity(n) not in used_ids]
     if missing or unexpected or mismatched or unmapped:
         hints = layer_hint(source.keys(), getattr(cfg, "n_layers", None)) if missing else []
+        found = {n: f"{list(source.shape(n))} in {where(source, n)}" for n in unexpected}
         raise CheckpointError(getattr(source, "origin", "checkpoint"), arch.name, missing, unexpected, mismatched,
-                              unmapped, hints, expected)
+                              unmapped, hints, expected, found)
     return plan
 
 

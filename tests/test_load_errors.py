@@ -155,3 +155,12 @@ def test_base_model_without_head_asks_for_the_causal_lm(qwen3_next):
     with pytest.raises(ValueError, match=r"Qwen3NextModel is a base model without a language-model head.*"
                                          r"transformers\.Qwen3NextForCausalLM"):
         from_hf(hf.model)
+
+
+def test_unexpected_tensor_is_named_with_its_shape_and_file(qwen3_next, tmp_path):
+    hf, state = qwen3_next
+    _write(hf, {**state, "model.layers.0.stray.weight": torch.zeros(2, 3)}, tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        from_pretrained(tmp_path)
+    assert info.value.unexpected == ["model.layers.0.stray.weight"] and not info.value.missing
+    assert f"model.layers.0.stray.weight [2, 3] in {tmp_path / 'model.safetensors'}" in str(info.value)
