@@ -163,7 +163,7 @@ def test_backward_hooks(toy):
 def test_start_stop_round_trip(toy):
     mid = toy(TOKENS, stop_at_layer=1)
     assert torch.equal(toy(mid, start_at_layer=1), toy(TOKENS))
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"stop_at_layer=5: must be in \[-2, 2\]"):
         toy(TOKENS, stop_at_layer=5)
 
 
