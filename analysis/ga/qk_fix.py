@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import ablate_heads_rows, attached
-from analysis.interventions.experts import ablate_experts
-from hooked.models.model_map import model_map
+from analysis.interventions.ablation import ablate_units_rows, attached
+from analysis.interventions.experts import ablate_expert_units
+from hooked.models.model_map import Site, model_map
 
 
 class _Stop(Exception):
@@ -42,8 +42,13 @@ class _Stop(Exception):
 def pattern_sites(model: Any) -> list[tuple[int, str]]:
     """(block, pattern hook name) of every attention module (a mixing through a softmax of scores), in
     forward order (the model map)."""
-    return [(s.layer, s.mixing().matrix.name) for s in model_map(model).mixers()
-            if s.mixing() is not None and s.mixing().scores is not None]
+    return attention_patterns(model_map(model).mixers())
+
+
+def attention_patterns(sites: Sequence[Site]) -> list[tuple[int, str]]:
+    """`pattern_sites` among the model map's token-mixer `sites`."""
+    mixings = [(s.layer, s.mixing()) for s in sites]
+    return [(layer, m.matrix.name) for layer, m in mixings if m is not None and m.scores is not None]
 
 
 def resid_hooks(model: Any) -> list[str]:
@@ -84,17 +89,18 @@ def _tile(x: Tensor | None, r: int) -> Tensor | None:
 def _ablated_rows(model: Any, chunk: Sequence[Any], mode: str, mean_cache: Any):
     """Block j of rows with chunk[j] ablated: heads batched, an expert alone (one per forward)."""
     if len(chunk) == 1 and chunk[0].kind != "head":  # zero only: write_attributions refused other modes
-        return ablate_experts(model, chunk[0].specs())
-    return ablate_heads_rows(model, [u.specs() for u in chunk], mode=mode, mean_cache=mean_cache)
+        return ablate_expert_units(model, chunk)
+    return ablate_units_rows(model, [[u] for u in chunk], mode=mode, mean_cache=mean_cache)
 
 
 def qk_corrections(model: Any, scorer: Any, units: Sequence[Any], att: dict[str, Any], owners: list[Tensor],
-                   mode: str = "zero", mean_cache: Any = None, replicas: int = 8) -> dict[str, dict[str, Tensor]]:
+                   sites: list[tuple[int, str]], mode: str = "zero", mean_cache: Any = None,
+                   replicas: int = 8) -> dict[str, dict[str, Tensor]]:
     """{unit label: {quantity: [example]}}: what the fix adds to the plain estimate of each quantity.
 
-    att: `write_attributions(..., extra=[site hooks], keep=resid_hooks(model))` of the same scorer.
+    att: `write_attributions(..., extra=[site hooks], keep=resid_hooks(model))` of the same scorer; sites:
+    `pattern_sites(model)` (units: the model map's, carrying their sites).
     """
-    sites = pattern_sites(model)
     n_ex = len(scorer.examples)
     keys = att["quantities"]
     out = {u.label: {k: torch.zeros(n_ex, dtype=torch.float64) for k in keys} for u in units}

@@ -66,9 +66,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from analysis.interventions.ablation import ablate_heads, ablate_heads_rows
+from analysis.interventions.ablation import ablate_units, ablate_units_rows
 from analysis.interventions.batching import tiles_for
-from analysis.interventions.experts import ablate_experts
+from analysis.interventions.experts import ablate_expert_units
 from analysis.intervals import clopper_pearson, paired_interval, separable
 from analysis.plots import save_table
 from analysis.tasks.scoring import ChoiceScorer
@@ -76,7 +76,7 @@ from analysis.tasks.text import Example
 from analysis.ga.settings import Laps, RankSettings, settings_of
 from hooked.validate import Integer, Seq, check, checked
 from hooked.models.decode_state import StateRefused
-from hooked.models.model_map import Unit, model_map
+from hooked.models.model_map import Site, Unit, model_map
 
 
 # The clean run a ranking keeps (`ChoiceScorer.clean_bytes`: every layer's residual, keys and values):
@@ -96,16 +96,17 @@ def ranking_scorer(model: Any, examples: Sequence[Example], batch_size: int = 16
 # ------------------------------------------------------------------------------- ranking
 @contextlib.contextmanager
 def ablated(model: Any, units: Sequence[Unit], mode: str = "zero", mean_cache: Any = None):
-    """Ablate every unit at once: heads through ablate_heads, experts through ablate_experts (zero only)."""
-    heads = [s for u in units if u.kind == "head" for s in u.specs()]
-    experts = [s for u in units if u.kind == "expert" for s in u.specs()]
+    """Ablate every unit at once (the map's units: they carry their sites): heads as ablate_heads, experts as
+    ablate_experts (zero only)."""
+    heads = [u for u in units if u.kind == "head"]
+    experts = [u for u in units if u.kind == "expert"]
     if experts and mode != "zero":
         raise ValueError(f"expert units are zero-ablated only, got mode={mode!r}")
     with contextlib.ExitStack() as stack:
         if heads:
-            stack.enter_context(ablate_heads(model, heads, mode=mode, mean_cache=mean_cache))
+            stack.enter_context(ablate_units(model, heads, mode=mode, mean_cache=mean_cache))
         if experts:
-            stack.enter_context(ablate_experts(model, experts))
+            stack.enter_context(ablate_expert_units(model, experts))
         yield model
 
 
@@ -180,7 +181,7 @@ def _exact(model: Any, scorer: ChoiceScorer, units: Sequence[Unit], mode: str, m
             with ablated(model, chunk, mode, mean_cache):
                 scores = scorer.scores(start, resids)
         else:
-            with ablate_heads_rows(model, [u.specs() for u in chunk], mode=mode, mean_cache=mean_cache):
+            with ablate_units_rows(model, [[u] for u in chunk], mode=mode, mean_cache=mean_cache):
                 scores = scorer.scores(start, resids, replicas=len(chunk))
         for u, sc in zip(chunk, scores if len(chunk) > 1 else [scores]):
             out[u.label] = sc
@@ -240,15 +241,26 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     scorer: a `ranking_scorer` over `examples` to reuse (default: a new one).
     """
     s = settings_of(settings, loose, RankSettings(), "rank_heads")
+    mp = model_map(model)  # asked once: the units (default every head) and the sites they are ranked among
+    units = mp.units(s.channel_group) if units is None else mp.placed(units)
+    return rank_units(model, examples, units, s, mp.mixers(), mean_cache=mean_cache, pair_with=pair_with,
+                      scorer=scorer)
+
+
+def rank_units(model: Any, examples: Sequence[Example], units: Sequence[Unit], s: RankSettings,
+               sites: Sequence[Site], *, mean_cache: Any = None, pair_with: Sequence[Unit | str] = (),
+               scorer: ChoiceScorer | None = None) -> HeadRanking:
+    """`rank_heads` on the model map's `units` (they carry their sites) with settings `s`; `sites`: the map's token
+    mixers (the QK fix's attention among them). The entry points (rank_heads, ga_report) build the map once."""
     method, batch_size, reuse_prefix, pairs_top_k, mode = s.method, s.batch_size, s.reuse_prefix, s.pairs_top_k, s.mode
-    channel_group, progress, verify_top, n_control, seed = s.channel_group, s.progress, s.verify_top, s.n_control, s.seed
+    progress, verify_top, n_control, seed = s.progress, s.verify_top, s.n_control, s.seed
     replicas, confidence, prescreen_n, refine, stage_n = s.replicas, s.confidence, s.prescreen_n, s.refine, s.stage_n
     stage_keep = s.stage_keep
     if scorer is None:
         scorer = ranking_scorer(model, examples, batch_size)
     elif scorer.model is not model or scorer.examples != list(examples):
         raise ValueError("scorer must be a ChoiceScorer of this model over the same examples")
-    units = list(units) if units is not None else head_units(model, channel_group)
+    units = list(units)
     # a screen that would verify every unit anyway costs its estimates on top: rank exhaustively
     exhaustive_instead = method == "screened" and verify_top >= len(units)
     if exhaustive_instead:
@@ -271,11 +283,11 @@ def rank_heads(model: Any, examples: Sequence[Example], units: Sequence[Unit] | 
     stage_prompts: list[int] = []
     staged_exact: dict[str, Tensor] = {}  # stage-1 scores of the units that go on to the other prompts
     if method == "screened":
-        from analysis.ga.screening import estimate_effects
+        from analysis.ga.screening import unit_effects
 
         # heads, channel groups, experts; refine: analysis.ga.screening.estimate_effects
         clock.lap("baseline")
-        estimates = estimate_effects(model, scorer, units, mode, mean_cache, refine)
+        estimates = unit_effects(model, scorer, units, sites, mode, mean_cache, refine)
         clock.lap("estimates")
         pre: list[Unit] = []
         if prescreen_n:

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import ablate_heads
-from analysis.ga.ranking import HeadRanking, Unit, head_units, rank_heads, ranking_scorer
+from analysis.interventions.ablation import ablate_units
+from analysis.ga.ranking import HeadRanking, Unit, rank_units, ranking_scorer
 from analysis.tasks.scoring import ChoiceScorer, accuracy, answer_logprob, per_example
-from analysis.ga.scores import ga_scores
+from analysis.ga.scores import unit_scores
 from hooked.models.model_map import model_map
 from analysis.intervals import clopper_pearson, paired_interval
 from analysis.plots import heatmap, plot_pattern, save_table, scatter_plot
@@ -127,7 +127,7 @@ def control(model: Any, examples: list[Example], ranking: HeadRanking, units: li
     _, resids = next(scorer.prefixes([start]))
 
     def ablated(chosen: list[Unit]) -> dict[str, Any]:
-        with ablate_heads(model, [s for u in chosen for s in u.specs()]):
+        with ablate_units(model, chosen):
             return {"units": [u.label for u in chosen], **scorer.metrics(scorer.scores(start, resids))}
 
     draws = []
@@ -192,7 +192,7 @@ def plot_agreement(rows: list[dict[str, Any]], path: str | Path, title: str = ""
 
 def unit_weights(model: Any, unit: Unit, example: Example) -> tuple[torch.Tensor, list[str], bool]:
     """[q k] pattern (attention) or kernel magnitude averaged over the unit's heads, the tokens, is_kernel."""
-    mixing = model_map(model).site(unit.module).mixing()
+    mixing = unit.placed().mixing()
     name = mixing.matrix.name
     tokens, mask = model.tokenize(example.prompt)
     with torch.no_grad():
@@ -217,12 +217,14 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     timing = laps.laps
     out = writable_dir(out, "out")
     examples = task(sizes[0], rank_n or n, seed)
-    units = head_units(model, settings.channel_group)
-    scores = ga_scores(model, examples, units)
+    mp = model_map(model)  # the one map of this report: its units carry their sites down
+    units, sites = mp.units(settings.channel_group), mp.mixers()
+    scores = unit_scores(model, examples, units)
     laps.lap("ga_scores")
     best = {kind: sorted(units, key=lambda u: -scores[u.label][kind])[:2] for kind in ("gather", "aggregate")}
     scorer = ranking_scorer(model, examples, batch_size)  # its clean run serves the ranking, the table, the control
-    ranking = rank_heads(model, examples, units, settings, pair_with=best["aggregate"] + best["gather"], scorer=scorer)
+    ranking = rank_units(model, examples, units, settings, sites, pair_with=best["aggregate"] + best["gather"],
+                         scorer=scorer)
     laps.lap("rank_heads")
     timing["rank_heads"]["steps"] = ranking.timing
     gathers = [s["gather"] for s in scores.values()]

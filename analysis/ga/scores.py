@@ -35,7 +35,7 @@ from torch import Tensor
 
 from analysis.interventions.ablation import attached, resolve_heads
 from analysis.kernel_rows import _positions
-from analysis.ga.ranking import Unit, head_units
+from analysis.ga.ranking import Unit
 from analysis.tasks.scoring import ChoiceScorer
 from analysis.tasks.text import Example, encode_prompts
 from hooked.validate import Integer, Seq, checked
@@ -141,8 +141,14 @@ def masked_accuracy(model: Any, examples: Sequence[Example], heads: Sequence[Any
 def ga_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit] | None = None,
               batch_size: int = 8, channel_group: int | None = None) -> dict[str, dict[str, float]]:
     """{unit label: {"gather", "aggregate"}} on the examples' prompts (definitions in the docstring)."""
-    units = list(units) if units is not None else head_units(model, channel_group)
-    sites = [model_map(model).site(m) for m in dict.fromkeys(u.module for u in units)]  # the map, asked once
+    mp = model_map(model)  # asked once
+    return unit_scores(model, examples, mp.units(channel_group) if units is None else mp.placed(units), batch_size)
+
+
+def unit_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit],
+                batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """`ga_scores` of the model map's `units` (they carry their sites: the map is not asked again)."""
+    sites = list({u.module: u.placed() for u in units}.values())
     sums: dict[str, Tensor] = {}  # module prefix -> [2, n_heads] summed over examples
     for start in range(0, len(examples), batch_size):
         batch = encode_prompts(model, list(examples[start: start + batch_size]))

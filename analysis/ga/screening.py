@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import _mean_of, attached
-from hooked.models.model_map import model_map
+from hooked.models.model_map import Site, Unit, model_map
 from analysis.tasks.scoring import ChoiceScorer
 
 REFINES = ("none", "scores", "qk")
@@ -75,16 +75,21 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
     activations alone are returned (out["kept"][name] = [...]). Used by `analysis.ga.qk_fix`.
     """
     mp = model_map(model)  # asked once: head modules and mixtures of experts
-    layout = {s.path: s for s in mp.mixers()}
-    moes = {s.path: s for s in mp if not s.mixes_tokens}
-    unknown = [p for p in modules if p not in layout and p not in moes]
+    known = {s.path: s for s in mp}
+    unknown = [p for p in modules if p not in known]
     if unknown:
         raise ValueError(f"{unknown} are neither head modules nor mixture-of-experts MLPs of this model")
-    experts = [p for p in modules if p in moes]
-    if experts and mode != "zero":
+    return site_attributions(model, scorer, [known[p] for p in modules], mode, mean_cache, extra, keep, per_choice)
+
+
+def site_attributions(model: Any, scorer: ChoiceScorer, sites: Sequence[Site], mode: str = "zero",
+                      mean_cache: Any = None, extra: Sequence[str] = (), keep: Sequence[str] = (),
+                      per_choice: bool = False) -> dict[str, Any]:
+    """`write_attributions` of the model map's `sites` (token mixers and mixtures of experts)."""
+    moe_sites = [s for s in sites if not s.mixes_tokens]
+    if moe_sites and mode != "zero":
         raise ValueError(f"expert units are zero-ablated only, got mode={mode!r}")
-    mods = [layout[p] for p in modules if p in layout]
-    moe_sites = [moes[p] for p in experts]
+    mods = [s for s in sites if s.mixes_tokens]
     routing = {s.module.hook_routing_weights.name: s for s in moe_sites}  # expert writes are cut at their weights
     acts: dict[str, list[Tensor]] = {m.hook: [] for m in mods}
     acts.update({name: [] for name in routing})
@@ -172,20 +177,29 @@ def estimate_effects(model: Any, scorer: ChoiceScorer, units: Sequence[Any], mod
     (first order in each choice's score, exact after), "qk" ("scores" plus AtP*'s QK fix,
     `analysis.ga.qk_fix`; `replicas` units per forward there).
     """
+    mp = model_map(model)  # asked once: the units' sites and the attention the QK fix recomputes
+    return unit_effects(model, scorer, mp.placed(units), mp.mixers(), mode, mean_cache, refine, replicas)
+
+
+def unit_effects(model: Any, scorer: ChoiceScorer, units: Sequence[Unit], sites: Sequence[Site], mode: str = "zero",
+                 mean_cache: Any = None, refine: str = "none", replicas: int = 8) -> dict[str, dict[str, float]]:
+    """`estimate_effects` of the model map's `units` (they carry their sites); `sites`: the map's token mixers."""
     if refine not in REFINES:
         raise ValueError(f"refine must be one of {REFINES}, got {refine!r}")
-    extra, keep = (), ()
+    extra, keep, patterns = (), (), []
     if refine == "qk":
-        from analysis.ga.qk_fix import pattern_sites, resid_hooks
+        from analysis.ga.qk_fix import attention_patterns, resid_hooks
 
-        extra, keep = [name for _, name in pattern_sites(model)], resid_hooks(model)
-    att = write_attributions(model, scorer, sorted({u.module for u in units}), mode, mean_cache, extra, keep,
-                             per_choice=refine != "none")
+        patterns = attention_patterns(sites)
+        extra, keep = [name for _, name in patterns], resid_hooks(model)
+    placed = {u.module: u.placed() for u in units}
+    att = site_attributions(model, scorer, [placed[p] for p in sorted(placed)], mode, mean_cache, extra, keep,
+                            per_choice=refine != "none")
     fix = None
     if refine == "qk":
         from analysis.ga.qk_fix import qk_corrections
 
-        fix = qk_corrections(model, scorer, units, att, _row_owner(scorer), mode, mean_cache, replicas)
+        fix = qk_corrections(model, scorer, units, att, _row_owner(scorer), patterns, mode, mean_cache, replicas)
     base = att["base_margin"]
     right_now = (base > 0).double().mean().item()
     out = {}

@@ -33,7 +33,7 @@ from hooked.validate import Flag, Integer, OneOf, check, checked
 from hooked.validate import as_index, index_list, layer_index, layer_list
 from hooked.hook_points import scoped_hooks
 from hooked.models.base import HookedModel
-from hooked.models.model_map import Site, model_map, parse_label
+from hooked.models.model_map import Site, Unit, model_map, parse_label
 
 HeadSpec = tuple[Any, int]  # (layer, h) or (module prefix, h)
 
@@ -105,21 +105,34 @@ def ablate_heads(model: Any, heads: Iterable[HeadSpec], keep: bool = False, mode
     heads after the gated norm; Mamba-1 channels). Mean ablation replaces each head's write with
     its mean over batch and positions in `mean_cache`.
     """
-    if mode not in ("zero", "mean"):
-        raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
     layout = head_layout(model)
-    chosen = resolve_heads(model, heads, layout)
-    hooks = []
-    for prefix, hs in chosen.items():
-        module = layout[prefix]
-        if keep:
-            hs = [h for h in range(module.n_heads) if h not in set(hs)]
-        if not hs:
-            continue
-        mean = _mean_of(mean_cache, module.hook) if mode == "mean" else None
-        hooks.append((module.hook, _ablation_hook(module, hs, mean), False))
-    with attached(model, hooks):
+    picks = [(layout[p], hs) for p, hs in resolve_heads(model, heads, layout).items()]
+    if keep:
+        picks = [(site, [h for h in range(site.n) if h not in set(hs)]) for site, hs in picks]
+    with attached(model, _site_hooks(picks, mode, mean_cache)):
         yield model
+
+
+@contextlib.contextmanager
+def ablate_units(model: Any, units: Iterable[Unit], mode: str = "zero", mean_cache: Any = None) -> Iterator[Any]:
+    """`ablate_heads` for the model map's head units: each carries its site, so the map is not asked again."""
+    with attached(model, _site_hooks(list(_by_site(units).values()), mode, mean_cache)):
+        yield model
+
+
+def _by_site(units: Iterable[Unit]) -> dict[str, tuple[Site, list[int]]]:
+    """{site path: (site, sorted unit indices)} of units carrying their sites."""
+    out: dict[str, tuple[Site, set[int]]] = {}
+    for u in units:
+        out.setdefault(u.module, (u.placed(), set()))[1].update(u.heads)
+    return {p: (site, sorted(hs)) for p, (site, hs) in out.items()}
+
+
+def _site_hooks(picks: Sequence[tuple[Site, list[int]]], mode: str, mean_cache: Any) -> list[tuple[str, Callable, bool]]:
+    """(write hook, ablation, prepend) for each (site, its units to ablate) with units."""
+    check(mode, "mode", OneOf("zero", "mean"))
+    return [(site.hook, _ablation_hook(site, hs, _mean_of(mean_cache, site.hook) if mode == "mean" else None), False)
+            for site, hs in picks if hs]
 
 
 def _ablation_hook(module: Site, heads: list[int], mean: Tensor | None) -> Callable:
@@ -141,18 +154,33 @@ def ablate_heads_rows(model: Any, groups: Sequence[Iterable[HeadSpec]], mode: st
     Each row's values equal `ablate_heads(model, groups[j])` on that row alone up to the rounding of
     a larger matmul (tests: within 1e-6). When it pays, see `analysis.ga.ranking.replicas_for`.
     """
-    if mode not in ("zero", "mean"):
-        raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")
     layout = head_layout(model)
     chosen = [resolve_heads(model, g, layout) for g in groups]
+    with attached(model, _rows_hooks(layout, chosen, mode, mean_cache)):
+        yield model
+
+
+@contextlib.contextmanager
+def ablate_units_rows(model: Any, groups: Sequence[Iterable[Unit]], mode: str = "zero",
+                      mean_cache: Any = None) -> Iterator[Any]:
+    """`ablate_heads_rows` for groups of the model map's head units (they carry their sites)."""
+    picked = [_by_site(g) for g in groups]
+    sites = {p: site for c in picked for p, (site, _) in c.items()}
+    with attached(model, _rows_hooks(sites, [{p: hs for p, (_, hs) in c.items()} for c in picked], mode, mean_cache)):
+        yield model
+
+
+def _rows_hooks(sites: dict[str, Site], chosen: list[dict[str, list[int]]], mode: str,
+                mean_cache: Any) -> list[tuple[str, Callable, bool]]:
+    """One write hook per site that some group ablates: block j of rows gets group j's mask."""
+    check(mode, "mode", OneOf("zero", "mean"))
     hooks = []
     for prefix in sorted({p for c in chosen for p in c}):
-        module = layout[prefix]
-        masks = torch.stack([_write_mask(module, c.get(prefix, []), torch.device("cpu")) for c in chosen])
-        mean = _mean_of(mean_cache, module.hook) if mode == "mean" else None
-        hooks.append((module.hook, _row_ablation_hook(masks, mean), False))
-    with attached(model, hooks):
-        yield model
+        site = sites[prefix]
+        masks = torch.stack([_write_mask(site, c.get(prefix, []), torch.device("cpu")) for c in chosen])
+        mean = _mean_of(mean_cache, site.hook) if mode == "mean" else None
+        hooks.append((site.hook, _row_ablation_hook(masks, mean), False))
+    return hooks
 
 
 def _row_ablation_hook(masks: Tensor, mean: Tensor | None) -> Callable:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from analysis.interventions.ablation import attached
-from hooked.models.model_map import model_map
+from hooked.models.model_map import Unit, model_map
 from hooked.models.protocol import ExpertMixture
 from hooked.validate import as_index, layer_index
 
@@ -37,7 +37,8 @@ def moe_layout(model: Any) -> dict[str, int]:
 
 def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list[int]]:
     """{MoE prefix: sorted expert ids}; (layer, e) means blocks.{layer}.mlp."""
-    layout = moe_layout(model)
+    mp = model_map(model)  # asked once
+    layout = {s.path: s.n for s in mp if not s.mixes_tokens}
     out: dict[str, set[int]] = {}
     for spec in experts:
         if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
@@ -47,7 +48,7 @@ def resolve_experts(model: Any, experts: Iterable[ExpertSpec]) -> dict[str, list
             prefix = where
         else:
             layer = layer_index(where, model.cfg.n_layers, f"the layer of expert {spec!r}")
-            prefix = next((s.path for s in model_map(model).layer_sites(layer) if not s.mixes_tokens), f"block {layer}")
+            prefix = next((s.path for s in mp.layer_sites(layer) if not s.mixes_tokens), f"block {layer}")
         if prefix not in layout:
             known = ", ".join(layout) or "none"
             raise ValueError(f"the layer of expert {spec!r}: {prefix!r} is not a mixture-of-experts MLP; the model's MoE "
@@ -82,8 +83,18 @@ def ablate_experts(model: Any, experts: Iterable[ExpertSpec], renormalise: bool 
     renormalise=False equals zeroing the experts' down_proj; renormalise=True rescales each token's
     remaining weights to the total it had (module docstring).
     """
-    hooks = []
-    for prefix, ids in resolve_experts(model, experts).items():
-        hooks += _hooks(model_map(model).site(prefix).module, ids, renormalise)
+    mp = model_map(model)
+    hooks = [h for prefix, ids in resolve_experts(model, experts).items() for h in _hooks(mp.site(prefix).module, ids,
+                                                                                          renormalise)]
     with attached(model, hooks):
+        yield model
+
+
+@contextlib.contextmanager
+def ablate_expert_units(model: Any, units: Iterable[Unit], renormalise: bool = False) -> Iterator[Any]:
+    """`ablate_experts` for the model map's expert units: each carries its site, so the map is not asked again."""
+    picked: dict[str, tuple[ExpertMixture, set[int]]] = {}
+    for u in units:
+        picked.setdefault(u.module, (u.placed().module, set()))[1].update(u.heads)
+    with attached(model, [h for moe, ids in picked.values() for h in _hooks(moe, sorted(ids), renormalise)]):
         yield model

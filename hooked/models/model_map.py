@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -120,7 +120,7 @@ class Site:
         size = 1 if self.width != 1 else (group or max(1, self.n // 16))
         role = "head" if self.mixes_tokens else "expert"
         return [Unit(self.label(a, min(a + size, self.n) - 1), self.layer, self.path,
-                     tuple(range(a, min(a + size, self.n))), role) for a in range(0, self.n, size)]
+                     tuple(range(a, min(a + size, self.n))), role, self) for a in range(0, self.n, size)]
 
     def writes(self, *reads: Tensor) -> Tensor:
         """Each unit's write [.. pos n d_out] from the activations at `reads`, asked of the module."""
@@ -168,6 +168,14 @@ class Unit:
     module: str  # the site's path
     heads: tuple[int, ...]  # unit indices inside the site (head, channel or expert ids)
     kind: str = "head"  # "head" (a token mixer's: ablate_heads) or "expert" (ablate_experts)
+    site: Site | None = field(default=None, compare=False, repr=False)  # its site; None for a Unit made by hand
+
+    def placed(self) -> Site:
+        """Its site, which the analyses given units work on instead of asking the map again."""
+        if self.site is None:
+            raise ValueError(f"unit {self.label}: made by hand, it carries no site; take units from the model map "
+                             "(head_units, expert_units, model_map(model).unit(label))")
+        return self.site
 
     def specs(self) -> list[tuple[str, int]]:
         return [(self.module, h) for h in self.heads]
@@ -219,11 +227,15 @@ class ModelMap:
         if last >= site.n:
             raise ValueError(f"unit {text!r}: {site.path} has {site.n} units")
         return Unit(site.label(first, last), layer, site.path, tuple(range(first, last + 1)),
-                    "head" if site.mixes_tokens else "expert")
+                    "head" if site.mixes_tokens else "expert", site)
 
     def units(self, group: int | None = None) -> list[Unit]:
         """Every token mixer's units, channels in runs of `group` (Site.units)."""
         return [u for s in self.mixers() for u in s.units(group)]
+
+    def placed(self, units: Iterable[Unit]) -> list[Unit]:
+        """`units` carrying this map's sites (a unit made by hand, or from a map before a block was replaced)."""
+        return [replace(u, site=self.site(u.module)) for u in units]
 
     def experts(self) -> list[Unit]:
         return [u for s in self.sites if not s.mixes_tokens for u in s.units()]
