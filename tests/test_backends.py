@@ -540,3 +540,30 @@ def test_a_tap_alone_keeps_its_layer_on_the_exact_path():
     with torch.no_grad():
         model(batch()[0])
     assert model.blocks[0].attn.last_backend == "sdpa"
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_an_edited_decay_takes_the_exact_rule_on_the_fused_path(family, monkeypatch):
+    """fla's kernels read log(alpha): a decay edited to 0 (or below) would give -inf / NaN there, so an edit of
+    hook_alpha sends the layer to our rule (no kernel call), and the logits equal the exact path's."""
+    calls = []
+
+    def kernel(**kwargs):
+        calls.append(kwargs)
+        raise AssertionError("fla's rule was called on an edited decay")
+    kernels = Kernels(chunk_gated_delta_rule=kernel, chunk_kda=kernel, real=False)
+    monkeypatch.setattr(backends, "fused_kernels", lambda device: kernels)
+    model = tiny(family)
+    tokens, _ = batch()
+    sites = [n for n in model.hook_dict if n.endswith("mixer.hook_alpha")]
+
+    def zero(alpha, hook):
+        return torch.zeros_like(alpha)
+    with torch.no_grad():
+        exact = model.run_with_hooks(tokens, fwd_hooks=[(s, zero) for s in sites])
+        with backends.use(scan="fused"):
+            fused = model.run_with_hooks(tokens, fwd_hooks=[(s, zero) for s in sites])
+            with pytest.raises(AssertionError, match="was called"):  # unedited, the layers run the kernel
+                model(tokens)
+    assert len(calls) == 1 and torch.isfinite(fused).all()
+    rel_close(fused, exact, 1e-5)

@@ -286,7 +286,9 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
         v = self.hook_v(rearrange(v.to(rule_dtype), "b l (h v) -> b l h v", v=spec.d_v))
         beta = torch.sigmoid(b)
         beta = self.hook_beta((beta if spec.beta_scale == 1.0 else beta * spec.beta_scale).to(rule_dtype))
-        alpha = self.hook_alpha(self.decay(a, rule_dtype))
+        alpha, alpha_was = through_hook(self.hook_alpha, self.decay(a, rule_dtype))
+        if alpha_was is not None and backend == "fused":  # fla reads log(alpha): an edited decay (0 or negative
+            backend = "chunked"  # entries are legal edits) takes our rule, which multiplies the alphas as given
         q_read = q * spec.d_k**-0.5
         if ctx.state is None and backend == "fused":  # fla's kernels: no state is built
             y = delta_rule_fused(q_read, k, v, beta, alpha, chunk_size=spec.chunk_size,
