@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 
 def _figure(width: float, height: float):
@@ -30,7 +31,7 @@ def _figure(width: float, height: float):
 
 
 def _array(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):
+    if isinstance(x, torch.Tensor):
         x = x.detach().float().cpu().numpy()
     return np.asarray(x, dtype=float)
 
@@ -145,8 +146,6 @@ def save_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
 
 
 def _plain(v: Any) -> Any:
-    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-        return v.item()
-    if hasattr(v, "tolist"):
-        return v.tolist()
+    if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
+        return v.item() if v.ndim == 0 else v.tolist()
     return v

@@ -112,13 +112,15 @@ class NormSite:
     def pull_(self, reader_input: Tensor, grads: Tensor) -> Tensor:
         """d metric / d x for a stack of gradients at `reader_input` [n *x.shape] (a tensor computed from x in
         this gradient run). When the reader reads the norm's output itself and the norm is plain (its hook
-        points unhooked, an `input_grads_`), the norm's closed form, written over `grads`; otherwise
+        points unhooked, an `input_grads_` that is not None), the norm's closed form, written over `grads`; otherwise
         autograd through whatever lies between (one batched product)."""
         points = [getattr(self.norm, name, None) for name in ("hook_scale", "hook_normalized")]
         hooked = any(p is not None and p.has_hooks for p in points)
-        if reader_input is self.out and hasattr(self.norm, "input_grads_") and not hooked:
+        if reader_input is self.out and not hooked:
             with torch.no_grad():
-                return self.norm.input_grads_(self.x, grads)
+                pulled = self.norm.input_grads_(self.x, grads)  # None: no closed form (hooked.models.norms.Norm)
+            if pulled is not None:
+                return pulled
         return _vjp(reader_input, self.x, grads)
 
     def points(self) -> list[tuple[Any, Callable]]:

@@ -256,7 +256,7 @@ def remove_and_restore(model: Any, evaluate: Callable[[Any], Any], layers: Itera
 
 
 def _iterable(value: Any, what: str) -> list[Any]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{what}: expected a list of layer counts, got {value!r}")
     return list(value)
 

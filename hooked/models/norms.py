@@ -44,7 +44,26 @@ def _scale_in_graph(fast: Tensor, explicit: Tensor, scale: Tensor) -> Tensor:
     return fast.detach() + (explicit - explicit.detach())
 
 
-class RMSNorm(nn.Module):
+class Norm(nn.Module):
+    """What every norm of the residual answers (a block's `norm`, ln_final): `input_grads_`."""
+
+    def input_grads_(self, x: Float[Tensor, "*lead d"], grads: Float[Tensor, "n *lead d"]) -> Tensor | None:
+        """The plain norm's vector-Jacobian products at x for the output gradients `grads` (written over them),
+        or None where the norm has no closed form (the caller then takes autograd's)."""
+        return None
+
+
+class NoNorm(Norm):
+    """No norm before a sublayer (OLMo 2's post-norm blocks): the residual as it is."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    def input_grads_(self, x: Tensor, grads: Tensor) -> Tensor:
+        return grads
+
+
+class RMSNorm(Norm):
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -124,7 +143,7 @@ class UnitOffsetRMSNorm(RMSNorm):
         return rms_norm_unit_offset(stack, self.weight, self.eps)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Norm):
     def __init__(self, d: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps

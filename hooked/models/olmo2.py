@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
 
 from hooked.models.attention import Attention
 from hooked.models.block import ResidualBlock, Sublayer
@@ -32,7 +31,7 @@ from hooked.models.heads_norm import HeadsRMSNorm
 from hooked.models.language_model import LanguageModel
 from hooked.models.llama import LlamaConfig
 from hooked.models.mlp import GatedMLP
-from hooked.models.norms import Float32ProductRMSNorm
+from hooked.models.norms import Float32ProductRMSNorm, NoNorm
 from hooked.ops.rotary import Rotary
 
 
@@ -57,8 +56,8 @@ def build(cfg: Olmo2Config) -> LanguageModel:
         return Float32ProductRMSNorm(cfg.d_model, cfg.eps)
 
     blocks = [ResidualBlock([
-        Sublayer("attn", nn.Identity(), attention(cfg, layer), post_norm=norm()),
-        Sublayer("mlp", nn.Identity(), GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias),
+        Sublayer("attn", NoNorm(), attention(cfg, layer), post_norm=norm()),
+        Sublayer("mlp", NoNorm(), GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn, bias=cfg.mlp_bias),
                  post_norm=norm()),
     ]) for layer in range(cfg.n_layers)]
     return LanguageModel(cfg, blocks, norm())

@@ -35,7 +35,7 @@ from hooked.models.heads_norm import HeadsRMSNorm
 from hooked.models.hybrid import check_kinds
 from hooked.models.language_model import LanguageModel
 from hooked.models.mlp import GatedMLP
-from hooked.models.norms import RMSNorm
+from hooked.models.norms import NoNorm, RMSNorm
 from hooked.ops.rotary import Rotary
 
 LAYER_TYPES = ("delta", "attention")
@@ -118,6 +118,6 @@ def build(cfg: OlmoHybridConfig) -> LanguageModel:
         attn = Attention(d, heads, kv_heads, d_head, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
                          rotary=rotary, q_norm=HeadsRMSNorm(heads, d_head, cfg.eps),
                          k_norm=HeadsRMSNorm(kv_heads, d_head, cfg.eps))
-        blocks.append(ResidualBlock([Sublayer("attn", nn.Identity(), attn, post_norm=RMSNorm(d, cfg.eps)),
-                                     Sublayer("mlp", nn.Identity(), mlp, post_norm=RMSNorm(d, cfg.eps))]))
+        blocks.append(ResidualBlock([Sublayer("attn", NoNorm(), attn, post_norm=RMSNorm(d, cfg.eps)),
+                                     Sublayer("mlp", NoNorm(), mlp, post_norm=RMSNorm(d, cfg.eps))]))
     return LanguageModel(cfg, blocks, RMSNorm(d, cfg.eps))
