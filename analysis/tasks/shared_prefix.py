@@ -202,25 +202,32 @@ def capture(model: Any, batch: PrefixBatch, layers: Sequence[int], start_at_laye
     rows = len(batch.tokens)
     stop = None if score else layers[-1]
     if start_at_layer is None:
-        state = DecodeState()
-        prefix, resid = _grab(model, batch.tokens, batch.attention_mask, layers, state, stop=stop)
+        state, x = DecodeState(), batch.tokens
+        prefix, resid = _grab(model, x, batch.attention_mask, layers, state, stop=stop)
     else:
-        state = resume.state.select(torch.arange(rows, device=batch.tokens.device))
-        prefix, resid = _grab(model, resume.prefix, batch.attention_mask, layers, state, start_at_layer,
-                              batch.tokens, stop)
+        state, x = resume.state.select(torch.arange(rows, device=batch.tokens.device)), resume.prefix
+        prefix, resid = _grab(model, x, batch.attention_mask, layers, state, start_at_layer, batch.tokens, stop)
+    states = _resume_states(model, state, layers, batch.attention_mask, x, stopped=resid is None)
     scored = [] if not score else [_logp(model, resid[:, -1], batch.p_rows, batch.p_targets, batch.p_owner, 1)]
     cont: dict[int, Tensor] = {}
-    if batch.cont is not None:
+    if batch.cont is not None:  # their state is left as the run leaves it: the resumes keep the prefix's
         x = batch.cont if start_at_layer is None else resume.cont
         cont, cresid = _grab(model, x, None, layers, state.select(batch.source), start_at_layer, batch.cont, stop)
         if score:
             flat = batch.c_rows * cresid.shape[1] + batch.c_cols
             scored.append(_logp(model, cresid.flatten(0, 1), flat, batch.c_targets, batch.c_owner, 1))
-    out = {}
-    for layer in layers:
-        below = [m for block in model.blocks[:layer] for m in block.modules()]
-        out[layer] = Resume(state.entries_of(below), prefix[layer], cont.get(layer), start_at_layer is None)
+    out = {layer: Resume(states[layer], prefix[layer], cont.get(layer), start_at_layer is None) for layer in layers}
     return Capture(out, scored)
+
+
+def _resume_states(model: Any, state: DecodeState, layers: list[int], mask: Tensor | None, x: Tensor,
+                   stopped: bool) -> dict[int, DecodeState]:
+    """The prefix state a resume at each of `layers` reads: the entries of the blocks below it. stopped: the run
+    ended entering a block, so the state advances here as the whole forward's own `state.advance` would (its
+    mask: bool, None unpadded)."""
+    if stopped:
+        state.advance(None if mask is None else mask.bool(), *x.shape[:2], x.device)
+    return {layer: state.entries_of([m for block in model.blocks[:layer] for m in block.modules()]) for layer in layers}
 
 
 class _Enough(Exception):
@@ -232,7 +239,7 @@ def _grab(model: Any, x: Tensor, mask: Tensor | None, layers: list[int], state: 
           stop: int | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
     """(residual entering each of `layers` (their hook_resid_pre), final residual) of one run with `state`:
     from tokens `x`, or from the residual `x` entering `start_at_layer`. stop (one of `layers`): the run
-    ends entering that block (final residual None); the state advances as the whole forward would."""
+    ends entering that block (final residual None; the state's new entries not committed: `_resume_states`)."""
     seen: dict[int, Tensor] = {}
 
     def keep(layer: int) -> Any:
@@ -250,7 +257,6 @@ def _grab(model: Any, x: Tensor, mask: Tensor | None, layers: list[int], state: 
                 resid = model(x, mask, stop_at_layer=n, state=state)
             else:
                 resid = model(x, mask, start_at_layer=start_at_layer, stop_at_layer=n, tokens=tokens, state=state)
-    except _Enough:  # as the forward's own `state.advance` after its last block (its mask: bool, None unpadded)
-        state.advance(None if mask is None else mask.bool(), *x.shape[:2], x.device)
+    except _Enough:
         resid = None
     return seen, resid
