@@ -152,11 +152,11 @@ def unit_scores(model: Any, examples: Sequence[Example], units: Sequence[Unit],
     sums: dict[str, Tensor] = {}  # module prefix -> [2, n_heads] summed over examples
     for start in range(0, len(examples), batch_size):
         batch = encode_prompts(model, list(examples[start: start + batch_size]))
+        a_mask = batch.summary_mask().cpu()  # [b k]
         pos = batch.tokens.shape[1]
         # only rows are read: the segment-final tokens (gather) and the query, the last position (aggregate)
         rows = sorted({last for spans in batch.segments for _, last in spans} | {pos - 1})
         g_mask = gather_exclusive_mask(batch.segments, tuple(batch.tokens.shape))[:, rows]  # [b row k]
-        a_mask = batch.summary_mask().cpu()  # [b k]
         n_seg = torch.tensor([max(len(s), 1) for s in batch.segments], dtype=torch.float64)
         hooks = []
         for site in sites:

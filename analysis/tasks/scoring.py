@@ -109,12 +109,11 @@ class ChoiceScorer:
         for i, need, p, target, slot in picks:
             n = next(n for ctx, n in where[i] if ctx[: len(need)] == need)
             resolved.append((n, p, target, slot))
-        self.batches = self._batch(contexts, resolved, batch_size, model)
-        self.prefix_batches = sp.build(joints, self.n_choices, batch_size, _pad_id(tok), model_device(model))
+        pad, device = _pad_id(tok), model_device(model)
+        self.batches = self._batch(contexts, resolved, batch_size, pad, device)
+        self.prefix_batches = sp.build(joints, self.n_choices, batch_size, pad, device)
 
-    def _batch(self, contexts, picks, batch_size: int, model: Any) -> list[ChoiceBatch]:
-        pad = _pad_id(tokenizer_of(model))
-        device = model_device(model)
+    def _batch(self, contexts, picks, batch_size: int, pad: int, device: torch.device) -> list[ChoiceBatch]:
         order = sorted(range(len(contexts)), key=lambda n: len(contexts[n][1]))
         by_context: dict[int, list] = {}
         for n, p, target, slot in picks:
