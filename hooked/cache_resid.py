@@ -228,7 +228,7 @@ class ResidualStreamMethods:
         for site in model_map(self.model).layer_sites(l):
             if not site.mixes_tokens or (site.writer is None and not incl_shared):
                 continue  # experts: _expert_parts; a side block's units write into its input, not the residual
-            key = site.result_hook().name
+            key = site.result_hook.name
             if key not in self.cache_dict:
                 continue
             res = self.cache_dict[key].movedim(-2, 0)  # [units .. pos d]
@@ -242,14 +242,14 @@ class ResidualStreamMethods:
         to the cache where it is missing, asked from the mixer through the model map (`Site.writes_from`:
         hook_z, and hook_gate for gated attention; hook_gated for SSMs)."""
         for site in model_map(self.model):
-            if not site.mixes_tokens or site.result_hook().name in self.cache_dict:
+            if not site.mixes_tokens or site.result_hook.name in self.cache_dict:
                 continue
             reads = [self.cache_dict.get(h.name) for h in site.reads]
             if any(r is None for r in reads):
                 continue
             with onloaded(self.model, site.module):
                 device = next(site.module.parameters()).device
-                self.cache_dict[site.result_hook().name] = site.writes(*(r.to(device) for r in reads)).to(reads[0].device)
+                self.cache_dict[site.result_hook.name] = site.writes(*(r.to(device) for r in reads)).to(reads[0].device)
 
     @checked(return_labels=Flag(), incl_remainder=Flag(), apply_ln=Flag(), incl_shared=Flag())
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,

@@ -37,7 +37,7 @@ def test_each_units_write_from_a_bare_cache_is_the_forwards_own(run):
         writes = site.writes_from(bare.cache_dict)
         assert writes is not None, (name, site.path, [h.name for h in site.reads])
         assert writes.shape[-2] == site.n
-        hook = site.result_hook()
+        hook = site.result_hook
         if hook is not None:
             assert hook.name not in bare.cache_dict  # lazy: not in the bare cache, asked of the mixer
             torch.testing.assert_close(writes, lazy[hook.name], **TOL)

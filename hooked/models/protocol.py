@@ -7,7 +7,8 @@ Glossary
     TokenMixer   a sublayer mixing positions: attention (attention.py), the SSM mixers (mamba.py,
                  mamba2.py), the delta-rule mixers. A base class, so `isinstance(m, TokenMixer)` finds
                  them anywhere in a block (Zamba2's shared attention included).
-    Heads        the mixer's units and where each one's write can be cut: n units of `width` features
+    Heads        (`heads()`, a site.Site the model map places) the mixer's units and where each one's write
+                 can be cut: n units of `width` features
                  at `write_hook` (attention: query heads at hook_z [.. n_heads d_head]; Mamba-2: SSM
                  heads at hook_gated [.. d_inner], d_head each; Mamba-1: channels, width 1). Zeroing a
                  unit there zeroes its columns of the output projection.
@@ -47,6 +48,7 @@ from torch import Tensor
 
 from hooked.models.cut_record import CutRecord, resume_cut
 from hooked.models.decode_state import DecodeState, StateRefused, forward_notes, stepping_state
+from hooked.models.site import Site
 from hooked.ops.edge_cut import attention_cut, conv_channels, conv_cut, kernel_cut
 
 Masks = Callable[..., tuple[Tensor, Tensor]]  # (batch, pos, device, open_end=False) -> (target, source)
@@ -79,13 +81,7 @@ def along(mask: Tensor, x: Tensor) -> Tensor:
     return mask.reshape(mask.shape + (1,) * (x.ndim - 2)).to(x.dtype)
 
 
-@dataclass(frozen=True)
-class Heads:
-    n: int
-    width: int
-    write_hook: HookPoint
-    kind: str  # "attn" or "ssm"
-    result_hook: HookPoint  # each unit's write after the output projection [.. pos n d_out] (lazy)
+Heads = Site  # a mixer's `heads()`: its site's first fields (n, width, write_hook, kind, result_hook), unplaced
 
 
 @dataclass(frozen=True)
