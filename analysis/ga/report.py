@@ -233,28 +233,10 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
         s = scores[row["unit"]]
         row.update(gather=s["gather"], aggregate=s["aggregate"], gather_pct=percentile(s["gather"], gathers),
                    aggregate_pct=percentile(s["aggregate"], aggregates))
-    ranking.to_csv(out / "ranking.csv")
-    ranking.to_json(out / "ranking.json")
-    save_table(ranking.pairs or [{"pair": None}], out / "pairs.csv")
-    acc = accuracy_by_size(model, sizes, n, seed, batch_size, task,  # after the ranking: its files come first
-                           known=(examples, scorer.clean_scores()))
-    save_table(acc, out / "accuracy.csv")
+    acc = accuracy_by_size(model, sizes, n, seed, batch_size, task, known=(examples, scorer.clean_scores()))
     laps.lap("accuracy_by_size")
-    n_layers = model.cfg.n_layers
-    heatmap(ranking.matrix("drop", n_layers), out / "drop_heatmap.png", f"accuracy drop, n={sizes[0]}",
-            "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
-    heatmap(ranking.matrix("logprob_drop", n_layers), out / "logprob_drop_heatmap.png",
-            f"answer log-prob drop, n={sizes[0]}", "head (Mamba-1: channel group)", "layer", centered=True)
-    if ranking.method == "screened":  # a screen of few units ranks exhaustively (rank_heads)
-        heatmap(ranking.matrix("est_logprob_drop", n_layers), out / "est_logprob_drop_heatmap.png",
-                f"estimated answer log-prob drop (attribution), n={sizes[0]}", "head (Mamba-1: channel group)",
-                "layer", centered=True)
-    plot_agreement(ranking.rows, out / "scores_vs_drop.png", f"G&A scores vs ablation, n={sizes[0]}")
     by_label = {u.label: u for u in units}
-    for rank, label in enumerate(ranking.top(2), 1):
-        w, toks, is_kernel = unit_weights(model, by_label[label], examples[0])
-        plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
-                     normalise=is_kernel)
+    tops = [(rank, label, *unit_weights(model, by_label[label], examples[0])) for rank, label in enumerate(ranking.top(2), 1)]
     summary = {"sizes": acc, "baseline": ranking.baseline, "method": settings.method, "top": ranking.rows[:10],
                "pairs": ranking.pairs,
                "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True,
@@ -262,6 +244,24 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
                "agreement": agreement(ranking.rows), "n_units": len(units), "rank_examples": len(examples),
                "screen": ranking.screen, "separability": ranking.separability,
                "separability_statement": separability_statement(ranking)}
+    drops = ["drop", "logprob_drop"] + (["est_logprob_drop"] if ranking.method == "screened" else [])  # a screen of
+    matrices = {key: ranking.matrix(key, model.cfg.n_layers) for key in drops}  # few units ranks exhaustively
+    ranking.to_csv(out / "ranking.csv")
+    ranking.to_json(out / "ranking.json")
+    save_table(ranking.pairs or [{"pair": None}], out / "pairs.csv")
+    save_table(acc, out / "accuracy.csv")
+    heatmap(matrices["drop"], out / "drop_heatmap.png", f"accuracy drop, n={sizes[0]}",
+            "head (Mamba-1: channel group)", "layer", centered=True, colorbar_label="accuracy drop")
+    heatmap(matrices["logprob_drop"], out / "logprob_drop_heatmap.png",
+            f"answer log-prob drop, n={sizes[0]}", "head (Mamba-1: channel group)", "layer", centered=True)
+    if "est_logprob_drop" in matrices:
+        heatmap(matrices["est_logprob_drop"], out / "est_logprob_drop_heatmap.png",
+                f"estimated answer log-prob drop (attribution), n={sizes[0]}", "head (Mamba-1: channel group)",
+                "layer", centered=True)
+    for rank, label, w, toks, is_kernel in tops:
+        plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
+                     normalise=is_kernel)
+    plot_agreement(ranking.rows, out / "scores_vs_drop.png", f"G&A scores vs ablation, n={sizes[0]}")
     laps.lap("plots_and_control")
     timing["total"] = laps.total()
     summary["timing"] = timing
