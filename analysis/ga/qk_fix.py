@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import ablate_units_rows, attached
+from analysis.interventions.ablation import ablate_units_rows
 from analysis.interventions.experts import ablate_expert_units
 from hooked.models.model_map import Site, model_map
 
@@ -63,7 +63,7 @@ def pattern_of(model: Any, resid: Tensor, layer: int, site: str, mask: Tensor | 
         got["pattern"] = act
         raise _Stop
 
-    with contextlib.suppress(_Stop), attached(model, [(site, hook, False)]):
+    with contextlib.suppress(_Stop), model.hooks(fwd_hooks=[(site, hook)]):
         model(resid, mask, start_at_layer=layer, stop_at_layer=layer + 1, tokens=tokens)
     if "pattern" not in got:
         raise RuntimeError(f"{site} did not fire when block {layer} ran")

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.interventions.ablation import _mean_of, attached
+from analysis.interventions.ablation import _mean_of
 from hooked.models.model_map import Site, Unit, model_map
 from analysis.tasks.scoring import ChoiceScorer
 
@@ -107,10 +107,10 @@ def site_attributions(model: Any, scorer: ChoiceScorer, sites: Sequence[Site], m
     def look(act: Tensor, hook: Any) -> None:
         seen[hook.name].append(act.detach())
 
-    hooks = [(name, grab, False) for name in acts] + [(name, look, False) for name in seen]
+    hooks = [(name, grab) for name in acts] + [(name, look) for name in seen]
     n_ex, n_ch = len(scorer.examples), scorer.n_choices
     device = next(model.parameters()).device
-    with torch.enable_grad(), attached(model, hooks):
+    with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
         # one activation per forward and hook; owners: the example of each row of each forward. The QK
         # fix (extra / keep) reads scorer.batches' whole rows, so it gets them here too
         flat, owners = scorer.flat_scores(whole_rows=bool(extra or keep))
