@@ -237,6 +237,27 @@ def test_ops_scan_kernel_rows_and_cols_agree_with_the_oracle(reset_rows):
     close(rg_lru_kernel_cols(log_a, w, idx, chunk_size=8), K[..., idx], "cols")
 
 
+def test_gradients_equal_hfs_and_stay_finite_where_a_decay_rounds_to_one():
+    """Training through our model: every parameter's gradient equals HF's (float32), and with one channel's
+    decay at exactly 1 the multiplier's sqrt gradient is clipped as HF clips it (no inf, no NaN)."""
+    for saturate in (False, True):
+        hf = make_hf().train()
+        if saturate:
+            with torch.no_grad():
+                hf.model.layers[1].temporal_block.rg_lru.recurrent_param[3] = -200.0  # softplus -> 0: a = 1
+        model = from_hf(hf, share_weights=True).train()
+        toks = tokens(pos=20)
+        loss = lambda logits: torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), toks[:, 1:].flatten())  # noqa: E731
+        loss(hf(toks, use_cache=False).logits).backward()
+        ours = dict(model.named_parameters())
+        grads = torch.autograd.grad(loss(model(toks)), list(ours.values()))
+        theirs = {p.data_ptr(): p.grad for p in hf.parameters()}
+        for (name, p), g in zip(ours.items(), grads):
+            want = theirs[p.data_ptr()].view_as(g)
+            assert torch.isfinite(g).all(), name
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-5 * want.abs().max().item(), msg=name)
+
+
 # ------------------------------------------------------------------------------ the model's mixer
 SITE = "blocks.1.mixer"
 

@@ -53,7 +53,7 @@ from hooked.models.head_writes import written_by_units
 from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along
 from hooked.ops.conv import causal_conv1d
 from hooked.ops.fused import causal_conv1d_fused
-from hooked.ops.rg_lru import rg_lru_kernel, rg_lru_kernel_cols, rg_lru_kernel_rows, rg_lru_scan
+from hooked.ops.rg_lru import bounded_sqrt, rg_lru_kernel, rg_lru_kernel_cols, rg_lru_kernel_rows, rg_lru_scan
 from hooked.ops.set_scan import set_scan
 from hooked.state_edit import through_state_hook
 
@@ -239,7 +239,7 @@ class RGLRUBlock(RecurrentCut, TokenMixer, nn.Module):
         decay_fn = lambda: torch.exp(log_a).masked_fill(reset, 0.0)  # noqa: E731  (rebuilds after an in-place edit)
         a, a_was = through_hook(self.hook_a, decay_fn(), decay_fn)
         a_square = a * a if a_was is not None else torch.exp(2 * log_a).masked_fill(reset, 0.0)  # HF's a^2
-        mult = self.hook_multiplier(torch.sqrt(1 - a_square))
+        mult = self.hook_multiplier(bounded_sqrt(1 - a_square))  # its gradient clipped, as HF's
         wx = x.to(dtype) * gate_i * mult  # HF's order: (x * i) * multiplier
         h0 = None if ctx.state is None else ctx.state.ssm_state(self)
         states = rg_lru_scan(a, wx, h0, chunked=chunked)[..., None]  # [b l d 1]

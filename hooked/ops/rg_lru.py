@@ -30,6 +30,27 @@ from hooked.ops.selective_kernel import CHUNK_ROWS
 from hooked.ops.selective_scan import linear_scan
 
 
+MAX_SQRT_GRADIENT = 1000.0  # d sqrt(x) / dx is clipped here (Griffin's and HF's SqrtBoundDerivative)
+
+
+class _BoundedSqrt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad / torch.sqrt(torch.clip(4.0 * x, min=1 / MAX_SQRT_GRADIENT**2))
+
+
+def bounded_sqrt(x: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
+    """sqrt(x) whose gradient 1 / (2 sqrt(x)) is at most MAX_SQRT_GRADIENT: the multiplier sqrt(1 - a^2) at
+    a = 1 (a decay that rounds to 1) would otherwise send an infinite gradient, and NaN, through training."""
+    return _BoundedSqrt.apply(x)
+
+
 def rg_lru_sequential(
     a: Float[Tensor, "batch pos lru_width"],
     wx: Float[Tensor, "batch pos lru_width"],
