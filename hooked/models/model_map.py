@@ -14,8 +14,8 @@ Glossary
              groups). tag: "H" a block's own heads (attention, or the SSM heads of a block without
              attention), "M" SSM heads beside attention in one block (Falcon-H1), "SH" a shared attention
              invocation (Zamba2), "C" units one feature wide (Mamba-1, short-conv channels), "E" experts,
-             "N" MLP neurons (the cache's neuron stacks). `label` builds one and `parse_label` reads one:
-             nothing else spells them.
+             "N" MLP neurons (the cache's neuron stacks). `label` builds one and `parse_label` reads one
+             (site.py, with the Site and Unit records; re-exported here): nothing else spells them.
     reads    the hooks a site's writes are computed from (the mixer's `write_reads`; an MoE's chosen ids,
              routing weights and expert outputs): a bare run_with_cache() caches them all
     write    what each unit adds to its module's output [.. pos n d_out], the output projection's bias
