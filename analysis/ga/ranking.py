@@ -177,12 +177,10 @@ def _exact(model: Any, scorer: ChoiceScorer, units: Sequence[Unit], mode: str, m
     out: dict[str, Tensor] = {}
 
     def run(chunk: list[Unit], start: int | None, resids: list[Tensor] | None) -> None:
-        if len(chunk) == 1 and chunk[0].kind != "head":  # experts: one ablation per forward
-            with ablated(model, chunk, mode, mean_cache):
-                scores = scorer.scores(start, resids)
-        else:
-            with ablate_units_rows(model, [[u] for u in chunk], mode=mode, mean_cache=mean_cache):
-                scores = scorer.scores(start, resids, replicas=len(chunk))
+        alone = len(chunk) == 1 and chunk[0].kind != "head"  # experts: one ablation per forward
+        with (ablated(model, chunk, mode, mean_cache) if alone
+              else ablate_units_rows(model, [[u] for u in chunk], mode=mode, mean_cache=mean_cache)):
+            scores = scorer.scores(start, resids, replicas=len(chunk))
         for u, sc in zip(chunk, scores if len(chunk) > 1 else [scores]):
             out[u.label] = sc
         bar.update(len(chunk))
