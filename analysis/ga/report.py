@@ -236,7 +236,8 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     acc = accuracy_by_size(model, sizes, n, seed, batch_size, task, known=(examples, scorer.clean_scores()))
     laps.lap("accuracy_by_size")
     by_label = {u.label: u for u in units}
-    tops = [(rank, label, *unit_weights(model, by_label[label], examples[0])) for rank, label in enumerate(ranking.top(2), 1)]
+    tops = [(rank, label, *unit_weights(model, by_label[label], examples[0]))
+            for rank, label in enumerate(ranking.top(2), 1)]
     summary = {"sizes": acc, "baseline": ranking.baseline, "method": settings.method, "top": ranking.rows[:10],
                "pairs": ranking.pairs,
                "control": control(model, examples, ranking, units, seed, batch_size, n_random, reuse_pairs=True,
@@ -244,6 +245,7 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
                "agreement": agreement(ranking.rows), "n_units": len(units), "rank_examples": len(examples),
                "screen": ranking.screen, "separability": ranking.separability,
                "separability_statement": separability_statement(ranking)}
+    plot_agreement(ranking.rows, out / "scores_vs_drop.png", f"G&A scores vs ablation, n={sizes[0]}")
     drops = ["drop", "logprob_drop"] + (["est_logprob_drop"] if ranking.method == "screened" else [])  # a screen of
     matrices = {key: ranking.matrix(key, model.cfg.n_layers) for key in drops}  # few units ranks exhaustively
     ranking.to_csv(out / "ranking.csv")
@@ -261,7 +263,6 @@ def ga_report(model: Any, out: str | Path, sizes: list[int], n: int = 50, rank_n
     for rank, label, w, toks, is_kernel in tops:
         plot_pattern(w, out / f"top{rank}_{label}.png", toks, f"{label} ({'kernel, min-max' if is_kernel else 'pattern'})",
                      normalise=is_kernel)
-    plot_agreement(ranking.rows, out / "scores_vs_drop.png", f"G&A scores vs ablation, n={sizes[0]}")
     laps.lap("plots_and_control")
     timing["total"] = laps.total()
     summary["timing"] = timing

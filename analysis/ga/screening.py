@@ -66,7 +66,7 @@ def write_attributions(model: Any, scorer: ChoiceScorer, modules: Sequence[str],
                        per_choice: bool = False) -> dict[str, Any]:
     """Per head module or MoE: estimated change of each example's quantities when each of its heads
     (experts) is ablated: {quantity: {prefix: [example head]}, "base_margin": [example],
-    "base_logprob": [example], "base_scores": [example choice], "quantities": names}.
+    "base_logprob": [example], "base_scores": [example choice], "answers": [example], "quantities": names}.
 
     Quantities: "margin" and "logprob" (two backwards), or with per_choice every choice's score
     "choice0", "choice1", ... (one backward per choice; `estimate_effects` then applies the exact
@@ -113,11 +113,12 @@ def site_attributions(model: Any, scorer: ChoiceScorer, sites: Sequence[Site], m
     with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
         # one activation per forward and hook; owners: the example of each row of each forward. The QK
         # fix (extra / keep) reads scorer.batches' whole rows, so it gets them here too
+        answers = scorer.answers().to(device)
         flat, owners = scorer.flat_scores(whole_rows=bool(extra or keep))
         raw = flat.view(n_ex, n_ch)
         invalid = torch.tensor([[c >= len(e.choices) for c in range(n_ch)] for e in scorer.examples], device=device)
         scores = raw.masked_fill(invalid, float("-inf"))
-        margin, logprob = _margin_logprob(scores, scorer.answers().to(device))
+        margin, logprob = _margin_logprob(scores, answers)
         if per_choice:  # an absent choice's row of `raw` is 0, its gradient 0
             quantities = {f"choice{c}": raw[:, c] for c in range(n_ch)}
         else:
@@ -130,8 +131,8 @@ def site_attributions(model: Any, scorer: ChoiceScorer, sites: Sequence[Site], m
     owners = [o.cpu() for o in owners]
     out: dict[str, Any] = {key: {} for key in quantities}
     out.update({"base_margin": margin.detach().cpu(), "base_logprob": logprob.detach().cpu(),
-                "base_scores": scores.detach().cpu(), "quantities": list(quantities), "extra": {},
-                "kept": {name: seen[name] for name in keep}})
+                "base_scores": scores.detach().cpu(), "answers": answers.cpu(), "quantities": list(quantities),
+                "extra": {}, "kept": {name: seen[name] for name in keep}})
     i = 0
     for name in names:
         count = len(acts[name])
@@ -211,7 +212,7 @@ def unit_effects(model: Any, scorer: ChoiceScorer, units: Sequence[Unit], sites:
             d_margin, d_logprob = change["margin"], change["logprob"]
         else:
             d_margin, d_logprob = _choice_changes(att, torch.stack([change[k] for k in att["quantities"]], -1),
-                                                  scorer.answers())
+                                                  att["answers"])
         out[u.label] = {"est_drop": right_now - ((base + d_margin) > 0).double().mean().item(),
                         "est_logprob_drop": -d_logprob.mean().item(), "est_margin_drop": -d_margin.mean().item()}
     return out
