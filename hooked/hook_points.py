@@ -528,11 +528,14 @@ class HookedRootModule(nn.Module):
                 p.ctx = {}
 
     @contextlib.contextmanager
-    def hooks(self, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = ()) -> Iterator["HookedRootModule"]:
-        """Context manager: hooks visible to this thread / task only, attached on entry, removed on exit."""
+    def hooks(self, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = (),
+              prepend: bool = False) -> Iterator["HookedRootModule"]:
+        """Context manager: hooks visible to this thread / task only, attached on entry, removed on exit.
+        prepend: they run before the hooks already attached at their points (else after)."""
         # resolve everything first so that a bad name attaches nothing
-        plan = [(p, fn, False) for n, fn in hook_pairs(fwd_hooks, "fwd_hooks") for p in self._resolve(n)]
-        plan += [(p, _as_backward_hook(fn), False) for n, fn in hook_pairs(bwd_hooks, "bwd_hooks")
+        front = check(prepend, "hooks: prepend", Flag())
+        plan = [(p, fn, front) for n, fn in hook_pairs(fwd_hooks, "fwd_hooks") for p in self._resolve(n)]
+        plan += [(p, _as_backward_hook(fn), front) for n, fn in hook_pairs(bwd_hooks, "bwd_hooks")
                  for p in self._resolve(n)]
         with scoped_hooks(plan):
             yield self

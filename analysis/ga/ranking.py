@@ -430,6 +430,7 @@ def _pairs_exact(model: Any, scorer: ChoiceScorer, pairs: list[tuple[Unit, Unit]
     """Scores with both units of each pair ablated; each run starts at the pair's first layer (prefix reuse),
     or, for the pairs of a `pair_trees` root, at the second unit's layer of a run with the root ablated."""
     out = {}
+    trees = pair_trees(pairs, model.cfg.n_layers) if reuse_prefix and pairs else {}
     bar = tqdm(total=len(pairs), desc="pairs", disable=not progress)
 
     def run(a: Unit, b: Unit, start: int | None, resids: list[Any] | None) -> None:
@@ -438,7 +439,6 @@ def _pairs_exact(model: Any, scorer: ChoiceScorer, pairs: list[tuple[Unit, Unit]
         bar.update()
 
     if reuse_prefix and pairs:
-        trees = pair_trees(pairs, model.cfg.n_layers)
         grouped = {p for group in trees.values() for p in group}
         direct = [p for p in pairs if p not in grouped]
         starts = sorted({min(a.layer, b.layer) for a, b in direct} | {root.layer for root in trees})

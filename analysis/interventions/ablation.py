@@ -31,7 +31,6 @@ from tqdm.auto import tqdm
 
 from hooked.validate import Flag, Integer, OneOf, check, checked
 from hooked.validate import as_index, index_list, layer_index, layer_list
-from hooked.hook_points import scoped_hooks
 from hooked.models.base import HookedModel
 from hooked.models.model_map import Site, Unit, model_map, parse_label
 
@@ -71,12 +70,10 @@ def resolve_heads(model: Any, heads: Iterable[HeadSpec], layout: dict[str, Site]
 
 @contextlib.contextmanager
 def attached(model: Any, hooks: Sequence[tuple[str, Callable, bool]]) -> Iterator[None]:
-    """Attach (name, fn, prepend) hooks for this thread / task only; all are removed on exit, whatever happens."""
-    points = model.hook_dict
-    for name, _, _ in hooks:  # check every name first: a bad one attaches nothing
-        if name not in points:
-            model.names_matching(name)  # raises KeyError with close matches
-    with scoped_hooks([(points[name], fn, pre) for name, fn, pre in hooks]):
+    """Attach (name, fn, prepend) hooks for this thread / task only (the model's scoped `hooks()`); all are
+    removed on exit, whatever happens, and a bad name attaches nothing."""
+    with model.hooks(fwd_hooks=[(name, fn) for name, fn, pre in hooks if not pre]), \
+            model.hooks(fwd_hooks=[(name, fn) for name, fn, pre in hooks if pre], prepend=True):
         yield
 
 
