@@ -41,6 +41,9 @@ class ToyBlock(nn.Module):
     def writers(self):  # the block protocol (hooked/models/block.py): what the block adds
         yield Writer("mixer", self.lin, self.hook_mixer_out, nn.Identity())
 
+    def stream_norms(self):  # the block protocol: norms applied to the stream itself (MiniMax's); none here
+        return []
+
 
 class Toy(HookedModel):
     def __init__(self) -> None:
