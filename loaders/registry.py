@@ -1,4 +1,5 @@
-"""Which hooked model a checkpoint becomes: the table of every family loader's `Architecture`.
+"""Which hooked model a checkpoint becomes: the table of every family loader's `Architecture`, the one list
+of the families (hooked.models.families.build finds a config's builder without a table of its own).
 
 `ARCHITECTURES` lists them explicitly (loaders/architecture.py says what one holds);
 `find_architecture` picks one by the HF config's `architectures`, then its `model_type`, then its
