@@ -4,17 +4,20 @@ Glossary
     trajectory   the states h_0 .. h_{L-1} of one mixer, one per position (hook_h's activation).
     received     what a hook function gets: the clean trajectory for the first hook; for each later
                  hook (or tap: an SAE splice, a `hook_heads` view), the trajectory the earlier edits left.
-    set          an entry of the returned tensor that differs from the entry received. The state there
-                 IS the returned value: the recurrence does not add it to anything.
-    continued    every other entry: the recurrence run on from the states before it, the set ones
+    unit         the state of one head (Mamba-2, the delta rule, lightning attention) or one channel (Mamba-1:
+                 its d_state entries; RG-LRU) at one position: axis 2 of the state hook [batch pos unit ...].
+    set          a unit whose returned state differs from the one received in any entry. Its state there
+                 IS the returned one, every entry of it (so an entry that happens to equal the received
+                 value, which float32 states do by chance, is set too): the recurrence adds it to nothing.
+    continued    every other unit: the recurrence run on from the states before it, the set ones
                  included. So zeroing h at positions 5 and 8 leaves h_8 = 0 (not h_8 plus the change the
                  edit at 5 carried there), and a hook that returns another run's whole trajectory runs
                  the model on exactly those states.
-    declared     a hook may return `set_everywhere(t)`: every entry of t counts as set, equal or not
+    declared     a hook may return `set_everywhere(t)`: every unit of t counts as set, equal or not
                  (attribution patching of an index that spans every position: the gradient of such a
                  patch is each state's own effect, since no set state is continued from another).
-    fixed        the entries set by any hook so far: a later hook that edits an earlier position does not
-                 undo a set entry after it (as hooks run one position at a time would behave).
+    fixed        the units set by any hook so far: a later hook that edits an earlier position does not
+                 undo a set unit after it (as hooks run one position at a time would behave).
     carry        the mixer's own map from (difference e, fixed mask) to the change d of every state:
                  d_t = e_t where fixed, else M_t d_{t-1} + e_t (M_t the state transition, d_{-1} = 0).
                  It is linear in e; e is zero wherever nothing was set, except that a hook's output that
@@ -22,9 +25,8 @@ Glossary
                  `act.detach().requires_grad_()`) counts as an edit with e = 0: its gradient is the
                  total derivative through every later state.
 
-An entry is one scalar recurrence where the transition is elementwise (Mamba-1: h[d, n]; Mamba-2:
-h[head, p, n]); in the delta rule the transition mixes a state's key rows, so an entry's set value
-feeds the continued entries beside it through M_t, which `carry` applies.
+Units are independent recurrences (each head or channel has its own state and transition), so setting
+one unit at a position leaves every other unit continued.
 """
 
 from __future__ import annotations
@@ -56,11 +58,19 @@ class StateEdit(NamedTuple):
     first: int
 
 
+def _units_changed(out: Tensor, received: Tensor, declared: bool) -> Tensor:
+    """[batch pos unit 1 ...]: True where any entry of that unit's state at that position differs (glossary: unit)."""
+    shape = (*out.shape[:3], *[1] * (out.ndim - 3))
+    if declared:
+        return torch.ones(shape, dtype=torch.bool, device=out.device)
+    return (out != received).flatten(3).any(3).view(shape)
+
+
 def through_state_hook(hook: HookPoint, value: Tensor, rebuild: Callable[[], Tensor], carry: Carry) -> StateEdit:
     """Pass a state trajectory through its hook and continue the recurrence after each edit.
 
     Each hook and tap of `hook` runs in turn (HookPoint.steps); after each one that changed anything,
-    the entries it set are fixed and the rest continued by `carry`, so the next one receives the
+    the units it set are fixed and the rest continued by `carry`, so the next one receives the
     continued trajectory. `clean` is None when nothing changed (the model keeps its fast path).
     `rebuild()` makes the clean trajectory again when the first hook edits it in place.
 
@@ -89,8 +99,8 @@ def through_state_hook(hook: HookPoint, value: Tensor, rebuild: Callable[[], Ten
         if out is received and not declared:  # returned None, or itself
             continue
         carries_grad = out is not received and out.requires_grad and torch.is_grad_enabled()
-        new = torch.ones_like(out, dtype=torch.bool) if declared else out != received
-        everywhere = declared or bool(new.all())  # (a whole trajectory patched: no position to look for)
+        new = _units_changed(out, received, declared)
+        everywhere = bool(new.all())  # (a whole trajectory patched: no position to look for)
         changed = [] if everywhere else new.flatten(2).any(2).any(0).nonzero()[:, 0].tolist()
         if not (everywhere or carries_grad or changed):
             x = received

@@ -332,3 +332,17 @@ def test_the_heads_view_sets_states_as_hook_h_does(name):
     with torch.no_grad(), model.hooks(fwd_hooks=[(f"{where}.hook_h.hook_heads", zero)]):
         via_view = run(model, where, [])
     close(via_view["hook_y"], direct["hook_y"], "y")
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "qwen3_next"])
+def test_a_patched_unit_is_set_whole_even_where_an_entry_equals_the_received_one(name):
+    """Float32 states of two prompts share an entry now and then by chance: the unit (head, channel) is set as a
+    whole, so a whole trajectory from elsewhere is still run on exactly, that entry included."""
+    model, where, _ = site(name)
+    clean = clean_states(name)
+    other = clean_states(name, tokens(seed=3)).clone()
+    other[0, 7, 1].view(-1)[0] = clean[0, 7, 1].view(-1)[0]  # one entry equal to what the hook receives
+    q = run(model, where, [lambda h, hook: other])
+    assert torch.equal(q["hook_h"], other)
+    _, y_ref = reference(name, q, lambda t, h: other[:, t])
+    close(q["hook_y"], y_ref, "y read from the other prompt's states")

@@ -259,7 +259,7 @@ def delta_rule_carry(
     beta: Float[Tensor, "batch pos n_heads"],
     alpha: Float[Tensor, "batch pos n_heads *channel"],
     dS: Float[Tensor, "batch pos n_heads d_k d_v"],
-    fixed: Bool[Tensor, "batch pos n_heads d_k d_v"] | None = None,
+    fixed: Bool[Tensor, "batch pos n_heads *fixed"] | None = None,
     *,
     chunk_size: int = CHUNK,
 ) -> Float[Tensor, "batch pos n_heads d_k d_v"]:
@@ -274,7 +274,7 @@ def delta_rule_carry(
     Args:
         q, k, beta, alpha: as delta_rule_sequential. dS: edited minus original state per position
             (zero where nothing was edited; a dS that requires grad is visited at every position, so
-            that its gradient is the total derivative). fixed: the set entries (None: none).
+            that its gradient is the total derivative). fixed: the set entries, broadcast against dS (None: none).
     Returns:
         D: the change of every state [b l h d_k d_v].
     """

@@ -4,7 +4,7 @@ Glossary (axis 1 = pos; `*state` = the state's own axes: Mamba-1 [d_inner d_stat
 [n_heads d_head d_state])
     decay    A_bar_t, broadcast against the state (Mamba-2: [batch pos n_heads 1 1])
     e        the returned state minus the one received, zero outside the set entries
-    fixed    bool, the set entries
+    fixed    bool, the set entries (broadcast against the state: hooked/state_edit.py sets whole units)
     d        d_t = e_t where fixed_t, else decay_t * d_{t-1} + e_t   (d_{-1} = 0)
 
 The positions with a set entry split the sequence into segments. Inside a segment nothing is set and
@@ -18,20 +18,23 @@ from torch import Tensor
 
 from hooked.ops.ssd import _linear_recurrence
 
+MANY = 32  # more positions with a set entry than this: the plain scan (one fused step per position) is cheaper
+
 
 def set_scan(
     decay: Float[Tensor, "batch pos *decay"],
     e: Float[Tensor, "batch pos *state"],
-    fixed: Bool[Tensor, "batch pos *state"],
+    fixed: Bool[Tensor, "batch pos *fixed"],
 ) -> Float[Tensor, "batch pos *state"]:
     """d for every position (module glossary): how setting the `fixed` entries changes every state.
 
     An `e` that requires grad (a hook's gradient-carrying copy, attribution patching) is scanned at
-    every position, so that its gradient is the total derivative through the continued states.
+    every position, so that its gradient is the total derivative through the continued states; so is
+    an edit that sets entries at more than MANY positions (the scan with the decay 0 where set).
     """
-    if e.requires_grad and torch.is_grad_enabled():
-        return _linear_recurrence(decay.expand_as(e).masked_fill(fixed, 0.0), e, None)
     visited = fixed.flatten(2).any(2).any(0).nonzero()[:, 0].tolist()
+    if len(visited) > MANY or (e.requires_grad and torch.is_grad_enabled()):  # one step per position
+        return _linear_recurrence(decay.expand_as(e).masked_fill(fixed, 0.0), e, None)
     seq_len = e.shape[1]
     if not visited:
         return torch.zeros_like(e)
