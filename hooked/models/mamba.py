@@ -31,7 +31,7 @@ tensors: hook_in, hook_conv, hook_ssm_in, hook_dt, hook_B, hook_C fire before it
 propagate; hook_y and after fire on its output.
 
 Edits propagate. dt, B, C feed everything after them. Edited A_bar / B_bar are what the scan
-uses (`linear_scan` on the discrete tensors). A state returned by a hook of h is SET at the entries
+uses (`linear_scan` on the discrete tensors). A state returned by a hook of h is SET for each channel
 where it differs from what the hook received, and the recurrence continues from it (hooked/state_edit.py,
 ops/set_scan.py); y = C . h on those states. An edit of the kernel adds (K' - K)·u to y. An edit of head_out makes the mixer output
 head_out.sum(d_inner) (+ out_proj bias). Unedited lazy hooks leave the fast path's numbers

@@ -35,7 +35,7 @@ mamba-ssm's mamba_chunk_scan_combined (a decoding step: selective_state_update),
 causal_conv1d_fn or fla's Triton conv and the gated norm through mamba-ssm's Triton rmsnorm_fn (or
 stand-ins with their semantics, ops/fused.py), fed the hooked u, dt, B, C; no lazy hook is active then.
 Edits propagate: dt, B, C feed everything after them; an edited A_bar or B_bar is what the scan
-uses; a state returned by a hook of h is SET where it differs from what the hook received and the
+uses; a state returned by a hook of h is SET for each head whose state differs from what the hook received and the
 recurrence continues from it (hooked/state_edit.py; ops/set_scan.py continues the segments between
 set positions), y = C . h on those states; an edited kernel
 adds (K' - K) u to y; an edited head_out is summed into the mixer output. A lazy quantity whose
