@@ -57,6 +57,12 @@ class StateEdit(NamedTuple):
     clean: Tensor | None
     first: int
 
+    def read_into(self, y: Tensor, read: Callable[[Tensor, slice], Tensor]) -> Tensor:
+        """y with its positions from `first` on replaced by read(h[:, first:], that slice): what the mixer
+        reads from the edited states (C . h, S^T q), the unedited y before them (to the bit)."""
+        after = slice(self.first, None)
+        return torch.cat([y[:, :self.first], read(self.h[:, after], after)], dim=1)
+
 
 def _units_changed(out: Tensor, received: Tensor, declared: bool) -> Tensor:
     """[batch pos unit 1 ...]: True where any entry of that unit's state at that position differs (glossary: unit)."""

@@ -335,9 +335,9 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
 
             y, _, states = delta_rule_chunked(q, k, v, beta, alpha, chunk_size=chunk, return_states=True)
             edit = through_state_hook(self.hook_h, states, states_fn, carry)
-            if edit.clean is not None:  # y_t = S_t^T q_t on the edited (set and continued) states, from the
-                s, q_heads = edit.first, _per_head(q, self.spec.n_heads)  # first one changed
-                y = torch.cat([y[:, :s], einsum(edit.h[:, s:], q_heads[:, s:], "b l h c v, b l h c -> b l h v")], dim=1)
+            if edit.clean is not None:  # y_t = S_t^T q_t on the edited (set and continued) states
+                q_heads = _per_head(q, self.spec.n_heads)
+                y = edit.read_into(y, lambda h, at: einsum(h, q_heads[:, at], "b l h c v, b l h c -> b l h v"))
         if self.hook_kernel.is_active:
             kernel_fn = lambda: delta_rule_kernel(q, k, beta, alpha, chunk_size=chunk)  # noqa: E731
             kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)

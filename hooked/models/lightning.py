@@ -219,9 +219,8 @@ class LightningMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             states_fn = lambda: lightning_states(k, v, slope)  # noqa: E731
             decay = lightning_decays(slope, q.shape[0], q.shape[1])
             edit = through_state_hook(self.hook_h, states_fn(), states_fn, lambda e, fixed: set_scan(decay, e, fixed))
-            if edit.clean is not None:  # y_t = S_t^T q_t on the edited (set and continued) states, from the
-                s = edit.first  # first one changed (before it the unedited y, to the bit)
-                y = torch.cat([y[:, :s], einsum(edit.h[:, s:], q[:, s:], "b l h c v, b l h c -> b l h v")], dim=1)
+            if edit.clean is not None:  # y_t = S_t^T q_t on the edited (set and continued) states
+                y = edit.read_into(y, lambda h, at: einsum(h, q[:, at], "b l h c v, b l h c -> b l h v"))
         if self.hook_kernel.is_active:
             kernel_fn = lambda: lightning_kernel(q, k, slope)  # noqa: E731
             kernel, kernel_was = through_hook(self.hook_kernel, kernel_fn(), kernel_fn)

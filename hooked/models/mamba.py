@@ -287,8 +287,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
                 if edit.clean is not None:  # y = C . h on the edited states from the first one changed
                     if y is None:  # (before it the unedited y, to the bit)
                         y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
-                    s = edit.first
-                    y = torch.cat([y[:, :s], einsum(edit.h[:, s:], C[:, s:], "b l d n, b l n -> b l d")], dim=1)
+                    y = edit.read_into(y, lambda h, at: einsum(h, C[:, at], "b l d n, b l n -> b l d"))
         if y is None:
             y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
         if self.hook_kernel.is_active:

@@ -372,9 +372,8 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         if need_states:
             edit = through_state_hook(self.hook_h, states if states is not None else states_fn(), states_fn,
                                       lambda e, fixed: set_scan(A_bar[..., None, None], e, fixed))
-            if edit.clean is not None:  # y = C . h on the edited (set and continued) states, from the first
-                s = edit.first  # one changed (before it the unedited y, to the bit)
-                y = torch.cat([y[:, :s], einsum(edit.h[:, s:], C_heads[:, s:], "b l h p n, b l h n -> b l h p")], dim=1)
+            if edit.clean is not None:  # y = C . h on the edited (set and continued) states
+                y = edit.read_into(y, lambda h, at: einsum(h, C_heads[:, at], "b l h p n, b l h n -> b l h p"))
         if self.hook_kernel.is_active:
             if discrete_edited:
                 kernel_fn = lambda: mamba2_kernel_discrete(A_bar, B_bar, C_heads)  # noqa: E731
