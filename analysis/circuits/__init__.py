@@ -8,6 +8,8 @@
                   `faithfulness_curve`, `edge_effects`, `prune`, `rescore`
     token_edges   (unit, target <- source) edges inside mixers: estimates (edge_attribution(token_edges=True)),
                   exact knockout (`cut_token_edges`, `verify_token_edges`)
+    positions     per-position graphs: residual edges at each position joined by the token edges
+                  (`position_attribution` -> `PositionScores`, exact: `position_effects`, `verify_positions`)
     paths         path patching (`path_patch`, `path_patch_sweep`), TL's direct path patching included
     transplant    SSM state transplants and patchscopes through the decoding state
     plot          the graph's top edges drawn over layers
@@ -16,11 +18,14 @@
 from analysis.circuits.eap import EdgeScores, edge_attribution
 from analysis.circuits.graph import Edge, Graph, graph_of
 from analysis.circuits.paths import path_patch, path_patch_sweep
+from analysis.circuits.positions import (PositionEdge, PositionScores, position_attribution, position_effects,
+                                         verify_positions)
 from analysis.circuits.token_edges import TokenEdge, TokenEdgeScores, cut_token_edges, verify_token_edges
 from analysis.circuits.transplant import generate_from, patchscope, read, ssm_sites, transplant, transplant_state
 from analysis.circuits.verify import circuit_metric, edge_effects, faithfulness_curve, prune, rescore, verify_circuit
 
 __all__ = ["EdgeScores", "edge_attribution", "Edge", "Graph", "graph_of", "path_patch", "path_patch_sweep",
+           "PositionEdge", "PositionScores", "position_attribution", "position_effects", "verify_positions",
            "TokenEdge", "TokenEdgeScores", "cut_token_edges", "verify_token_edges", "generate_from", "patchscope",
            "read", "ssm_sites", "transplant", "transplant_state", "circuit_metric", "edge_effects",
            "faithfulness_curve", "prune", "rescore", "verify_circuit"]

@@ -144,8 +144,8 @@ class Graph:
         return out
 
     def dense(self, coef: Tensor) -> Tensor:
-        """[R, n_edges] edge weights -> [R, n_receivers, n_senders]."""
-        out = coef.new_zeros((coef.shape[0], len(self.receivers), len(self.senders)))
+        """[R, n_edges, *rest] edge weights -> [R, n_receivers, n_senders, *rest]."""
+        out = coef.new_zeros((coef.shape[0], len(self.receivers), len(self.senders), *coef.shape[2:]))
         out[:, self.edge_receiver.to(coef.device), self.edge_sender.to(coef.device)] = coef
         return out
 

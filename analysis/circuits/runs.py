@@ -242,6 +242,8 @@ class Patcher:
     def _delta(self, group: ReceiverGroup) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         g = self.graph
         rs = g.receiver_slices[g.receiver_groups.index(group)]
+        if self.dense.ndim == 4:  # a weight per position (analysis.circuits.positions)
+            return self._delta_by_position(group, rs)
         weights, linked = self.dense[:, rs], self.linked[rs]  # [R v U], [v U]
         active = weights.ne(0).any(-1).any(0)
         if not bool(active.any()):
@@ -267,6 +269,27 @@ class Patcher:
             emb = (w.T[:, :, None, None, None] * e).flatten(1, 2)
         return total, emb, active
 
+    def _delta_by_position(self, group: ReceiverGroup, rs: slice) -> tuple[Tensor | None, Tensor | None,
+                                                                           Tensor | None]:
+        """delta_r[p] = sum_s coef[r, s, p] diff_s[p]: the plain sum over the senders with a term."""
+        weights = self.dense[:, rs]  # [R v U P]
+        active = weights.ne(0).flatten(2).any(-1).any(0)
+        if not bool(active.any()):
+            return None, None, None
+        total = None
+        chosen = weights.ne(0).any(-1).any(1).any(0).nonzero()[:, 0].tolist()
+        if chosen:
+            d = torch.cat([self.diff[k][i:i + 1] for k, i in (self.where[s] for s in chosen)])
+            n, rows = d.shape[:2]
+            d = d.reshape(n, self.replicas, rows // self.replicas, *d.shape[2:])
+            total = torch.einsum("rvnp,nrbpd->vrbpd", weights[:, :, chosen].to(d.dtype), d).flatten(1, 2)
+        emb = None
+        if group.two_slots:
+            w = self.dense[:, rs, 0].to(self.emb_diff.dtype).transpose(0, 1)  # [v R P]
+            e = self.emb_diff.reshape(1, self.replicas, -1, *self.emb_diff.shape[2:])
+            emb = (w[:, :, None, :, None] * e).flatten(1, 2)
+        return total, emb, active
+
     def hooks(self, frozen: bool = False) -> tuple[list[tuple[Any, Callable]], TorchHooks]:
         points = [h for sg in self.graph.sender_groups for h in sg.hooks(self.emit)]
         sites = {id(r.site): r.site for r in self.graph.receiver_groups if r.site is not None}
@@ -282,11 +305,13 @@ class Patcher:
 def patched(model: Any, graph: Graph, base: Tensor, source: Activations, coef: Tensor,
             attention_mask: Tensor | None = None, frozen: bool = False, tail: int | None = None) -> Tensor:
     """Logits [R*batch pos d_vocab] of `base` tiled R = coef.shape[0] times, block j patched by coef[j]
-    (source: the activations of a recorded run of other tokens of the same shape). frozen: receivers read
+    (source: the activations of a recorded run of other tokens of the same shape; coef [R, n_edges, pos]: a
+    weight per edge and position, positions.py). frozen: receivers read
     their norm linearised at this run's scale (receivers.NormSite.read). tail: only the last positions'
     logits (forward_logits)."""
-    if coef.ndim != 2 or coef.shape[1] != len(graph):
-        raise ValueError(f"coef must be [replicas, n_edges={len(graph)}], got {tuple(coef.shape)}")
+    if coef.ndim not in (2, 3) or coef.shape[1] != len(graph) or (coef.ndim == 3 and coef.shape[2] != base.shape[1]):
+        raise ValueError(f"coef must be [replicas, n_edges={len(graph)}] or [replicas, n_edges, pos={base.shape[1]}] "
+                         f"(a weight per position), got {tuple(coef.shape)}")
     patcher = Patcher(graph, source, coef.to(next(model.parameters()).device))
     points, torch_hooks = patcher.hooks(frozen)
     r = coef.shape[0]
