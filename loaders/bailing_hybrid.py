@@ -25,16 +25,8 @@ from torch import Tensor
 from hooked.models.bailing_hybrid import BailingHybridConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import chained, concat_view, expert_view
-from loaders.keymaps import (PER_EXPERT_STACKS, delta_mixer_keys, gated_mlp_keys, lm_head_keys, rope_from_hf,
-                             stacked_experts_keys)
-
-LAYER_TYPES = {"linear_attention": "delta", "full_attention": "attention"}
-MLP_TYPES = {"dense": "dense", "sparse": "moe"}
-
-
-def _first(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
-    """The first of `names` the dict holds (HF's to_dict writes its attribute_map names: num_experts, ...)."""
-    return next((hf[n] for n in names if hf.get(n) is not None), default)
+from loaders.keymaps import PER_EXPERT_STACKS, rope_from_hf
+from loaders.kimi_linear import LAYER_TYPES, MLP_TYPES, first_of, kda_key_map
 
 
 def config_from_hf(hf: dict[str, Any]) -> BailingHybridConfig:
@@ -63,16 +55,16 @@ def config_from_hf(hf: dict[str, Any]) -> BailingHybridConfig:
         n_attn_heads=heads, d_nope=int(hf["qk_nope_head_dim"]), d_rope=int(hf["qk_rope_head_dim"]),
         d_attn_head=int(hf["v_head_dim"]), kv_rank=int(hf["kv_lora_rank"]),
         q_rank=None if q_rank is None else int(q_rank), attention_bias=bool(hf.get("attention_bias", False)),
-        rope_theta=theta, n_experts=int(_first(hf, "num_experts", "num_local_experts", default=512)),
-        top_k=int(_first(hf, "num_experts_per_token", "num_experts_per_tok", default=8)),
+        rope_theta=theta, n_experts=int(first_of(hf, "num_experts", "num_local_experts", default=512)),
+        top_k=int(first_of(hf, "num_experts_per_token", "num_experts_per_tok", default=8)),
         d_expert=int(hf.get("moe_intermediate_size", 768)),
-        n_shared=int(_first(hf, "num_shared_experts", "n_shared_experts", default=1)),
-        n_group=int(_first(hf, "num_expert_group", "n_group", default=1)), topk_group=int(hf.get("topk_group") or 1),
-        renormalise=bool(_first(hf, "moe_renormalize", "norm_topk_prob", default=True)),
+        n_shared=int(first_of(hf, "num_shared_experts", "n_shared_experts", default=1)),
+        n_group=int(first_of(hf, "num_expert_group", "n_group", default=1)), topk_group=int(hf.get("topk_group") or 1),
+        renormalise=bool(first_of(hf, "moe_renormalize", "norm_topk_prob", default=True)),
         routed_scaling=float(hf.get("routed_scaling_factor", 2.5)),
         act_fn=hf.get("hidden_act", "silu"), eps=float(hf.get("rms_norm_eps", 1e-6)),
         tied=bool(hf.get("tie_word_embeddings", False)),
-        n_ctx=int(_first(hf, "model_max_length", "max_position_embeddings", default=262144)),
+        n_ctx=int(first_of(hf, "model_max_length", "max_position_embeddings", default=262144)),
     )
 
 
@@ -106,28 +98,13 @@ def _latent_attention_keys(cfg: BailingHybridConfig, ours: str, theirs: str) -> 
     return keys
 
 
+_KDA: dict[str, str | Key] = {f"{p}_proj.weight": f"{p}_proj.weight" for p in ("q", "k", "v", "b", "g")}
+_KDA |= {"f_proj.weight": "forget_gate.f_proj.weight", "A_log": "forget_gate.A_log", "dt_bias": "forget_gate.dt_bias",
+         "norm.weight": "o_norm.weight", "out_proj.weight": "o_proj.weight"}
+
+
 def key_map(cfg: BailingHybridConfig) -> dict[str, Key]:
-    keys = {"embed.weight": Key.of("model.embed_tokens.weight"), "ln_final.weight": Key.of("model.norm.weight")}
-    for layer, (kind, mlp_kind) in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
-        ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
-        keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
-        keys[ours + "ln2.weight"] = Key.of(theirs + "post_attention_layernorm.weight")
-        if kind == "attention":
-            keys |= _latent_attention_keys(cfg, ours + "attn.", theirs + "self_attn.")
-        else:
-            names: dict[str, str | Key] = {f"{p}_proj.weight": f"{p}_proj.weight" for p in ("q", "k", "v", "b", "g")}
-            names |= {"f_proj.weight": "forget_gate.f_proj.weight", "A_log": "forget_gate.A_log",
-                      "dt_bias": "forget_gate.dt_bias", "norm.weight": "o_norm.weight",
-                      "out_proj.weight": "o_proj.weight"}
-            keys |= delta_mixer_keys(ours + "mixer.", theirs + "self_attn.", names)
-        if mlp_kind == "dense":
-            keys |= gated_mlp_keys(ours + "mlp.", theirs + "mlp.", False)
-            continue
-        keys[ours + "mlp.router.weight"] = Key.of(theirs + "mlp.gate.weight")
-        keys[ours + "mlp.select.correction_bias"] = Key.of(theirs + "mlp.gate.e_score_correction_bias")
-        keys |= stacked_experts_keys(ours + "mlp.", theirs + "mlp.experts.")
-        keys |= gated_mlp_keys(ours + "mlp.shared.", theirs + "mlp.shared_experts.", False)
-    return keys | lm_head_keys(cfg.tied)
+    return kda_key_map(cfg, _latent_attention_keys, _KDA)
 
 
 ARCHITECTURE = Architecture(

@@ -18,6 +18,7 @@ tensors directly under `self_attn.`, and the conv as `{q,k,v}_conv1d`: `adapt` p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hooked.models.kimi_linear import KimiLinearConfig, build
@@ -29,7 +30,8 @@ LAYER_TYPES = {"linear_attention": "delta", "full_attention": "attention"}
 MLP_TYPES = {"dense": "dense", "sparse": "moe"}
 
 
-def _first(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
+def first_of(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of `names` the dict holds (HF's to_dict writes its attribute_map names: num_experts, ...)."""
     return next((hf[n] for n in names if hf.get(n) is not None), default)
 
 
@@ -51,16 +53,16 @@ def config_from_hf(hf: dict[str, Any]) -> KimiLinearConfig:
         d_conv=int(hf.get("linear_conv_kernel_dim", 4)), n_attn_heads=heads, d_nope=int(hf["qk_nope_head_dim"]),
         d_rope=int(hf["qk_rope_head_dim"]), d_attn_head=int(hf["v_head_dim"]), kv_rank=int(hf["kv_lora_rank"]),
         q_rank=None if q_rank is None else int(q_rank), attention_bias=bool(hf.get("attention_bias", False)),
-        n_experts=int(_first(hf, "num_experts", "num_local_experts", default=256)),
-        top_k=int(_first(hf, "num_experts_per_token", "num_experts_per_tok", default=8)),
+        n_experts=int(first_of(hf, "num_experts", "num_local_experts", default=256)),
+        top_k=int(first_of(hf, "num_experts_per_token", "num_experts_per_tok", default=8)),
         d_expert=int(hf.get("moe_intermediate_size", 1024)),
-        n_shared=int(_first(hf, "num_shared_experts", "n_shared_experts", default=1)),
-        n_group=int(_first(hf, "num_expert_group", "n_group", default=1)), topk_group=int(hf.get("topk_group") or 1),
-        renormalise=bool(_first(hf, "moe_renormalize", "norm_topk_prob", default=True)),
+        n_shared=int(first_of(hf, "num_shared_experts", "n_shared_experts", default=1)),
+        n_group=int(first_of(hf, "num_expert_group", "n_group", default=1)), topk_group=int(hf.get("topk_group") or 1),
+        renormalise=bool(first_of(hf, "moe_renormalize", "norm_topk_prob", default=True)),
         routed_scaling=float(hf.get("routed_scaling_factor", 2.446)), act_fn=hf.get("hidden_act", "silu"),
         eps=float(hf.get("rms_norm_eps", 1e-5)),
         tied=False,  # HF's KimiLinearForCausalLM never ties lm_head (_tied_weights_keys = {}), whatever the config says
-        n_ctx=int(_first(hf, "model_max_length", "max_position_embeddings", default=1048576)),
+        n_ctx=int(first_of(hf, "model_max_length", "max_position_embeddings", default=1048576)),
     )
 
 
@@ -77,20 +79,19 @@ def _latent_attention_keys(cfg: KimiLinearConfig, ours: str, theirs: str) -> dic
     return keys
 
 
-def key_map(cfg: KimiLinearConfig) -> dict[str, Key]:
+def kda_key_map(cfg: KimiLinearConfig, attention: Callable[[Any, str, str], dict[str, Key]],
+                mixer: dict[str, str | Key]) -> dict[str, Key]:
+    """The keys of a KDA + MLA + DeepSeek-V3 MoE model (Kimi Linear, Bailing-hybrid): `attention(cfg, ours, theirs)`
+    gives an MLA layer's keys, `mixer` names a KDA layer's parameters under HF's `self_attn.`."""
     keys = {"embed.weight": Key.of("model.embed_tokens.weight"), "ln_final.weight": Key.of("model.norm.weight")}
     for layer, (kind, mlp_kind) in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
         ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
         keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
         keys[ours + "ln2.weight"] = Key.of(theirs + "post_attention_layernorm.weight")
         if kind == "attention":
-            keys |= _latent_attention_keys(cfg, ours + "attn.", theirs + "self_attn.")
+            keys |= attention(cfg, ours + "attn.", theirs + "self_attn.")
         else:
-            names: dict[str, str | Key] = {f"{p}_proj.weight": f"{p}_proj.weight" for p in ("q", "k", "v", "b", "g_a", "g_b")}
-            names |= {f"{p}.weight": f"forget_gate.{p}.weight" for p in ("f_a_proj", "f_b_proj")}
-            names |= {"A_log": Key.of("forget_gate.A_log", transform=lambda w: w.reshape(-1)),
-                      "dt_bias": "forget_gate.dt_bias", "norm.weight": "o_norm.weight", "out_proj.weight": "o_proj.weight"}
-            keys |= delta_mixer_keys(ours + "mixer.", theirs + "self_attn.", names)
+            keys |= delta_mixer_keys(ours + "mixer.", theirs + "self_attn.", mixer)
         if mlp_kind == "dense":
             keys |= gated_mlp_keys(ours + "mlp.", theirs + "mlp.", False)
             continue
@@ -99,6 +100,16 @@ def key_map(cfg: KimiLinearConfig) -> dict[str, Key]:
         keys |= stacked_experts_keys(ours + "mlp.", theirs + "mlp.experts.")
         keys |= gated_mlp_keys(ours + "mlp.shared.", theirs + "mlp.shared_experts.", False)
     return keys | lm_head_keys(cfg.tied)
+
+
+_KDA: dict[str, str | Key] = {f"{p}_proj.weight": f"{p}_proj.weight" for p in ("q", "k", "v", "b", "g_a", "g_b")}
+_KDA |= {f"{p}.weight": f"forget_gate.{p}.weight" for p in ("f_a_proj", "f_b_proj")}
+_KDA |= {"A_log": Key.of("forget_gate.A_log", transform=lambda w: w.reshape(-1)),
+         "dt_bias": "forget_gate.dt_bias", "norm.weight": "o_norm.weight", "out_proj.weight": "o_proj.weight"}
+
+
+def key_map(cfg: KimiLinearConfig) -> dict[str, Key]:
+    return kda_key_map(cfg, _latent_attention_keys, _KDA)
 
 
 ARCHITECTURE = Architecture(

@@ -19,7 +19,8 @@ from torch import Tensor
 from hooked.models.lfm2_moe import Lfm2MoeConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import expert_view
-from loaders.keymaps import lm_head_keys, rope_from_hf, squeeze_conv, stacked_experts_keys
+from loaders.keymaps import lm_head_keys, rope_from_hf, stacked_experts_keys
+from loaders.lfm2 import feed_forward_keys, operator_keys
 
 LAYER_TYPES = {"conv": "conv", "full_attention": "attention"}
 
@@ -55,26 +56,11 @@ def key_map(cfg: Lfm2MoeConfig) -> dict[str, Key]:
     keys = {"embed.weight": Key.of("model.embed_tokens.weight"),
             "ln_final.weight": Key.of("model.embedding_norm.weight")}
     for layer, kind in enumerate(cfg.layer_types):
-        ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
-        keys[ours + "ln1.weight"] = Key.of(theirs + "operator_norm.weight")
-        keys[ours + "ln2.weight"] = Key.of(theirs + "ffn_norm.weight")
-        if kind == "attention":
-            names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "out_proj",
-                     "q_norm": "q_layernorm", "k_norm": "k_layernorm"}
-            keys |= {f"{ours}attn.{m}.weight": Key.of(f"{theirs}self_attn.{t}.weight") for m, t in names.items()}
-        else:
-            conv = theirs + "conv."
-            keys[ours + "mixer.conv_weight"] = Key.of(conv + "conv.weight", transform=squeeze_conv)
-            for w in ("weight", "bias")[: 1 + cfg.conv_bias]:
-                keys[f"{ours}mixer.in_proj.{w}"] = Key.of(f"{conv}in_proj.{w}")
-                keys[f"{ours}mixer.out_proj.{w}"] = Key.of(f"{conv}out_proj.{w}")
-            if cfg.conv_bias:
-                keys[ours + "mixer.conv_bias"] = Key.of(conv + "conv.bias")
-        ff = theirs + "feed_forward."
+        keys |= operator_keys(cfg, layer, kind)
         if layer < cfg.n_dense:
-            keys |= {f"{ours}mlp.{m}_proj.weight": Key.of(f"{ff}{t}.weight")
-                     for m, t in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
+            keys |= feed_forward_keys(layer)
             continue
+        ours, ff = f"blocks.{layer}.", f"model.layers.{layer}.feed_forward."
         keys[ours + "mlp.router.weight"] = Key.of(ff + "gate.weight")
         keys[ours + "mlp.select.correction_bias"] = (Key.of(ff + "expert_bias") if cfg.expert_bias
                                                      else Key.of(ff + "gate.weight", transform=zero_bias))

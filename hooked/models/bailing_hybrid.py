@@ -38,66 +38,28 @@ from torch import Tensor, nn
 from hooked.hook_points import HookPoint
 from hooked.models.config import derived
 from hooked.models.delta_mixer import DeltaMixer, DeltaSpec
-from hooked.models.hybrid import check_kinds, pre_norm_block
-from hooked.models.kimi_linear import LAYER_TYPES, MLP_TYPES
+from hooked.models.kimi_linear import KimiLinearConfig, kda_model
 from hooked.models.language_model import LanguageModel
 from hooked.models.latent_attention import LatentAttention
-from hooked.models.mlp import GatedMLP
-from hooked.models.moe import MoE, SigmoidTopK
-from hooked.models.norms import RMSNorm
 from hooked.ops.rotary import Rotary
 
 
 @dataclass(frozen=True)
-class BailingHybridConfig:
-    d_model: int
-    d_vocab: int
-    layer_types: Sequence[str]
-    n_heads: int  # KDA heads
-    d_k: int  # = d_v
-    d_mlp: int
-    d_conv: int = 4
+class BailingHybridConfig(KimiLinearConfig):
+    """Kimi Linear's fields (kimi_linear.py) with Bailing's defaults, the safe gate and MLA's rotary."""
+
     safe_gate: bool = True
     lower_bound: float = -5.0
-    n_attn_heads: int = 32
-    d_nope: int = 128
-    d_rope: int = 64
-    d_attn_head: int = 128
-    kv_rank: int = 512
-    q_rank: int | None = None
-    attention_bias: bool = False
     rope_theta: float = 6e6
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     mlp_types: Sequence[str] = derived(lambda c: ("dense",) * 2 + ("moe",) * (len(c.layer_types) - 2))
     n_experts: int = 512
-    top_k: int = 8
     d_expert: int = 768
-    n_shared: int = 1
     n_group: int = 8
     topk_group: int = 4
-    renormalise: bool = True
     routed_scaling: float = 2.5
-    act_fn: str = "silu"
     eps: float = 1e-6
-    tied: bool = False
     n_ctx: int = 262144
-    chunk_size: int = 64
-
-    def __post_init__(self) -> None:
-        n = len(self.layer_types)
-        object.__setattr__(self, "layer_types", check_kinds("layer_types", self.layer_types, n, LAYER_TYPES))
-        object.__setattr__(self, "mlp_types", check_kinds("mlp_types", self.mlp_types, n, MLP_TYPES))
-        if "moe" in self.mlp_types and not 0 < self.top_k <= self.n_experts:
-            raise ValueError(f"MoE layers need 0 < top_k ({self.top_k}) <= n_experts ({self.n_experts})")
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def mixer(self) -> DeltaSpec:
-        return DeltaSpec(self.d_model, self.n_heads, self.n_heads, self.d_k, self.d_k, self.d_conv, eps=self.eps,
-                         gate_fn="sigmoid", per_channel_decay=True, chunk_size=self.chunk_size, conv_act=self.act_fn)
 
 
 class BailingDeltaMixer(DeltaMixer):
@@ -156,24 +118,10 @@ class HeadGatedLatentAttention(LatentAttention):
         return [*super().input_linears(), self.g_proj]
 
 
-def mlp(cfg: BailingHybridConfig, kind: str) -> nn.Module:
-    if kind == "dense":
-        return GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn)
-    select = SigmoidTopK(cfg.n_experts, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.renormalise, cfg.routed_scaling)
-    return MoE(cfg.d_model, cfg.d_expert, cfg.n_experts, select, cfg.act_fn,
-               shared=GatedMLP(cfg.d_model, cfg.d_expert * cfg.n_shared, cfg.act_fn))
-
-
 def build(cfg: BailingHybridConfig) -> LanguageModel:
     """Bailing-hybrid; KDA layers `blocks.{l}.mixer`, MLA layers `blocks.{l}.attn`."""
     rotary = Rotary.of(cfg.d_rope, cfg.rope_theta, cfg.rope_scaling)
-    blocks = []
-    for kind, mlp_kind in zip(cfg.layer_types, cfg.mlp_types):
-        if kind == "attention":
-            first = ("attn", HeadGatedLatentAttention(cfg.d_model, cfg.n_attn_heads, cfg.d_nope, cfg.d_rope,
+    return kda_model(cfg, lambda: BailingDeltaMixer(cfg.mixer, cfg.safe_gate, cfg.lower_bound),
+                     lambda: HeadGatedLatentAttention(cfg.d_model, cfg.n_attn_heads, cfg.d_nope, cfg.d_rope,
                                                       cfg.d_attn_head, cfg.kv_rank, cfg.q_rank, rotary=rotary,
                                                       bias=cfg.attention_bias))
-        else:
-            first = ("mixer", BailingDeltaMixer(cfg.mixer, cfg.safe_gate, cfg.lower_bound))
-        blocks.append(pre_norm_block(cfg.d_model, cfg.eps, first, ("mlp", mlp(cfg, mlp_kind))))
-    return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps))

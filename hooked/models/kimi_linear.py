@@ -24,7 +24,7 @@ Hooks: delta_mixer.py (blocks.{l}.mixer; hook_alpha per key channel), latent_att
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,15 +120,18 @@ def mlp(cfg: KimiLinearConfig, kind: str) -> nn.Module:
                shared=GatedMLP(cfg.d_model, cfg.d_expert * cfg.n_shared, cfg.act_fn))
 
 
-def build(cfg: KimiLinearConfig) -> LanguageModel:
-    """Kimi Linear; KDA layers `blocks.{l}.mixer`, MLA layers `blocks.{l}.attn`."""
-    spec = cfg.mixer
+def kda_model(cfg: KimiLinearConfig, mixer: Callable[[], nn.Module], attention: Callable[[], nn.Module]) -> LanguageModel:
+    """KDA layers `blocks.{l}.mixer` (mixer()) and MLA layers `blocks.{l}.attn` (attention()) as layer_types says,
+    each followed by its dense or MoE MLP; the final RMSNorm."""
     blocks = []
     for kind, mlp_kind in zip(cfg.layer_types, cfg.mlp_types):
-        if kind == "attention":
-            first = ("attn", LatentAttention(cfg.d_model, cfg.n_attn_heads, cfg.d_nope, cfg.d_rope, cfg.d_attn_head,
-                                             cfg.kv_rank, cfg.q_rank, bias=cfg.attention_bias))
-        else:
-            first = ("mixer", KimiDeltaMixer(spec))
+        first = ("attn", attention()) if kind == "attention" else ("mixer", mixer())
         blocks.append(pre_norm_block(cfg.d_model, cfg.eps, first, ("mlp", mlp(cfg, mlp_kind))))
     return LanguageModel(cfg, blocks, RMSNorm(cfg.d_model, cfg.eps))
+
+
+def build(cfg: KimiLinearConfig) -> LanguageModel:
+    """Kimi Linear; KDA layers `blocks.{l}.mixer`, MLA layers `blocks.{l}.attn`."""
+    return kda_model(cfg, lambda: KimiDeltaMixer(cfg.mixer),
+                     lambda: LatentAttention(cfg.d_model, cfg.n_attn_heads, cfg.d_nope, cfg.d_rope, cfg.d_attn_head,
+                                             cfg.kv_rank, cfg.q_rank, bias=cfg.attention_bias))
