@@ -17,6 +17,7 @@ from loaders import gemma, gpt_neox, olmo2, olmo3, phi3
 from loaders import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we have
 from loaders import recurrent_gemma  # issue 41's new mixer kinds
 from loaders import minimax  # issue 41's new mixer kinds
+from loaders import rwkv  # issue 41's new mixer kinds
 from loaders import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from loaders.architecture import Architecture, Key
 
@@ -60,6 +61,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     bailing_hybrid.ARCHITECTURE,
     recurrent_gemma.ARCHITECTURE,
     minimax.ARCHITECTURE,
+    rwkv.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}
