@@ -212,6 +212,10 @@ def from_hf(hf_model: Any, tokenizer: Any = None, share_weights: bool = False, *
             not hasattr(hf_model.config, "to_dict"):  # a transformers model, or anything shaped like one
         raise TypeError(f"from_hf takes an in-memory Hugging Face model (a transformers PreTrainedModel), got "
                         f"{type(hf_model).__name__}; for a name, path or hub id use from_pretrained")
+    if getattr(getattr(hf_model, "base_model", None), "layers_are_rescaled", False):  # HF RWKV after an eval forward
+        raise ValueError("from_hf: this RWKV model's output weights are divided by 2^(l // rescale_every) in memory "
+                         "(HF does so at its first eval-mode forward: layers_are_rescaled); call from_hf before running "
+                         "it in eval mode, after hf_model.train() and one forward, or load the checkpoint from disk")
     hf_config = hf_model.config.to_dict()
     p = next(hf_model.parameters())
     source = MappingSource(hf_model.state_dict(), origin=type(hf_model).__name__)

@@ -19,11 +19,11 @@ from loaders.architecture import Architecture, Key
 
 
 def config_from_hf(hf: dict[str, Any]) -> RWKVConfig:
-    d_model = int(hf["hidden_size"])
+    d_model, every = int(hf["hidden_size"]), int(hf.get("rescale_every", 6))
     return RWKVConfig(
         n_layers=int(hf["num_hidden_layers"]), d_model=d_model, d_vocab=int(hf["vocab_size"]),
         att_width=int(hf.get("attention_hidden_size") or d_model), d_mlp=int(hf.get("intermediate_size") or 4 * d_model),
-        eps=float(hf.get("layer_norm_epsilon", 1e-5)), rescale_every=int(hf.get("rescale_every", 6)),
+        eps=float(hf.get("layer_norm_epsilon", 1e-5)), rescale_every=every if every > 0 else None,
         tied=bool(hf.get("tie_word_embeddings", False)), n_ctx=int(hf.get("context_length", 1024)),
     )
 

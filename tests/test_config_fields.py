@@ -178,6 +178,7 @@ FAMILY: dict[str, dict[str, Any]] = {
     "minimax": {"sliding_window": Vary(4), "full_attn_alpha_factor": Vary(0.7), "full_attn_beta_factor": Vary(1.2),
                 "linear_attn_alpha_factor": Vary(1.3), "linear_attn_beta_factor": Vary(0.8),
                 "mlp_alpha_factor": Vary(0.9), "mlp_beta_factor": Vary(1.1)},
+    "rwkv": {"context_length": Vary(32), "rescale_every": Vary(0)},
 }
 
 

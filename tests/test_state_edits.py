@@ -104,12 +104,29 @@ def rg_lru_states(q, A, edit):
     return torch.stack(hs, 1), torch.stack(ys, 1)
 
 
+def rwkv_states(q, A, edit):
+    """Per channel (a, b): a_t = e^w a_{t-1} + e^{k_t} v_t, b_t = e^w b_{t-1} + e^{k_t} (RWKV-4's WKV, w = A), then
+    edit; y_t = (a_{t-1} + e^{u+k_t} v_t) / (b_{t-1} + e^{u+k_t}) reads the state before t (u: the mixer's bonus)."""
+    model, where, _ = site("rwkv")
+    u, k, v = model.get_submodule(where).time_first, q["hook_k"], q["hook_v"]
+    h = k.new_zeros(k.shape[0], k.shape[2], 2)
+    hs, ys = [], []
+    for t in range(k.shape[1]):
+        bonus = torch.exp(u + k[:, t])
+        ys.append((h[..., 0] + bonus * v[:, t]) / (h[..., 1] + bonus))
+        h = torch.exp(A)[:, None] * h + torch.exp(k[:, t])[..., None] * torch.stack([v[:, t], torch.ones_like(v[:, t])], -1)
+        h = edit(t, h)
+        hs.append(h)
+    return torch.stack(hs, 1), torch.stack(ys, 1)
+
+
 INPUTS = {mamba1_states: ("ssm_in", "dt", "B", "C"), mamba2_states: ("ssm_in", "dt", "B", "C"),
           delta_states: ("q", "k", "v", "beta", "alpha"), lightning_states: ("q", "k", "v")}
 
 
 REFERENCES = {("d_inner", "d_state"): mamba1_states, ("d_head", "d_state"): mamba2_states,
-              ("d_k", "d_v"): delta_states, ("lru_width", "d_state"): rg_lru_states, ("d_key", "d_value"): lightning_states}
+              ("d_k", "d_v"): delta_states, ("lru_width", "d_state"): rg_lru_states, ("d_key", "d_value"): lightning_states,
+              ("att_width", "num_den"): rwkv_states}
 
 
 @functools.cache
@@ -121,7 +138,8 @@ def site(name: str):
 
 
 SITES = ["mamba", "falcon_mamba", "jamba", "mamba2", "zamba2", "bamba", "granite", "falcon_h1", "nemotron_h",
-         "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "recurrent_gemma", "minimax"]
+         "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "recurrent_gemma", "minimax",
+         "rwkv"]
 
 
 def tokens(seed: int = 0, pos: int = POS):

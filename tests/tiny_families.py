@@ -106,6 +106,8 @@ CONFIGS["minimax"] = lambda: (_T.MiniMaxForCausalLM, _T.MiniMaxConfig(  # lightn
 CONFIGS["recurrent_gemma"] = lambda: (_T.RecurrentGemmaForCausalLM, _T.RecurrentGemmaConfig(  # RG-LRU + local MQA
     vocab_size=V, hidden_size=16, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
     num_hidden_layers=3, lru_width=24, attention_window_size=4, block_types=["recurrent", "recurrent", "attention"]))
+CONFIGS["rwkv"] = lambda: (_T.RwkvForCausalLM, _T.RwkvConfig(  # RWKV-4 time and channel mixing, rescaled every 2
+    vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=3, rescale_every=2))  # (HF caches assume att = d_model)
 FAMILIES = tuple(CONFIGS)
 
 

@@ -20,7 +20,7 @@ point and a LayerNorm divides it out except for its eps, so HF's eval numbers eq
 read by LayerNorms whose eps is eps * 4^c, c = the halvings before them. That is what is built here: the logits are
 HF's eval logits (to the bit, barring overflow), writers still sum to resid_post - resid_pre, and each
 hook_resid_post is HF's eval hidden state times 2^c exactly (c = (l + 1) // rescale_every; HF's train-mode
-numbers are rescale_every = 0).
+numbers are rescale_every = None).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class RWKVConfig:
     att_width: int = derived(lambda c: c.d_model)
     d_mlp: int = derived(lambda c: 4 * c.d_model)
     eps: float = 1e-5
-    rescale_every: int = 6  # <= 0: no rescaling
+    rescale_every: int | None = 6  # None: no rescaling (HF's <= 0)
     tied: bool = False
     n_ctx: int = 1024
 
@@ -68,7 +68,7 @@ class RWKVConfig:
 
     def halvings(self, layer: int) -> int:
         """c: how often HF's eval mode has halved the stream before block `layer` reads it (n_layers: ln_final)."""
-        return layer // self.rescale_every if self.rescale_every > 0 else 0
+        return layer // self.rescale_every if self.rescale_every is not None else 0
 
 
 class RWKVModel(LanguageModel):
