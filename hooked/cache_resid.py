@@ -288,7 +288,8 @@ class ResidualStreamMethods:
     # ----------------------------------------------------------------------------- neurons
     def get_neuron_results(self, layer: int, neuron_slice: SliceInput = None, pos_slice: SliceInput = None) -> Tensor:
         """Each neuron's write out of the MLP [(batch,) pos, d_mlp, d_model]: post * W_out (times the
-        MLP's own output multiplier, Falcon-H1's; bias left out)."""
+        MLP's own output multiplier, Falcon-H1's, and its output gate where it has one, RWKV's receptance:
+        the hook `mlp.output_gate` [batch pos d_model] multiplying the output feature by feature; bias left out)."""
         post = slice_pos(self[("post", layer, "mlp")], pos_slice)
         mlp = self.model.blocks[layer].mlp
         with onloaded(self.model, mlp):
@@ -297,7 +298,10 @@ class ResidualStreamMethods:
         if neuron_slice is not None:
             post = slice_pos(post, neuron_slice, dim=-1, name="neuron_slice", unit="neurons")
             W_out = slice_pos(W_out, neuron_slice, dim=0, name="neuron_slice", unit="neurons")
-        return post[..., None] * W_out
+        gate = getattr(mlp, "output_gate", None)
+        if gate is None:
+            return post[..., None] * W_out
+        return post[..., None] * W_out * slice_pos(self.cache_dict[gate.name], pos_slice).to(post.device)[..., None, :]
 
     def _mlp_writer(self, l: int) -> Any:
         return next((w for w in self.model.blocks[l].writers() if w.kind == "mlp"), None)

@@ -45,8 +45,8 @@ def key_map(cfg: RWKVConfig) -> dict[str, Key]:
             keys[f"{ours}mixer.{p}.weight"] = Key.of(f"{att}{p}.weight")
         for p in ("time_mix_key", "time_mix_receptance"):
             keys[f"{ours}mlp.{p}"] = Key.of(ffn + p)
-        for p in ("key", "receptance", "value"):
-            keys[f"{ours}mlp.{p}.weight"] = Key.of(f"{ffn}{p}.weight")
+        for mine, p in (("up_proj", "key"), ("receptance", "receptance"), ("down_proj", "value")):
+            keys[f"{ours}mlp.{mine}.weight"] = Key.of(f"{ffn}{p}.weight")
     return keys if cfg.tied else keys | {"unembed.weight": Key.of("head.weight")}
 
 

@@ -13,8 +13,9 @@ Glossary (shape word in annotations; HF RwkvSelfAttention / RwkvFeedForward name
     y           wkv_t = (a_{t-1} + e^{u+k_t} v_t) / (b_{t-1} + e^{u+k_t})            hook_y
     kernel      K[c, t, i] = e^{s[t,i]} / (b_{t-1} + e^{u+k_t}): y = K . v, each row sums to 1 (ops/rwkv.py)
     gated       r * y, the output projection's input [output]                         hook_gated
-Channel mixing (kind "mlp"): out = sigmoid(receptance(mix_r)) * value(relu(key(mix_k))^2), hooks hook_shift,
-hook_pre [.. d_mlp] (key(mix_k)), hook_post (relu(pre)^2), hook_receptance [.. d_model] (after the sigmoid).
+Channel mixing (kind "mlp"): out = sigmoid(receptance(mix_r)) * down_proj(relu(up_proj(mix_k))^2) (HF's key and
+value are up_proj and down_proj), hooks hook_shift, hook_pre [.. d_mlp] (up_proj(mix_k)), hook_post (relu(pre)^2),
+hook_receptance [.. d_model] (after the sigmoid; the `output_gate` of each neuron's write).
 
 Numerics: the forward runs HF's max-tracking scan (no e^k is formed); hook_h shows the states in true scale
 (e^88 overflows float32: keys that large give inf there, use float64). A state returned by a hook of hook_h
@@ -53,6 +54,7 @@ from hooked.models.protocol import CutHooks, Heads, Index, Masks, Mixing, Recurr
 from hooked.ops.rwkv import scaled_state, true_states, wkv_kernel_slice, wkv_read, wkv_scan
 from hooked.ops.set_scan import set_scan
 from hooked.state_edit import through_state_hook
+from hooked.weights import MLPWeights
 
 FOLD_LN = ("fold_ln: RWKV's token shift mixes the norm's output at two positions and reads 0 (not the norm's bias) "
            "before the first token, so the norm cannot move into the linear maps exactly")
@@ -127,7 +129,7 @@ class TimeMix(RecurrentCut, TokenMixer, nn.Module):
     def head_writes(self, gated: Float[Tensor, "*batch pos att_width"]) -> Float[Tensor, "*batch pos att_width d_model"]:
         return gated[..., None] * self.output.weight.T
 
-    def _seen(self) -> tuple[Tensor, ...]:
+    def _seen(self) -> tuple[Any, ...]:
         """(w, u, k with -inf at padding, v, h0, log_den) of the forward running now (left by `_wkv`)."""
         return forward_notes()[("rwkv", id(self))]
 
@@ -261,16 +263,17 @@ class TimeMix(RecurrentCut, TokenMixer, nn.Module):
         return f"att_width={self.n_heads}"
 
 
-class ChannelMix(nn.Module):
-    """RWKV-4 channel mixing: token shift -> sigmoid(receptance(mix_r)) * value(relu(key(mix_k))^2)."""
+class ChannelMix(MLPWeights, nn.Module):
+    """RWKV-4 channel mixing: token shift -> sigmoid(receptance(mix_r)) * down_proj(relu(up_proj(mix_k))^2) (HF's
+    key is up_proj, its value down_proj: TransformerLens's W_in and W_out)."""
 
     def __init__(self, d_model: int, d_mlp: int) -> None:
         super().__init__()
         self.time_mix_key = nn.Parameter(torch.full((1, 1, d_model), 0.5))
         self.time_mix_receptance = nn.Parameter(torch.full((1, 1, d_model), 0.5))
-        self.key = nn.Linear(d_model, d_mlp, bias=False)
+        self.up_proj = nn.Linear(d_model, d_mlp, bias=False)  # HF key
         self.receptance = nn.Linear(d_model, d_model, bias=False)
-        self.value = nn.Linear(d_mlp, d_model, bias=False)
+        self.down_proj = nn.Linear(d_mlp, d_model, bias=False)  # HF value
         self.dims = {"d_mlp": d_mlp}
         self.hook_shift = HookPoint("batch pos d_model")  # x_{t-1}
         self.hook_pre = HookPoint("batch pos d_mlp")  # key(mix_k)
@@ -286,7 +289,13 @@ class ChannelMix(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         x = _masked(x, ctx)
         shift = self.hook_shift(_shift(self, x, ctx))
-        pre = self.hook_pre(self.key(_mix(x, shift, self.time_mix_key)))
+        pre = self.hook_pre(self.up_proj(_mix(x, shift, self.time_mix_key)))
         post = self.hook_post(torch.square(torch.relu(pre)))
         receptance = self.hook_receptance(torch.sigmoid(self.receptance(_mix(x, shift, self.time_mix_receptance))))
-        return receptance * self.value(post)
+        return receptance * self.down_proj(post)
+
+    @property
+    def output_gate(self) -> HookPoint:
+        """The hook whose activation multiplies the output feature by feature (each neuron's write: post_n *
+        W_out[n] * receptance; hooked/cache_resid.py)."""
+        return self.hook_receptance
