@@ -18,6 +18,7 @@ from loaders import bailing_hybrid, lfm2_moe  # issue 41's families on mixers we
 from loaders import recurrent_gemma  # issue 41's new mixer kinds
 from loaders import minimax  # issue 41's new mixer kinds
 from loaders import rwkv  # issue 41's new mixer kinds
+from loaders import zamba  # issue 41's families on mixers we have
 from loaders import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from loaders.architecture import Architecture, Key
 
@@ -62,6 +63,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     recurrent_gemma.ARCHITECTURE,
     minimax.ARCHITECTURE,
     rwkv.ARCHITECTURE,
+    zamba.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}

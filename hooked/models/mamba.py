@@ -142,9 +142,15 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
     d_inner channels (a Mamba-1 "head" is one channel)."""
 
     unit_tag = "M"
+    # the scan's pure ops (hooked/ops); GroupedMambaMixer (grouped_mamba.py) swaps in their per-group versions
     kernel_pairs = staticmethod(mamba1_kernel_pairs)
     kernel_rows = staticmethod(mamba1_kernel_rows)
     kernel_cols = staticmethod(mamba1_kernel_cols)
+    kernel_dense = staticmethod(mamba1_kernel_chunked)
+    kernel_discrete = staticmethod(mamba1_kernel_discrete)
+    scan_loop = staticmethod(selective_scan)
+    scan_chunked = staticmethod(selective_scan_chunked)
+    scan_fused = staticmethod(selective_scan_fused)
 
     def __init__(self, spec: MambaSpec) -> None:
         super().__init__()
@@ -191,7 +197,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         self.A_log.copy_(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).expand(d, n))
         nn.init.kaiming_uniform_(self.conv_weight, a=math.sqrt(5))
         dt = torch.exp(torch.rand(d) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.dt_proj.bias.copy_((dt + torch.log(-torch.expm1(-dt))).view_as(self.dt_proj.bias))  # inverse softplus
 
     def input_linears(self) -> list[nn.Module]:
         return [self.in_proj]
@@ -228,13 +234,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         conv = self.hook_conv(conv)
         ssm_in = F.silu(conv) if keep is None else F.silu(conv) * keep
         ssm_in = self.hook_ssm_in(ssm_in)
-        # dt_proj.in_features is dt_rank, a derived field: its descriptor, instrumented under pytest, trips dynamo
-        dt_in, B, C = self.x_proj(ssm_in).split([self.dt_proj.in_features, self.spec.d_state, self.spec.d_state], dim=-1)
-        if self.spec.mixer_rms_eps is not None:  # FalconMamba; Jamba with weights
-            dt_in, B, C = (_weightless_rms_norm(t, self.spec.mixer_rms_eps) for t in (dt_in, B, C))
-            if self.spec.mixer_norm_weights:
-                dt_in, B, C = dt_in * self.dt_norm_weight, B * self.B_norm_weight, C * self.C_norm_weight
-        dt = F.softplus(self.dt_proj(dt_in))
+        dt, B, C = self.selection(ssm_in)
         dt = self.hook_dt(dt)
         B = self.hook_B(B)
         C = self.hook_C(C)
@@ -249,6 +249,26 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         gated = self.hook_gated(gated)
         return self.write_out(gated)
 
+    def selection(self, ssm_in: Float[Tensor, "batch pos d_inner"]) -> tuple[Tensor, Tensor, Tensor]:
+        """(dt, B, C) from u: dt = softplus(dt_proj(x_proj(u)[:R])), B and C the rest of x_proj(u)."""
+        # dt_proj.in_features is dt_rank, a derived field: its descriptor, instrumented under pytest, trips dynamo
+        dt_in, B, C = self.x_proj(ssm_in).split([self.dt_proj.in_features, self.spec.d_state, self.spec.d_state], dim=-1)
+        if self.spec.mixer_rms_eps is not None:  # FalconMamba; Jamba with weights
+            dt_in, B, C = (_weightless_rms_norm(t, self.spec.mixer_rms_eps) for t in (dt_in, B, C))
+            if self.spec.mixer_norm_weights:
+                dt_in, B, C = dt_in * self.dt_norm_weight, B * self.B_norm_weight, C * self.C_norm_weight
+        return F.softplus(self.dt_proj(dt_in)), B, C
+
+    @staticmethod
+    def B_bar(dt: Float[Tensor, "batch pos d_inner"], B: Float[Tensor, "batch pos d_state"]) -> Tensor:
+        """B_bar = dt * B [batch pos d_inner d_state], the Euler step (not ZOH)."""
+        return dt[..., None] * B[:, :, None, :]
+
+    @staticmethod
+    def read(h: Float[Tensor, "batch pos d_inner d_state"], C: Float[Tensor, "batch pos d_state"]) -> Tensor:
+        """y = C . h [batch pos d_inner]."""
+        return einsum(h, C, "b l d n, b l n -> b l d")
+
     def choose_backend(self, device: torch.device, ctx: Context) -> str:
         """This forward's scan backend (hooked/backends.py): "loop", "chunked" or "fused"."""
         initial = ctx.state is not None and ctx.state.ssm_state(self) is not None
@@ -256,7 +276,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         return backends.scan_backend(self, device, dtype, has_initial_state=initial)
 
     def scan(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
-             B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
+             B: Float[Tensor, "batch pos *group d_state"], C: Float[Tensor, "batch pos *group d_state"],
              backend: str = "loop") -> Float[Tensor, "batch pos d_inner"]:
         """y = C·h with the lazy hooks A_bar, B_bar, h, kernel; at least float32 inside (as HF).
 
@@ -266,7 +286,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         A = self.A()
         u, dt, B, C = (t.to(A.dtype) for t in (u, dt, B, C))
         if backend == "fused":
-            return selective_scan_fused(u, dt, A, B, C, kernels=backends.fused_kernels(u.device))[0].to(dtype)
+            return self.scan_fused(u, dt, A, B, C, kernels=backends.fused_kernels(u.device))[0].to(dtype)
         linear = linear_scan_chunked if backend == "chunked" else linear_scan
         y = None
         A_bar = B_bar = None
@@ -274,27 +294,27 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         if self.hook_A_bar.is_active or self.hook_B_bar.is_active or self.hook_h.is_active:
             A_bar = torch.exp(dt[..., None] * A)  # [b l d n]
             A_bar, A_bar_was = through_hook(self.hook_A_bar, A_bar)
-            B_bar = dt[..., None] * B[:, :, None, :]  # [b l d n], the Euler step Δ·B
+            B_bar = self.B_bar(dt, B)  # [b l d n], the Euler step Δ·B
             B_bar, B_bar_was = through_hook(self.hook_B_bar, B_bar)
             discrete_edited = A_bar_was is not None or B_bar_was is not None
         if self.hook_h.is_active or discrete_edited:
             h = linear(A_bar, B_bar * u[..., None])
             if discrete_edited:
-                y = einsum(h, C, "b l d n, b l n -> b l d")
+                y = self.read(h, C)
             if self.hook_h.is_active:
                 edit = through_state_hook(self.hook_h, h, lambda: linear(A_bar, B_bar * u[..., None]),
                                           lambda e, fixed: set_scan(A_bar, e, fixed))
                 if edit.clean is not None:  # y = C . h on the edited states from the first one changed
                     if y is None:  # (before it the unedited y, to the bit)
-                        y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
-                    y = edit.read_into(y, lambda h, at: einsum(h, C[:, at], "b l d n, b l n -> b l d"))
+                        y, _ = (self.scan_chunked if backend == "chunked" else self.scan_loop)(u, dt, A, B, C)
+                    y = edit.read_into(y, lambda h, at: self.read(h, C[:, at]))
         if y is None:
-            y, _ = (selective_scan_chunked if backend == "chunked" else selective_scan)(u, dt, A, B, C)
+            y, _ = (self.scan_chunked if backend == "chunked" else self.scan_loop)(u, dt, A, B, C)
         if self.hook_kernel.is_active:
             if discrete_edited:
-                build = lambda: mamba1_kernel_discrete(A_bar, B_bar, C)  # noqa: E731
+                build = lambda: self.kernel_discrete(A_bar, B_bar, C)  # noqa: E731
             else:
-                build = lambda: mamba1_kernel_chunked(dt, A, B, C)  # noqa: E731
+                build = lambda: self.kernel_dense(dt, A, B, C)  # noqa: E731
             kernel, kernel_orig = through_hook(self.hook_kernel, build(), build)
             if kernel_orig is not None:
                 y = y + einsum(kernel - kernel_orig, u, "b d j i, b i d -> b j d")
@@ -305,7 +325,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         return gated[..., None] * self.out_proj.weight.T
 
     def scan_from_state(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
-                        B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
+                        B: Float[Tensor, "batch pos *group d_state"], C: Float[Tensor, "batch pos *group d_state"],
                         state: DecodeState, backend: str = "loop") -> Float[Tensor, "batch pos d_inner"]:
         """The scan continued from the state the previous positions left (incremental decoding).
         backend: as `scan` ("fused" only from a zero state: the kernel takes no initial state)."""
@@ -315,7 +335,7 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         return y.to(u.dtype)
 
     def state_scan(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
-                   B: Float[Tensor, "batch pos d_state"], C: Float[Tensor, "batch pos d_state"],
+                   B: Float[Tensor, "batch pos *group d_state"], C: Float[Tensor, "batch pos *group d_state"],
                    h0: Float[Tensor, "batch d_inner d_state"] | None,
                    backend: str = "loop") -> tuple[Tensor, Tensor]:
         """(y, h_last) of the recurrence from h0 (None: zero), at least float32 (the state's dtype).
@@ -323,8 +343,8 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         A = self.A()
         u32, dt32, B32, C32 = (t.to(A.dtype) for t in (u, dt, B, C))
         if backend == "fused":
-            return selective_scan_fused(u32, dt32, A, B32, C32, h0, kernels=backends.fused_kernels(u.device))
-        scan = selective_scan_chunked if backend == "chunked" else selective_scan
+            return self.scan_fused(u32, dt32, A, B32, C32, h0, kernels=backends.fused_kernels(u.device))
+        scan = self.scan_chunked if backend == "chunked" else self.scan_loop
         return scan(u32, dt32, A, B32, C32, h0=h0)
 
     def write_out(self, gated: Float[Tensor, "batch pos d_inner"]) -> Float[Tensor, "batch pos d_model"]:
