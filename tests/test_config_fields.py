@@ -179,6 +179,7 @@ FAMILY: dict[str, dict[str, Any]] = {
                 "linear_attn_alpha_factor": Vary(1.3), "linear_attn_beta_factor": Vary(0.8),
                 "mlp_alpha_factor": Vary(0.9), "mlp_beta_factor": Vary(1.1)},
     "rwkv": {"context_length": Vary(32), "rescale_every": Vary(0)},
+    "zamba": {"hidden_act": Vary("silu"), "hidden_mamba_act": Refuse("gelu"), "mamba_expand": Vary(4), "n_mamba_heads": Vary(4)},
 }
 
 

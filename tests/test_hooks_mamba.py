@@ -169,13 +169,16 @@ def test_lazy_quantities_are_not_built_without_hooks(monkeypatch) -> None:
     cfg, pos = model.cfg, 64
     model.hook_dict  # the one-off run that records the hook order has every hook active
     calls: dict[str, int] = {}
-    for fn in ("linear_scan", "mamba1_kernel_chunked", "mamba1_kernel_discrete"):
-        original = getattr(mamba_module, fn)
+    # linear_scan is a module global of mamba.py; the kernels are MambaMixer's ops (class attributes)
+    for owner, attr, fn in ((mamba_module, "linear_scan", "linear_scan"),
+                            (mamba_module.MambaMixer, "kernel_dense", "mamba1_kernel_chunked"),
+                            (mamba_module.MambaMixer, "kernel_discrete", "mamba1_kernel_discrete")):
+        original = getattr(owner, attr)
 
         def counted(*args, _fn=fn, _original=original, **kwargs):
             calls[_fn] = calls.get(_fn, 0) + 1
             return _original(*args, **kwargs)
-        monkeypatch.setattr(mamba_module, fn, counted)
+        monkeypatch.setattr(owner, attr, counted if owner is mamba_module else staticmethod(counted))
     toks = tokens(pos)
     with torch.no_grad(), _LargestTensor() as mode:
         model(toks)

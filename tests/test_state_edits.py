@@ -32,13 +32,17 @@ TOL = 1e-12
 def mamba1_states(q, A, edit):
     """h_t = exp(dt A) h_{t-1} + dt B u_t, then h_t = edit(t, h_t); y_t = C_t . h_t."""
     u, dt, B, C = q["hook_ssm_in"], q["hook_dt"], q["hook_B"], q["hook_C"]
+    if B.ndim == 4:  # grouped (Zamba): B, C [b l n_groups n], each channel reads its group's
+        B, C = (x.repeat_interleave(u.shape[2] // x.shape[2], dim=2) for x in (B, C))
+    else:
+        B, C = B[:, :, None, :], C[:, :, None, :]
     h = u.new_zeros(u.shape[0], u.shape[2], A.shape[1])
     hs, ys = [], []
     for t in range(u.shape[1]):
-        h = torch.exp(dt[:, t, :, None] * A) * h + dt[:, t, :, None] * B[:, t, None, :] * u[:, t, :, None]
+        h = torch.exp(dt[:, t, :, None] * A) * h + dt[:, t, :, None] * B[:, t] * u[:, t, :, None]
         h = edit(t, h)
         hs.append(h)
-        ys.append((h * C[:, t, None, :]).sum(-1))
+        ys.append((h * C[:, t]).sum(-1))
     return torch.stack(hs, 1), torch.stack(ys, 1)
 
 
@@ -139,7 +143,7 @@ def site(name: str):
 
 SITES = ["mamba", "falcon_mamba", "jamba", "mamba2", "zamba2", "bamba", "granite", "falcon_h1", "nemotron_h",
          "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "recurrent_gemma", "minimax",
-         "rwkv"]
+         "rwkv", "zamba"]
 
 
 def tokens(seed: int = 0, pos: int = POS):

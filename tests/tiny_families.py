@@ -108,6 +108,9 @@ CONFIGS["recurrent_gemma"] = lambda: (_T.RecurrentGemmaForCausalLM, _T.Recurrent
     num_hidden_layers=3, lru_width=24, attention_window_size=4, block_types=["recurrent", "recurrent", "attention"]))
 CONFIGS["rwkv"] = lambda: (_T.RwkvForCausalLM, _T.RwkvConfig(  # RWKV-4 time and channel mixing, rescaled every 2
     vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=3, rescale_every=2))  # (HF caches assume att = d_model)
+CONFIGS["zamba"] = lambda: (_T.ZambaForCausalLM, _T.ZambaConfig(  # grouped Mamba-1 + one shared attention block
+    **_SMALL, intermediate_size=24, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
+    n_mamba_heads=2, mamba_d_state=4, mamba_dt_rank=4))
 FAMILIES = tuple(CONFIGS)
 
 

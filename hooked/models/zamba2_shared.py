@@ -100,7 +100,8 @@ class FusedGatedMLP(nn.Module):
 class SharedTransformer(nn.Module):
     """One invocation of a shared block: mlp(ln2(attn(ln1([hidden, embedding])))), no residual."""
 
-    def __init__(self, ln1: RMSNorm, attn: Attention, ln2: RMSNorm, mlp: FusedGatedMLP) -> None:
+    def __init__(self, ln1: RMSNorm, attn: Attention, ln2: RMSNorm, mlp: nn.Module) -> None:
+        """mlp: a gated MLP with mlp.py's hooks (Zamba2's FusedGatedMLP; Zamba's mlp.py GatedMLP)."""
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
         self.dims = {"d_in": ln1.weight.shape[0]}
