@@ -14,8 +14,9 @@ Glossary of HF config fields (ZambaConfig) and ours (hooked.models.zamba.ZambaCo
 Key layout. Mamba layer l: `model.layers.{l}.mamba.*`, `model.layers.{l}.input_layernorm.weight`; hybrid layer l:
 `model.layers.{l}.mamba_decoder.{mamba,input_layernorm}.*`, `model.layers.{l}.linear.weight` and the shared block
 `model.layers.{l}.shared_transf.{input_layernorm, self_attn.{q,k,v,o}_proj, pre_ff_layernorm,
-feed_forward.{gate,up,down}_proj}`, which HF ties (`_tied_weights_keys`): a saved checkpoint holds it once, under the
-first hybrid layer (the layer's own name is the second candidate). The mixer's tensors, HF -> ours:
+feed_forward.{gate,up,down}_proj}`, which HF ties (`_tied_weights_keys`, applied only with tie_word_embeddings):
+a saved checkpoint holds it once, under the first hybrid layer; copies under later layers, when a tied checkpoint
+has them, are what HF leaves unread (`ignore`). Untied, every hybrid layer's own block is read. The mixer's tensors, HF -> ours:
     in_proj [2 d_inner, d_model]: rows interleaved per channel [x_c ; z_c] -> [x ; z] halves (the bias alike)
     x_proj_weight [G, R + 2N, P] -> x_proj.weight; dt_proj_weight [G, P, R], dt_proj_bias [G, P] -> dt_proj.*
     A_log [G, P, N] -> [d_inner, N]; D [G, P] -> [d_inner]; conv1d.weight [d_inner 1 w] -> conv_weight [d_inner w]
@@ -67,7 +68,7 @@ def config_from_hf(hf: dict[str, Any]) -> ZambaConfig:
         d_mlp=int(hf["intermediate_size"]),
         act_fn=hf.get("hidden_act", "gelu"),
         eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tied=bool(hf.get("tie_word_embeddings", True)),
+        tied=bool(hf.get("tie_word_embeddings", True)),  # HF ties the shared blocks only then (shared_tied)
         n_ctx=int(hf.get("max_position_embeddings") or 4096),
     )
 
@@ -96,9 +97,9 @@ def mixer_keys(cfg: ZambaConfig, ours: str, theirs: str) -> dict[str, Key]:
     return keys
 
 
-def shared_keys(first: int) -> dict[str, Key]:
-    """The shared block: a parameter of its first invocation (hybrid layer `first`) only, as HF saves it."""
-    ours, theirs = f"blocks.{first}.shared.", f"model.layers.{first}.shared_transf."
+def shared_keys(layer: int) -> dict[str, Key]:
+    """The shared block of hybrid layer `layer` (tied: of the first hybrid layer only, where HF saves it)."""
+    ours, theirs = f"blocks.{layer}.shared.", f"model.layers.{layer}.shared_transf."
     keys = {ours + "ln1.weight": Key.of(theirs + "input_layernorm.weight"),
             ours + "ln2.weight": Key.of(theirs + "pre_ff_layernorm.weight")}
     keys |= attention_keys(ours + "attn.", theirs + "self_attn.", False, False)
@@ -114,8 +115,8 @@ def key_map(cfg: ZambaConfig) -> dict[str, Key]:
         keys |= mixer_keys(cfg, f"blocks.{layer}.mixer.", decoder + "mamba.")
         if kind == "hybrid":
             keys[f"blocks.{layer}.linear.weight"] = Key.of(f"model.layers.{layer}.linear.weight")
-    if cfg.hybrid_layer_ids:
-        keys |= shared_keys(cfg.hybrid_layer_ids[0])
+    for layer in cfg.hybrid_layer_ids[:1] if cfg.shared_tied else cfg.hybrid_layer_ids:
+        keys |= shared_keys(layer)
     return keys | lm_head_keys(cfg.tied)
 
 
@@ -126,4 +127,5 @@ ARCHITECTURE = Architecture(
     config_from_hf=config_from_hf,
     build=build,
     key_map=key_map,
+    ignore=(r"model\.layers\.\d+\.shared_transf\.",),  # a tied block's later copies (the read ones are read)
 )

@@ -18,6 +18,9 @@ Glossary (TransformerLens / SSM names; HF ZambaConfig names in brackets)
                      resid = resid + mixer(ln1(resid + shared_out))        (block.py's Side input)
     logits = ln_final(resid) @ W_U^T  (W_U tied to W_E by default)
 
+HF (transformers 5.24) ties the hybrid layers' blocks through `_tied_weights_keys`, which it applies only with
+tie_word_embeddings: an untied config gives each hybrid layer a block of its own (shared_tied = tied, as HF).
+
 For ablation a channel of a Mamba layer is a "head" (as in mamba.py): cfg.n_heads = d_inner.
 Hooks: as zamba2.py's (blocks.{l}.shared.*, blocks.{l}.hook_shared_out), with the grouped Mamba-1 mixer's
 blocks.{l}.mixer.* (mamba.py's, hook_B and hook_C [batch pos n_groups d_state]).
@@ -63,6 +66,7 @@ class ZambaConfig:
     act_fn: str = "gelu"
     eps: float = 1e-5
     tied: bool = True  # unembed shares the embedding matrix
+    shared_tied: bool = derived(lambda c: c.tied)  # one block for every hybrid layer (False: one block per layer)
     n_ctx: int = 4096
 
     def __post_init__(self) -> None:
@@ -118,7 +122,7 @@ def build(cfg: ZambaConfig) -> LanguageModel:
         side = None
         if kind == "hybrid":
             shared = shared_invocation(cfg, first)
-            first = first or shared
+            first = (first or shared) if cfg.shared_tied else None
             shared.attn.unit_tag = "SH"  # labels "L{l}SH{h}": one invocation of the shared heads
             side = Side("shared", shared, nn.Linear(cfg.d_model, cfg.d_model, bias=False))
         mixer = GroupedMambaMixer(cfg.mixer, cfg.n_groups)
