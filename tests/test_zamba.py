@@ -333,3 +333,15 @@ def test_ablating_a_channel_equals_zeroing_its_out_proj_column():
         finally:
             mixer.out_proj.weight.copy_(saved)
     close(ablated, ref, "ablated vs zeroed columns")
+
+
+# ------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_parity_gpu_float32(variant):
+    hf = make_hf(variant).cuda()
+    model = from_hf(hf)
+    assert next(model.parameters()).is_cuda
+    check_against_hf(hf, model, tokens().cuda())
+    toks, mask = left_padded([13, 6], 13, V)
+    check_against_hf(hf, model, toks.cuda(), mask.cuda())

@@ -38,6 +38,8 @@ head_out.sum(d_inner) (+ out_proj bias). Unedited lazy hooks leave the fast path
 untouched (bit-identical logits); an in-place edit is seen through the tensor's version counter
 (under torch.inference_mode, by comparing with a copy).
 
+Zamba's grouped Mamba-1 (grouped_mamba.py) is this mixer with per-group x_proj / dt_proj (`selection`) and the
+per-group ops in its class attributes (scan_loop, kernel_dense, ...: hooked/ops/grouped_selective.py).
 FalconMamba = Mamba-1 plus weightless RMS norms on the Δ input (dt_rank wide), B and C, turned on
 by `MambaConfig.mixer_rms_eps`; Jamba's Mamba layers give those norms weights (`mixer_norm_weights`).
 Padding (Context.attention_mask) zeroes the mixer input, the conv input and the conv output at
@@ -278,7 +280,8 @@ class MambaMixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
     def scan(self, u: Float[Tensor, "batch pos d_inner"], dt: Float[Tensor, "batch pos d_inner"],
              B: Float[Tensor, "batch pos *group d_state"], C: Float[Tensor, "batch pos *group d_state"],
              backend: str = "loop") -> Float[Tensor, "batch pos d_inner"]:
-        """y = C·h with the lazy hooks A_bar, B_bar, h, kernel; at least float32 inside (as HF).
+        """y = C·h with the lazy hooks A_bar, B_bar, h, kernel; at least float32 inside (as HF). B, C: [b l d_state]
+        ([b l n_groups d_state] for GroupedMambaMixer, whose class attributes give the per-group ops).
 
         backend: "loop" (sequential scans), "chunked" (two-level scans, states too) or "fused"
         (mamba-ssm's selective scan, or its stand-in; never with a lazy hook active)."""
