@@ -39,13 +39,16 @@ Metric = Callable[[Tensor], Tensor]
 
 
 class EdgeScores:
-    """Scores of every edge of a graph: `len()`, `.top(n)`, `[edge]`, `.edges()`, `.to_json(path)`."""
+    """Scores of every edge of a graph: `len()`, `.top(n)`, `[edge]`, `.edges()`, `.to_json(path)`;
+    `.save(path)` / `EdgeScores.load(path, model=None)` (store.py). `settings`: what produced the scores
+    (method, steps, ...), saved with them."""
 
     def __init__(self, graph: Graph, scores: Tensor, method: str, clean_metric: float, corrupt_metric: float,
-                 token: Any = None) -> None:
+                 token: Any = None, settings: dict[str, Any] | None = None) -> None:
         self.graph, self.scores, self.method = graph, scores.detach().double().cpu(), method
         self.clean_metric, self.corrupt_metric = clean_metric, corrupt_metric
         self.token = token  # TokenEdgeScores or None
+        self.settings: dict[str, Any] = dict(settings or {})
 
     def __len__(self) -> int:
         return len(self.graph)
@@ -70,8 +73,22 @@ class EdgeScores:
     def edges(self) -> list[Edge]:
         return [self.graph.edge(i, float(s)) for i, s in enumerate(self.scores)]
 
+    def save(self, path: str | Path) -> Path:
+        """The scores with their graph, method and settings as JSON (store.py); token-edge scores are not saved."""
+        from analysis.circuits.store import save
+
+        return save(self, path)
+
+    @staticmethod
+    def load(path: str | Path, model: Any = None) -> "EdgeScores":
+        """Scores saved by `save`, on `model`'s graph (checked equal) or, without a model, on the saved graph."""
+        from analysis.circuits.store import load
+
+        return load(path, model)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "clean_metric": self.clean_metric, "corrupt_metric": self.corrupt_metric,
+        return {"method": self.method, "settings": self.settings, "clean_metric": self.clean_metric,
+                "corrupt_metric": self.corrupt_metric,
                 "n_edges": len(self), "senders": self.graph.senders, "receivers": self.graph.receivers,
                 "edges": [{"sender": e.sender, "receiver": e.receiver, "score": e.score} for e in self.top(len(self))]}
 

@@ -11,6 +11,10 @@ Glossary
     receiver   what reads it (analysis/circuits/receivers.py): "L{l}{tag}{h}.q" / ".k" / ".v" (k and v
                by key-value head), Mamba-2 heads' own inputs "L{l}{tag}{h}.x" and their groups'
                "L{l}{tag}g{g}.B" / ".C", whole sublayers "mlp{l}", ..., side blocks "shared{l}", "logits"
+    owner      the sender node(s) a receiver is an input of (`Graph.owners`): "L1H0.q" -> L1H0, a key or
+               value head -> the query heads it serves, a Mamba-2 group's "L1Hg0.B" -> the heads of that
+               group, "mlp1" -> mlp1, a mixture's input -> its experts and shared MLP; "logits" -> none.
+               A path runs sender -> receiver -> the receiver's owners -> their edges (select.py)
     edge       sender -> receiver through the residual stream (the standard EAP graph: a reader's input
                is the sum of every earlier writer): every sender whose stage is before the
                receiver's. A side block's output reaches only its own step's receivers (it enters
@@ -28,7 +32,7 @@ import torch
 from torch import Tensor
 
 from analysis.circuits.receivers import (LogitsReceiver, ModuleReceiver, NormSite, ReceiverGroup, RowsReceiver,
-                                         SideReceiver, row_parts)
+                                         SideReceiver, row_parts, row_units)
 from analysis.circuits.senders import EmbedSender, SenderGroup, WholeSender, writer_senders
 from hooked.models.model_map import model_map
 from hooked.validate import as_index
@@ -51,6 +55,7 @@ class Graph:
         self.model = model
         self.sender_groups: list[SenderGroup] = [EmbedSender(model)]
         self.receiver_groups: list[ReceiverGroup] = []
+        pairs: list[tuple[ReceiverGroup, SenderGroup, list[tuple[int, ...]] | None]] = []  # (inputs, its senders)
         sites: dict[int, NormSite] = {}
         sites = {id(s.module): s for s in model_map(model).mixers() if s.writer is not None}
         stage = 0
@@ -69,6 +74,7 @@ class Graph:
                         side, hook = sides[w.kind]
                         self.receiver_groups.append(SideReceiver(side.module, f"{side.name}{layer}", layer, stage))
                         self.sender_groups.append(WholeSender(f"{side.name}{layer}", hook, layer, stage, side=True))
+                        pairs.append((self.receiver_groups[-1], self.sender_groups[-1], None))
                 for w in step:  # each reads through its own norm (GPT-NeoX's branches: ln1, ln2)
                     site = sites.setdefault(id(w.norm), NormSite(w.norm))
                     tag = sites[id(w.module)].tag if id(w.module) in sites else None  # a token mixer's units
@@ -79,10 +85,23 @@ class Graph:
                         self.receiver_groups.append(ModuleReceiver(site, w.in_scale, w.module, f"{w.kind}{layer}",
                                                                    layer, stage))
                     self.sender_groups.append(writer_senders(w, layer, stage, tag))
+                    pairs.append((self.receiver_groups[-1], self.sender_groups[-1],
+                                  row_units(w.module) if parts is not None else None))
                 stage += 1
         self.n_stages = stage
         self.receiver_groups.append(LogitsReceiver(model.ln_final, stage, len(model.blocks)))
         self._index()
+        self._own(pairs)
+
+    def _own(self, pairs: list[tuple[ReceiverGroup, SenderGroup, list[tuple[int, ...]] | None]]) -> None:
+        """owners[r]: the sender numbers receiver r is an input of (the glossary); () for the logits."""
+        self.owners: list[tuple[int, ...]] = [()] * len(self.receivers)
+        start = {id(g): ss.start for g, ss in zip(self.sender_groups, self.sender_slices)}
+        for rg, sg, units in pairs:
+            rs = self.receiver_slices[self.receiver_groups.index(rg)]
+            whole = tuple(range(start[id(sg)], start[id(sg)] + len(sg.labels)))
+            for k, r in enumerate(range(rs.start, rs.stop)):
+                self.owners[r] = whole if units is None or len(whole) == 1 else tuple(whole[u] for u in units[k])
 
     def _index(self) -> None:
         self.senders = [label for g in self.sender_groups for label in g.labels]

@@ -62,6 +62,21 @@ def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, T
     return None
 
 
+def row_units(module: Any) -> list[tuple[int, ...]]:
+    """The units (heads) each of `row_parts`' receivers feeds, in its order: a query head its own head, a
+    key or value head the query heads it serves (each kv head serves `n_heads // n_kv_heads` consecutive
+    heads, attention.repeat_kv), a Mamba-2 head's x its head, a group's B and C the heads reading that
+    group (head h reads group h // (n_heads // n_groups), mamba2.py)."""
+    if isinstance(module, Mamba2Mixer):
+        n, per = module.n_heads, module.n_heads // module.n_groups
+        groups = [tuple(range(g * per, (g + 1) * per)) for g in range(module.n_groups)]
+        return [(h,) for h in range(n)] + groups + groups
+    n, n_kv = module.hook_q.sizes["n_heads"], module.hook_k.sizes["n_kv_heads"]
+    per = n // n_kv
+    served = [tuple(range(j * per, (j + 1) * per)) for j in range(n_kv)]
+    return [(h,) for h in range(n)] + served + served
+
+
 def _plain_qkv(module: Any) -> bool:
     """Whether the attention's inputs are three plain projections q [n_heads d_head], k and v [n_kv_heads
     d_head] (rows per head); a gated query (Qwen3-Next), latent attention (Kimi) is read whole instead."""

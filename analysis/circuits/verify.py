@@ -58,7 +58,7 @@ def rescore(model: Any, scores: EdgeScores, clean: Any, corrupt: Any, metric: Me
     values = scores.scores.clone()
     values[order] = exact
     return EdgeScores(scores.graph, values, f"{scores.method}+exact{shortlist}", scores.clean_metric,
-                      scores.corrupt_metric, scores.token)
+                      scores.corrupt_metric, scores.token, scores.settings | {"shortlist": shortlist})
 
 
 def sweep(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Metric, *, graph: Graph | None = None,
