@@ -11,10 +11,13 @@ Glossary
     receiver   what reads it (analysis/circuits/receivers.py): "L{l}{tag}{h}.q" / ".k" / ".v" (k and v
                by key-value head), Mamba-2 heads' own inputs "L{l}{tag}{h}.x" and their groups'
                "L{l}{tag}g{g}.B" / ".C", whole sublayers "mlp{l}", ..., side blocks "shared{l}", "logits"
-    owner      the sender node(s) a receiver is an input of (`Graph.owners`): "L1H0.q" -> L1H0, a key or
-               value head -> the query heads it serves, a Mamba-2 group's "L1Hg0.B" -> the heads of that
-               group, "mlp1" -> mlp1, a mixture's input -> its experts and shared MLP; "logits" -> none.
-               A path runs sender -> receiver -> the receiver's owners -> their edges (select.py)
+    owner      the sender nodes whose write reads a receiver's input (`Graph.owners`): "L1H0.q" -> L1H0, a
+               key or value head -> the query heads it serves, "mlp1" -> mlp1, a mixture's input -> its
+               experts and shared MLP, a Mamba-2 head's "L1H0.x" -> the heads its gated norm normalises
+               with it (one statistic per group of heads), a group's "L1Hg0.B" -> those of the group's
+               heads (receivers.row_units); every unit of a sublayer with a post-norm (its scale reads
+               them all); "logits" -> none. A path runs sender -> receiver -> the
+               receiver's owners -> their edges (select.py)
     edge       sender -> receiver through the residual stream (the standard EAP graph: a reader's input
                is the sum of every earlier writer): every sender whose stage is before the
                receiver's. A side block's output reaches only its own step's receivers (it enters
@@ -100,6 +103,8 @@ class Graph:
         for rg, sg, units in pairs:
             rs = self.receiver_slices[self.receiver_groups.index(rg)]
             whole = tuple(range(start[id(sg)], start[id(sg)] + len(sg.labels)))
+            if getattr(getattr(sg, "writer", None), "post_norm", None) is not None:
+                units = None  # a post-norm's scale reads every unit's write: each unit's reads them all
             for k, r in enumerate(range(rs.start, rs.stop)):
                 self.owners[r] = whole if units is None or len(whole) == 1 else tuple(whole[u] for u in units[k])
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hooked.models.heads_norm import HeadsRMSNorm
 from hooked.models.mamba2 import Mamba2Mixer
 from hooked.models.model_map import label
 from hooked.models.protocol import TokenMixer
@@ -50,28 +51,44 @@ def row_parts(module: Any, layer: int, tag: str) -> list[tuple[str, nn.Module, T
         return ([(f"{label(layer, tag, h)}.q", q, _span(h * d, d)) for h in range(n)]
                 + [(f"{label(layer, tag, h)}.{name}", lin, _span(h * d, d)) for name, lin in (("k", k), ("v", v))
                    for h in range(n_kv)])
-    if isinstance(module, Mamba2Mixer):  # in_proj writes [z | x, B, C | dt] (mamba2.py's forward)
+    if isinstance(module, Mamba2Mixer):  # in_proj writes z, x B C, dt (where each starts: in_proj_starts)
         (lin,) = module.input_linears()
         p, di, gn = module.d_head, module.d_inner, module.d_state
-        dt0 = di + module.conv_dim
-        own = [(f"{label(layer, tag, h)}.x", lin, torch.cat([_span(h * p, p), _span(di + h * p, p), _span(dt0 + h, 1)]))
+        at = module.in_proj_starts()
+        z0, x0, dt0 = at["z"], at["xBC"], at["dt"]
+        own = [(f"{label(layer, tag, h)}.x", lin, torch.cat([_span(z0 + h * p, p), _span(x0 + h * p, p),
+                                                            _span(dt0 + h, 1)]))
                for h in range(module.n_heads)]
-        groups = [(f"{label(layer, tag)}g{g}.{name}", lin, _span(2 * di + off * module.n_groups * gn + g * gn, gn))
+        groups = [(f"{label(layer, tag)}g{g}.{name}", lin, _span(x0 + di + off * module.n_groups * gn + g * gn, gn))
                   for off, name in ((0, "B"), (1, "C")) for g in range(module.n_groups)]
         return own + groups
     return None
 
 
 def row_units(module: Any) -> list[tuple[int, ...]]:
-    """The units (heads) each of `row_parts`' receivers feeds, in its order: a query head its own head, a
-    key or value head the query heads it serves (each kv head serves `n_heads // n_kv_heads` consecutive
-    heads, attention.repeat_kv), a Mamba-2 head's x its head, a group's B and C the heads reading that
-    group (head h reads group h // (n_heads // n_groups), mamba2.py)."""
+    """The units (heads) whose write reads each of `row_parts`' receivers, in its order: a query head its
+    own head, a key or value head the query heads it serves (each kv head serves `n_heads // n_kv_heads`
+    consecutive heads, attention.repeat_kv); a Mamba-2 head's x (with its z and dt) the heads whose
+    channels its gated norm normalises together with its own (gated_norm.py's group_size: one statistic
+    per group of heads, so each head's write depends on the others' inputs), a group's B and C those of
+    the heads reading that group (head h reads group h // (n_heads // n_groups), mamba2.py)."""
     if isinstance(module, Mamba2Mixer):
-        n, per = module.n_heads, module.n_heads // module.n_groups
-        groups = [tuple(range(g * per, (g + 1) * per)) for g in range(module.n_groups)]
-        return [(h,) for h in range(n)] + groups + groups
+        n, p, per = module.n_heads, module.d_head, module.n_heads // module.n_groups
+        size = getattr(module.norm, "group_size", None)  # None: a gate without a norm (each head alone)
+
+        def together(h: int) -> set[int]:
+            if size is None:
+                return {h}
+            norms = range(h * p // size, ((h + 1) * p - 1) // size + 1)
+            return {j for k in norms for j in range(k * size // p, ((k + 1) * size - 1) // p + 1)}
+
+        own = [tuple(sorted(together(h))) for h in range(n)]
+        groups = [tuple(sorted(set().union(*(together(h) for h in range(g * per, (g + 1) * per)))))
+                  for g in range(module.n_groups)]
+        return own + groups + groups
     n, n_kv = module.hook_q.sizes["n_heads"], module.hook_k.sizes["n_kv_heads"]
+    if isinstance(getattr(module, "q_norm", None), HeadsRMSNorm):  # one statistic over every head's q (k)
+        return [tuple(range(n))] * (n + 2 * n_kv)
     per = n // n_kv
     served = [tuple(range(j * per, (j + 1) * per)) for j in range(n_kv)]
     return [(h,) for h in range(n)] + served + served

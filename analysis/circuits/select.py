@@ -1,16 +1,18 @@
 """Circuit selection: top-n, threshold or greedy, pruned to the edges on a path from the input to the logits.
 
 Glossary
-    node       a sender of the graph, plus the logits. A receiver belongs to its owners (graph.py: "L1H0.q"
-               to L1H0, a key head to the query heads it serves, a Mamba-2 group's B to the group's heads,
-               "mlp1" to mlp1); the logits receiver is the logits node
+    node       a sender of the graph, plus the logits. A receiver belongs to its owners, the nodes whose write
+               reads it (graph.py: "L1H0.q" to L1H0, a key head to the query heads it serves, "mlp1" to mlp1,
+               a Mamba-2 head's x to the heads its gated norm groups with it); the logits receiver is the
+               logits node
     path       embed -> receiver r1 -> an owner of r1 -> receiver r2 -> ... -> logits, each hop an edge of the
                circuit (sender -> receiver) or ownership (receiver -> its node)
     pruning    keeping the edges that lie on such a path (`on_paths`): the sender is reached from embed and
                the receiver (an owner of it) reaches the logits. What it drops changes nothing in an edge
                patching run: a sender no circuit edge feeds reads the corrupt stream everywhere, so it
                writes its corrupt activation anyway; a node whose edges all carry the corrupt run makes its
-               inputs irrelevant (the test checks faithfulness before = after). The library's `prune`
+               inputs irrelevant (the test checks faithfulness before = after; not on MiniMax, whose stream
+               is renormalised at every step, so a receiver reads no sum of senders). The library's `prune`
                (hannamw/EAP-IG: drop nodes without in- or outgoing edges until nothing changes) keeps the same
     top_n      the n edges of largest |score|; threshold: those with |score| >= threshold
     greedy     (hannamw/EAP-IG's apply_greedy) grow from the logits: n times, add the best-scored edge among

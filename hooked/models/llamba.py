@@ -94,6 +94,10 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         self.register_buffer("A_log", torch.zeros(self.n_heads), persistent=False)  # A = -exp(0) = -1
         self.z_bias = None if spec.proj_bias else nn.Parameter(torch.zeros(self.d_inner))
 
+    def in_proj_starts(self) -> dict[str, int]:
+        """Llamba's in_proj order: x, B, C first, then z, then dt."""
+        return {"xBC": 0, "z": self.conv_dim, "dt": self.conv_dim + self.d_inner}
+
     def forward(self, x: Float[Tensor, "batch pos d_model"], ctx: Context) -> Float[Tensor, "batch pos d_model"]:
         mask = None if ctx.attention_mask is None else ctx.attention_mask[..., None].to(x.dtype)
         if mask is not None:  # padding enters the mixer, and the conv, as zeros: the state stays 0

@@ -242,6 +242,10 @@ class Mamba2Mixer(StateSpaceMixer, TokenMixer, MixerWeights, nn.Module):
         self.hook_gated = HookPoint("batch pos d_inner")  # gated RMSNorm output
         self.hook_head_out = HookPoint("batch pos n_heads d_model", lazy=True)  # each head's write, lazy
 
+    def in_proj_starts(self) -> dict[str, int]:
+        """Where each part of in_proj's output starts: z, then x, B, C (the conv's input "xBC"), then dt."""
+        return {"z": 0, "xBC": self.d_inner, "dt": self.d_inner + self.conv_dim}
+
     def input_linears(self) -> list[nn.Module]:
         return [self.in_proj]
 
