@@ -219,6 +219,14 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "analysis.circuits.metrics.AnswerDiff.__init__": {"pos": Int()},  # its range: at the call (the logits' positions)
     "analysis.circuits.token_edges.TokenEdgeScores.top": {"n": Int(0), "absolute": FLAG},
     "analysis.circuits.token_edges.verify_token_edges": {"attention": Choice("scores", "pattern")},
+    "analysis.circuits.nodes.NodeScores.top": {"n": Int(0), "absolute": FLAG},
+    "analysis.circuits.neurons.NeuronScores.top": {"n": Int(0), "absolute": FLAG},
+    "analysis.circuits.neurons.neuron_attribution": {
+        "method": Choice("eap", "eap-ig"), "steps": Int(1), "batch_size": BATCH,
+        "kinds": None},  # a list of "mlp", "ssm", "attn": tests/test_circuit_nodes.py
+    "analysis.circuits.neurons.verify_neurons": {"batch_size": BATCH, "kinds": None},
+    "analysis.circuits.select.select": {"top_n": Int(0, none=True), "threshold": Real(0, none=True),
+                                        "greedy": Int(0, none=True), "absolute": FLAG},  # exactly one rule
 }
 
 # Methods and functions checked by explicit calls (no decorator): argument -> spec, for the same tests.

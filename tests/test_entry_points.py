@@ -31,6 +31,7 @@ import hooked.utils  # noqa: F401
 import loaders.load  # noqa: F401
 from analysis.circuits import circuit_metric, edge_attribution, edge_effects, faithfulness_curve, prune, rescore
 from analysis.circuits import verify_circuit, verify_token_edges
+from analysis.circuits import neuron_attribution, node_scores, select, verify_neurons
 from analysis.circuits.metrics import AnswerDiff
 from analysis.interventions import ablate_heads, knockout
 from analysis.tasks.text import kv_retrieval
@@ -61,6 +62,7 @@ def ctx(tmp_path_factory):
     c.clean, c.corrupt = TOKENS, TOKENS.flip(-1)
     c.metric = AnswerDiff([9], [10])
     c.scores = edge_attribution(model, c.clean, c.corrupt, c.metric, token_edges=True)
+    c.neurons = neuron_attribution(model, c.clean, c.corrupt, c.metric)
     return c
 
 
@@ -133,6 +135,14 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
     "analysis.circuits.token_edges.TokenEdgeScores.top": lambda c, **kw: c.scores.token.top(**{"n": 1, **kw}),
     "analysis.circuits.token_edges.verify_token_edges": lambda c, **kw: verify_token_edges(
         c.model, c.clean, [], c.metric, **kw),
+    "analysis.circuits.nodes.NodeScores.top": lambda c, **kw: node_scores(c.scores).top(**{"n": 1, **kw}),
+    "analysis.circuits.neurons.NeuronScores.top": lambda c, **kw: c.neurons.top(**{"n": 1, **kw}),
+    "analysis.circuits.neurons.neuron_attribution": lambda c, **kw: neuron_attribution(
+        c.model, c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.neurons.verify_neurons": lambda c, **kw: verify_neurons(
+        c.model, [], c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.select.select": lambda c, **kw: select(
+        c.scores, **({} if {"threshold", "greedy"} & set(kw) else {"top_n": 1}), **kw),
 }
 EXPLICIT_CALLS = {
     "get_act_name": lambda c, **kw: hooked.utils.get_act_name("resid_pre", **kw),
