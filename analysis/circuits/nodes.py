@@ -88,10 +88,10 @@ def node_edges(graph: Any, nodes: Iterable[str]) -> list[int]:
 
 def verify_nodes(model: Any, nodes: Iterable[str], clean: Any, corrupt: Any, metric: Metric,
                  **kwargs: Any) -> dict[str, float]:
-    """{"circuit", "clean", "corrupt", "faithfulness", "n_nodes", "n_edges", "fraction"} of the node set
-    `nodes`: clean with every other node's corrupt activation carried to every receiver (node patching,
-    the glossary). Exact: the edge circuit of the nodes' outgoing edges (verify.circuit_metric, whose
-    keyword arguments it takes)."""
+    """verify.circuit_metric's record ("circuit", "clean", "corrupt", "faithfulness", "n_edges", "fraction")
+    plus "n_nodes" and "fraction_nodes", for the node set `nodes`: clean with every other node's corrupt
+    activation carried to every receiver (node patching, the glossary). Exact: the edge circuit of the
+    nodes' outgoing edges (circuit_metric, whose keyword arguments it takes)."""
     from analysis.circuits.graph import graph_of
 
     nodes = list(nodes)

@@ -49,7 +49,7 @@ class Selection:
     nodes: list[str] = field(default_factory=list)  # senders on the kept paths (with "logits")
     faithfulness: float | None = None  # of the kept edges, with a model (select_circuit)
     metric: dict[str, float] | None = None  # verify.circuit_metric of the kept edges
-    graph: Any = field(default=None, repr=False)  # the graph the edges are of
+    graph: Any = field(default=None, repr=False, compare=False)  # the graph the edges are of
 
     def to_dot(self, name: str = "circuit") -> str:
         """The kept circuit as Graphviz dot text (dot.py)."""
