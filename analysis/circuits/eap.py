@@ -84,7 +84,8 @@ class EdgeScores:
         """Scores saved by `save`, on `model`'s graph (checked equal) or, without a model, on the saved graph."""
         from analysis.circuits.store import load
 
-        return load(path, model)
+        parts = load(path, model)
+        return EdgeScores(parts.pop("graph"), parts.pop("scores"), parts.pop("method"), **parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "settings": self.settings, "clean_metric": self.clean_metric,

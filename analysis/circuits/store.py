@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from analysis.circuits.eap import EdgeScores
 from analysis.circuits.graph import Graph
 
 FORMAT, VERSION = "hooked.circuits.EdgeScores", 1
@@ -62,8 +61,8 @@ def _graph_dict(graph: Graph) -> dict[str, Any]:
             "edges": [[s, r] for s, r in zip(graph.edge_sender.tolist(), graph.edge_receiver.tolist())]}
 
 
-def save(scores: EdgeScores, path: str | Path) -> Path:
-    """Write `scores` with its graph to `path` as JSON (the glossary); returns the path."""
+def save(scores: Any, path: str | Path) -> Path:
+    """Write `scores` (EdgeScores) with its graph to `path` as JSON (the glossary); returns the path."""
     graph = scores.graph
     name = graph.model_name if isinstance(graph, StoredGraph) else model_name(graph.model)
     data = {"format": FORMAT, "version": VERSION, "model": name, "method": scores.method,
@@ -78,8 +77,10 @@ def save(scores: EdgeScores, path: str | Path) -> Path:
     return path
 
 
-def load(path: str | Path, model: Any = None) -> EdgeScores:
-    """The EdgeScores saved at `path`, on `model`'s graph (checked to be the saved one) or on a StoredGraph."""
+def load(path: str | Path, model: Any = None) -> dict[str, Any]:
+    """What EdgeScores.load builds its scores from: {"graph", "scores", "method", "clean_metric",
+    "corrupt_metric", "settings"} of the file at `path`, the graph `model`'s (checked to be the saved one)
+    or a StoredGraph."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path: no file {str(path)!r}")
@@ -105,5 +106,5 @@ def load(path: str | Path, model: Any = None) -> EdgeScores:
                 raise ValueError(f"model: its graph's {key} differ from the saved graph's (saved on "
                                  f"{data['model']!r}, {stored}; this model: {graph})")
     scores = torch.tensor([float(s) for s in data["scores"]], dtype=torch.float64)
-    return EdgeScores(graph, scores, data["method"], data["clean_metric"], data["corrupt_metric"],
-                      settings=data["settings"])
+    return {"graph": graph, "scores": scores, "method": data["method"], "clean_metric": data["clean_metric"],
+            "corrupt_metric": data["corrupt_metric"], "settings": data["settings"]}
