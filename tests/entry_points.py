@@ -225,6 +225,12 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
         "method": Choice("eap", "eap-ig"), "steps": Int(1), "batch_size": BATCH,
         "kinds": None},  # a list of "mlp", "ssm", "attn": tests/test_circuit_nodes.py
     "analysis.circuits.neurons.verify_neurons": {"batch_size": BATCH, "kinds": None},
+    "analysis.circuits.positions.PositionScores.top": {"n": Int(0)},
+    "analysis.circuits.positions.position_attribution": {
+        "method": Choice("eap", "eap-ig"), "steps": Int(1), "token_edges": FLAG, "batch_size": BATCH,
+        "attention": Choice("scores", "pattern")},
+    "analysis.circuits.positions.position_effects": {"attention": Choice("scores", "pattern"), "batch_size": BATCH},
+    "analysis.circuits.positions.verify_positions": {"attention": Choice("scores", "pattern"), "batch_size": BATCH},
     "analysis.circuits.select.select": {"top_n": Int(0, none=True), "threshold": Real(0, none=True),
                                         "greedy": Int(0, none=True), "absolute": FLAG},  # exactly one rule
 }

@@ -32,6 +32,7 @@ import loaders.load  # noqa: F401
 from analysis.circuits import circuit_metric, edge_attribution, edge_effects, faithfulness_curve, prune, rescore
 from analysis.circuits import verify_circuit, verify_token_edges
 from analysis.circuits import neuron_attribution, node_scores, select, verify_neurons
+from analysis.circuits.positions import position_attribution, position_effects, verify_positions
 from analysis.circuits.metrics import AnswerDiff
 from analysis.interventions import ablate_heads, knockout
 from analysis.tasks.text import kv_retrieval
@@ -63,6 +64,7 @@ def ctx(tmp_path_factory):
     c.metric = AnswerDiff([9], [10])
     c.scores = edge_attribution(model, c.clean, c.corrupt, c.metric, token_edges=True)
     c.neurons = neuron_attribution(model, c.clean, c.corrupt, c.metric)
+    c.positions = position_attribution(model, c.clean, c.corrupt, c.metric)
     return c
 
 
@@ -140,6 +142,13 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
     "analysis.circuits.neurons.neuron_attribution": lambda c, **kw: neuron_attribution(
         c.model, c.clean, c.corrupt, c.metric, **kw),
     "analysis.circuits.neurons.verify_neurons": lambda c, **kw: verify_neurons(
+        c.model, [], c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.positions.PositionScores.top": lambda c, **kw: c.positions.top(**{"n": 1, **kw}),
+    "analysis.circuits.positions.position_attribution": lambda c, **kw: position_attribution(
+        c.model, c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.positions.position_effects": lambda c, **kw: position_effects(
+        c.model, [("embed", "logits", -1)], c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.positions.verify_positions": lambda c, **kw: verify_positions(
         c.model, [], c.clean, c.corrupt, c.metric, **kw),
     "analysis.circuits.select.select": lambda c, **kw: select(
         c.scores, **({} if {"threshold", "greedy"} & set(kw) else {"top_n": 1}), **kw),
