@@ -25,8 +25,9 @@ from torch import Tensor
 from hooked.models.bailing_hybrid import BailingHybridConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import chained, concat_view, expert_view
-from loaders.keymaps import PER_EXPERT_STACKS, rope_from_hf
-from loaders.kimi_linear import LAYER_TYPES, MLP_TYPES, first_of, kda_key_map
+from loaders.keymaps import KDA_LAYER_TYPES as LAYER_TYPES
+from loaders.keymaps import KDA_MLP_TYPES as MLP_TYPES
+from loaders.keymaps import PER_EXPERT_STACKS, first_of, kda_key_map, rope_from_hf
 
 
 def config_from_hf(hf: dict[str, Any]) -> BailingHybridConfig:

@@ -291,3 +291,62 @@ def attention_fields(hf: dict[str, Any], d_attn_head: int | None = None) -> dict
         d_attn_head = int(hf.get("head_dim") or int(hf["hidden_size"]) // n_attn_heads)
     return dict(n_attn_heads=n_attn_heads, n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_attn_heads),
                 d_attn_head=d_attn_head)
+
+
+# ------------------------------------------------------------------ layouts two families share
+KDA_LAYER_TYPES = {"linear_attention": "delta", "full_attention": "attention"}  # Kimi Linear, Bailing-hybrid
+KDA_MLP_TYPES = {"dense": "dense", "sparse": "moe"}
+
+
+def first_of(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of `names` the dict holds (HF's to_dict writes its attribute_map names: num_experts, ...)."""
+    return next((hf[n] for n in names if hf.get(n) is not None), default)
+
+
+def kda_key_map(cfg: Any, attention: Callable[[Any, str, str], dict[str, Key]],
+                mixer: dict[str, str | Key]) -> dict[str, Key]:
+    """The keys of a KDA + MLA + DeepSeek-V3 MoE model (Kimi Linear, Bailing-hybrid): `attention(cfg, ours, theirs)`
+    gives an MLA layer's keys, `mixer` names a KDA layer's parameters under HF's `self_attn.`."""
+    keys = {"embed.weight": Key.of("model.embed_tokens.weight"), "ln_final.weight": Key.of("model.norm.weight")}
+    for layer, (kind, mlp_kind) in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
+        ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
+        keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
+        keys[ours + "ln2.weight"] = Key.of(theirs + "post_attention_layernorm.weight")
+        if kind == "attention":
+            keys |= attention(cfg, ours + "attn.", theirs + "self_attn.")
+        else:
+            keys |= delta_mixer_keys(ours + "mixer.", theirs + "self_attn.", mixer)
+        if mlp_kind == "dense":
+            keys |= gated_mlp_keys(ours + "mlp.", theirs + "mlp.", False)
+            continue
+        keys[ours + "mlp.router.weight"] = Key.of(theirs + "mlp.gate.weight")
+        keys[ours + "mlp.select.correction_bias"] = Key.of(theirs + "mlp.gate.e_score_correction_bias")
+        keys |= stacked_experts_keys(ours + "mlp.", theirs + "mlp.experts.")
+        keys |= gated_mlp_keys(ours + "mlp.shared.", theirs + "mlp.shared_experts.", False)
+    return keys | lm_head_keys(cfg.tied)
+
+
+def lfm2_operator_keys(cfg: Any, layer: int, kind: str) -> dict[str, Key]:
+    """Layer `layer`'s norms and its operator (attention, or the gated short conv) of an LFM2 checkpoint (LFM2 and
+    LFM2-MoE alike: their feed-forwards differ)."""
+    ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
+    keys = {ours + "ln1.weight": Key.of(theirs + "operator_norm.weight"),
+            ours + "ln2.weight": Key.of(theirs + "ffn_norm.weight")}
+    if kind == "attention":
+        names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "out_proj",
+                 "q_norm": "q_layernorm", "k_norm": "k_layernorm"}
+        return keys | {f"{ours}attn.{m}.weight": Key.of(f"{theirs}self_attn.{t}.weight") for m, t in names.items()}
+    conv = theirs + "conv."
+    keys[ours + "mixer.conv_weight"] = Key.of(conv + "conv.weight", transform=squeeze_conv)
+    for w in ("weight", "bias")[: 1 + cfg.conv_bias]:
+        keys[f"{ours}mixer.in_proj.{w}"] = Key.of(f"{conv}in_proj.{w}")
+        keys[f"{ours}mixer.out_proj.{w}"] = Key.of(f"{conv}out_proj.{w}")
+    if cfg.conv_bias:
+        keys[ours + "mixer.conv_bias"] = Key.of(conv + "conv.bias")
+    return keys
+
+
+def lfm2_feed_forward_keys(layer: int) -> dict[str, Key]:
+    """A dense feed-forward's keys (w1, w3, w2 = gate, up, down)."""
+    return {f"blocks.{layer}.mlp.{m}_proj.weight": Key.of(f"model.layers.{layer}.feed_forward.{t}.weight")
+            for m, t in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}

@@ -18,21 +18,14 @@ tensors directly under `self_attn.`, and the conv as `{q,k,v}_conv1d`: `adapt` p
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from hooked.models.kimi_linear import KimiLinearConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import chained, concat_view, expert_view
-from loaders.keymaps import delta_mixer_keys, gated_mlp_keys, lm_head_keys, stacked_experts_keys
-
-LAYER_TYPES = {"linear_attention": "delta", "full_attention": "attention"}
-MLP_TYPES = {"dense": "dense", "sparse": "moe"}
-
-
-def first_of(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
-    """The first of `names` the dict holds (HF's to_dict writes its attribute_map names: num_experts, ...)."""
-    return next((hf[n] for n in names if hf.get(n) is not None), default)
+from loaders.keymaps import KDA_LAYER_TYPES as LAYER_TYPES
+from loaders.keymaps import KDA_MLP_TYPES as MLP_TYPES
+from loaders.keymaps import first_of, kda_key_map
 
 
 def config_from_hf(hf: dict[str, Any]) -> KimiLinearConfig:
@@ -77,29 +70,6 @@ def _latent_attention_keys(cfg: KimiLinearConfig, ours: str, theirs: str) -> dic
         keys |= {f"{ours}{m}.bias": Key.of(f"{theirs}{t}.bias") for m, t in names.items()
                  if m in ("kv_a_proj", "o_proj", "q_a_proj")}
     return keys
-
-
-def kda_key_map(cfg: KimiLinearConfig, attention: Callable[[Any, str, str], dict[str, Key]],
-                mixer: dict[str, str | Key]) -> dict[str, Key]:
-    """The keys of a KDA + MLA + DeepSeek-V3 MoE model (Kimi Linear, Bailing-hybrid): `attention(cfg, ours, theirs)`
-    gives an MLA layer's keys, `mixer` names a KDA layer's parameters under HF's `self_attn.`."""
-    keys = {"embed.weight": Key.of("model.embed_tokens.weight"), "ln_final.weight": Key.of("model.norm.weight")}
-    for layer, (kind, mlp_kind) in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
-        ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
-        keys[ours + "ln1.weight"] = Key.of(theirs + "input_layernorm.weight")
-        keys[ours + "ln2.weight"] = Key.of(theirs + "post_attention_layernorm.weight")
-        if kind == "attention":
-            keys |= attention(cfg, ours + "attn.", theirs + "self_attn.")
-        else:
-            keys |= delta_mixer_keys(ours + "mixer.", theirs + "self_attn.", mixer)
-        if mlp_kind == "dense":
-            keys |= gated_mlp_keys(ours + "mlp.", theirs + "mlp.", False)
-            continue
-        keys[ours + "mlp.router.weight"] = Key.of(theirs + "mlp.gate.weight")
-        keys[ours + "mlp.select.correction_bias"] = Key.of(theirs + "mlp.gate.e_score_correction_bias")
-        keys |= stacked_experts_keys(ours + "mlp.", theirs + "mlp.experts.")
-        keys |= gated_mlp_keys(ours + "mlp.shared.", theirs + "mlp.shared_experts.", False)
-    return keys | lm_head_keys(cfg.tied)
 
 
 _KDA: dict[str, str | Key] = {f"{p}_proj.weight": f"{p}_proj.weight" for p in ("q", "k", "v", "b", "g_a", "g_b")}

@@ -14,7 +14,7 @@ from typing import Any
 
 from hooked.models.lfm2 import Lfm2Config, build
 from loaders.architecture import Architecture, Key
-from loaders.keymaps import lm_head_keys, rope_from_hf, squeeze_conv
+from loaders.keymaps import lfm2_feed_forward_keys, lfm2_operator_keys, lm_head_keys, rope_from_hf
 
 LAYER_TYPES = {"conv": "conv", "full_attention": "attention"}
 
@@ -54,36 +54,10 @@ def config_from_hf(hf: dict[str, Any]) -> Lfm2Config:
     )
 
 
-def operator_keys(cfg: Any, layer: int, kind: str) -> dict[str, Key]:
-    """Layer `layer`'s norms and its operator (attention, or the gated short conv) of an LFM2 checkpoint (LFM2 and
-    LFM2-MoE alike: their feed-forwards differ)."""
-    ours, theirs = f"blocks.{layer}.", f"model.layers.{layer}."
-    keys = {ours + "ln1.weight": Key.of(theirs + "operator_norm.weight"),
-            ours + "ln2.weight": Key.of(theirs + "ffn_norm.weight")}
-    if kind == "attention":
-        names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "out_proj",
-                 "q_norm": "q_layernorm", "k_norm": "k_layernorm"}
-        return keys | {f"{ours}attn.{m}.weight": Key.of(f"{theirs}self_attn.{t}.weight") for m, t in names.items()}
-    conv = theirs + "conv."
-    keys[ours + "mixer.conv_weight"] = Key.of(conv + "conv.weight", transform=squeeze_conv)
-    for w in ("weight", "bias")[: 1 + cfg.conv_bias]:
-        keys[f"{ours}mixer.in_proj.{w}"] = Key.of(f"{conv}in_proj.{w}")
-        keys[f"{ours}mixer.out_proj.{w}"] = Key.of(f"{conv}out_proj.{w}")
-    if cfg.conv_bias:
-        keys[ours + "mixer.conv_bias"] = Key.of(conv + "conv.bias")
-    return keys
-
-
-def feed_forward_keys(layer: int) -> dict[str, Key]:
-    """A dense feed-forward's keys (w1, w3, w2 = gate, up, down)."""
-    return {f"blocks.{layer}.mlp.{m}_proj.weight": Key.of(f"model.layers.{layer}.feed_forward.{t}.weight")
-            for m, t in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
-
-
 def key_map(cfg: Lfm2Config) -> dict[str, Key]:
     keys = {"embed.weight": Key.of("model.embed_tokens.weight"), "ln_final.weight": Key.of("model.embedding_norm.weight")}
     for layer, kind in enumerate(cfg.layer_types):
-        keys |= operator_keys(cfg, layer, kind) | feed_forward_keys(layer)
+        keys |= lfm2_operator_keys(cfg, layer, kind) | lfm2_feed_forward_keys(layer)
     return keys | lm_head_keys(cfg.tied)
 
 

@@ -19,8 +19,7 @@ from torch import Tensor
 from hooked.models.lfm2_moe import Lfm2MoeConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import expert_view
-from loaders.keymaps import lm_head_keys, rope_from_hf, stacked_experts_keys
-from loaders.lfm2 import feed_forward_keys, operator_keys
+from loaders.keymaps import lfm2_feed_forward_keys, lfm2_operator_keys, lm_head_keys, rope_from_hf, stacked_experts_keys
 
 LAYER_TYPES = {"conv": "conv", "full_attention": "attention"}
 
@@ -56,9 +55,9 @@ def key_map(cfg: Lfm2MoeConfig) -> dict[str, Key]:
     keys = {"embed.weight": Key.of("model.embed_tokens.weight"),
             "ln_final.weight": Key.of("model.embedding_norm.weight")}
     for layer, kind in enumerate(cfg.layer_types):
-        keys |= operator_keys(cfg, layer, kind)
+        keys |= lfm2_operator_keys(cfg, layer, kind)
         if layer < cfg.n_dense:
-            keys |= feed_forward_keys(layer)
+            keys |= lfm2_feed_forward_keys(layer)
             continue
         ours, ff = f"blocks.{layer}.", f"model.layers.{layer}.feed_forward."
         keys[ours + "mlp.router.weight"] = Key.of(ff + "gate.weight")
