@@ -19,6 +19,7 @@ from loaders import recurrent_gemma  # issue 41's new mixer kinds
 from loaders import minimax  # issue 41's new mixer kinds
 from loaders import rwkv  # issue 41's new mixer kinds
 from loaders import zamba  # issue 41's families on mixers we have
+from loaders import xlstm  # issue 41's new mixer kinds
 from loaders import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from loaders.architecture import Architecture, Key
 
@@ -64,6 +65,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     minimax.ARCHITECTURE,
     rwkv.ARCHITECTURE,
     zamba.ARCHITECTURE,
+    xlstm.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}

@@ -180,6 +180,16 @@ FAMILY: dict[str, dict[str, Any]] = {
                 "mlp_alpha_factor": Vary(0.9), "mlp_beta_factor": Vary(1.1)},
     "rwkv": {"context_length": Vary(32), "rescale_every": Vary(0)},
     "zamba": {"hidden_act": Vary("silu"), "hidden_mamba_act": Refuse("gelu"), "mamba_expand": Vary(4), "n_mamba_heads": Vary(4)},
+    "xlstm": {"eps": Vary(1e-2), "gate_soft_cap": Vary(2.0), "output_logit_soft_cap": Vary(2.0), "v_dim_factor": Vary(2.0),
+              "weight_mode": Ignore("the weights' layout (fused: stacked projections), not the forward; HF 5.24 cannot "
+                                    "build a fused model (its _init_weights fails), test_xlstm loads one by rows"),
+              "max_inference_chunksize": Vary(5), "mode": Vary("train"),
+              "norm_reduction_force_float32": Vary(False), "use_bias": Refuse(True),
+              "inference_state_dtype": Refuse("bfloat16"),
+              "autocast_kernel_dtype": Ignore("the external xlstm package's triton kernels' dtype: HF's torch-native "
+                                              "kernels take it and drop it"),
+              "return_last_states": Ignore("read in mode 'train' only: whether the kernel also returns its last "
+                                           "state, not what it computes")},
 }
 
 

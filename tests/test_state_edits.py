@@ -124,6 +124,24 @@ def rwkv_states(q, A, edit):
     return torch.stack(hs, 1), torch.stack(ys, 1)
 
 
+def mlstm_states(q, A, edit):
+    """Per head (xLSTM's mLSTM, no stabiliser): C <- f C + exp(i) k v^T, n <- f n + exp(i) k, m <- max(log f + m, i),
+    then edit C; y = C^T q / (max(|n . q|, 1) + eps exp(m)) (q read times d_qk^-1/2; eps: the tiny config's 1e-6)."""
+    qh, kh, v, log_i, log_f = q["hook_q"] * q["hook_q"].shape[-1] ** -0.5, q["hook_k"], q["hook_v"], q["hook_i"], q["hook_log_f"]
+    C = v.new_zeros(v.shape[0], v.shape[2], kh.shape[-1], v.shape[-1])
+    n, m = v.new_zeros(C.shape[:-1]), v.new_zeros(v.shape[0], v.shape[2])
+    hs, ys = [], []
+    for t in range(v.shape[1]):
+        f, i = torch.exp(log_f[:, t]), torch.exp(log_i[:, t])
+        C = f[..., None, None] * C + i[..., None, None] * einsum(kh[:, t], v[:, t], "b h c, b h v -> b h c v")
+        n, m = f[..., None] * n + i[..., None] * kh[:, t], torch.maximum(log_f[:, t] + m, log_i[:, t])
+        C = edit(t, C)
+        hs.append(C)
+        denom = einsum(n, qh[:, t], "b h c, b h c -> b h").abs().clamp_min(1.0) + 1e-6 * torch.exp(m)
+        ys.append(einsum(C, qh[:, t], "b h c v, b h c -> b h v") / denom[..., None])
+    return torch.stack(hs, 1), torch.stack(ys, 1)
+
+
 INPUTS = {mamba1_states: ("ssm_in", "dt", "B", "C"), mamba2_states: ("ssm_in", "dt", "B", "C"),
           delta_states: ("q", "k", "v", "beta", "alpha"), lightning_states: ("q", "k", "v")}
 
@@ -131,6 +149,7 @@ INPUTS = {mamba1_states: ("ssm_in", "dt", "B", "C"), mamba2_states: ("ssm_in", "
 REFERENCES = {("d_inner", "d_state"): mamba1_states, ("d_head", "d_state"): mamba2_states,
               ("d_k", "d_v"): delta_states, ("lru_width", "d_state"): rg_lru_states, ("d_key", "d_value"): lightning_states,
               ("att_width", "num_den"): rwkv_states}
+REFERENCES[("d_qk", "d_v")] = mlstm_states
 
 
 @functools.cache
@@ -143,7 +162,7 @@ def site(name: str):
 
 SITES = ["mamba", "falcon_mamba", "jamba", "mamba2", "zamba2", "bamba", "granite", "falcon_h1", "nemotron_h",
          "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "recurrent_gemma", "minimax",
-         "rwkv", "zamba"]
+         "rwkv", "zamba", "xlstm"]
 
 
 def tokens(seed: int = 0, pos: int = POS):
@@ -156,7 +175,7 @@ def run(model, where, edits, toks=None):
 
     def save(x, hook):
         q[hook.name.rsplit(".", 1)[1]] = x.clone()
-    names = [f"{where}.hook_{n}" for n in ("ssm_in", "dt", "B", "C", "q", "k", "v", "beta", "alpha", "x", "a", "input_gate", "y")]
+    names = [f"{where}.hook_{n}" for n in ("ssm_in", "dt", "B", "C", "q", "k", "v", "beta", "alpha", "x", "a", "input_gate", "y", "i", "log_f")]
     hooks = [(n, save) for n in names if n in model.hook_dict]
     with torch.no_grad():
         model.run_with_hooks(tokens() if toks is None else toks,

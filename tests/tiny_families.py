@@ -111,6 +111,9 @@ CONFIGS["rwkv"] = lambda: (_T.RwkvForCausalLM, _T.RwkvConfig(  # RWKV-4 time and
 CONFIGS["zamba"] = lambda: (_T.ZambaForCausalLM, _T.ZambaConfig(  # grouped Mamba-1 + one shared attention block
     **_SMALL, intermediate_size=24, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
     n_mamba_heads=2, mamba_d_state=4, mamba_dt_rank=4))
+CONFIGS["xlstm"] = lambda: (_T.xLSTMForCausalLM, _T.xLSTMConfig(  # mLSTM; widths that are multiples of 64 (HF's cache)
+    vocab_size=V, hidden_size=64, num_hidden_layers=2, num_heads=4, qk_dim_factor=1.0, chunk_size=4, ffn_proj_factor=0.5,
+    ffn_round_up_to_multiple_of=8, pad_token_id=0))
 FAMILIES = tuple(CONFIGS)
 
 
