@@ -17,6 +17,8 @@ Mixer (HF xLSTMLayer, weight_mode "single"; cap = gate_soft_cap, softcap(z) = ca
     y_t = C_t^T q_t / N_t,  N_t = max(|n_t . q_t|, 1) + eps exp(m_t)     (m_t: ops/mlstm.py)
     out = out_proj(sigmoid(ogate_proj(x)) * head_norm(y))   head_norm: a LayerNorm per head over d_v
 The recurrence runs in float32 (float64 for a float64 model) in HF's chunkwise form, stabilised as HF's.
+While decoding the state (DecodeState's h) is HF's stabilised (C~, n~, m) packed per head [d_qk d_v+2]
+(ops.mlstm.pack_state), so a transplant of a head's state moves its memory, normaliser and stabiliser together.
 
 Hooks under blocks.{l}.mixer., in forward order:
     hook_q, hook_k [b l h d_qk] (before the d_qk^-1/2), hook_v [b l h d_v], hook_gate [b l v_dim]
@@ -63,7 +65,7 @@ from hooked.models.head_writes import written_by_units
 from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along, keeper, slicer
 from hooked.ops.edge_cut import edge_pairs
 from hooked.ops.mlstm import (mlstm_chunked, mlstm_decays, mlstm_kernel, mlstm_kernel_cols, mlstm_kernel_rows,
-                              mlstm_knockout, mlstm_read, mlstm_states)
+                              mlstm_knockout, mlstm_states, pack_state, unpack_state)
 from hooked.ops.set_scan import set_scan
 from hooked.state_edit import through_state_hook
 from hooked.weights import MixerWeights
@@ -222,12 +224,13 @@ class MLSTMMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             log_i, log_f = log_i.masked_fill(pad, -torch.inf), log_f.masked_fill(pad, 0.0)
         log_i, log_f = self.hook_i(log_i), self.hook_log_f(log_f)
         q_read = q * spec.d_qk**-0.5
-        start = None if ctx.state is None else ctx.state.ssm_state(self)
+        packed = None if ctx.state is None else ctx.state.ssm_state(self)
+        start = None if packed is None else unpack_state(packed.to(rule_dtype))
         parts = mlstm_chunked(q_read, k, v, log_i, log_f, start, spec.chunk_size)
         y, denom = parts.read(spec.eps)
         if ctx.state is not None:  # decoding: the next step continues from HF's stabilised state
             ctx.state.refuse_lazy(self, [self.hook_h, self.hook_n, self.hook_kernel])
-            ctx.state.set_ssm_state(self, parts.state)
+            ctx.state.set_ssm_state(self, pack_state(parts.state))
         else:
             y, denom = self._states(q_read, k, v, log_i, log_f, parts.m, y, denom)
         denom, denom_was = through_hook(self.hook_denom, denom)

@@ -61,6 +61,16 @@ class Parts(NamedTuple):
         return self.num / denom[..., None], torch.exp(self.m) * denom
 
 
+def pack_state(state: State) -> Float[Tensor, "batch n_heads d_qk d_v_plus_2"]:
+    """HF's triple as one tensor per head (a DecodeState's h, heads on axis 1): columns [C~ | n~ | m]."""
+    C, n, m = state
+    return torch.cat([C, n[..., None], m[..., None, None].expand(*n.shape, 1)], dim=-1)
+
+
+def unpack_state(packed: Float[Tensor, "batch n_heads d_qk d_v_plus_2"]) -> State:
+    return packed[..., :-2], packed[..., -2], packed[..., 0, -1]
+
+
 def zero_state(q: Tensor, v: Tensor) -> State:
     b, _, h, c = q.shape
     return (q.new_zeros(b, h, c, v.shape[-1]), q.new_zeros(b, h, c), q.new_zeros(b, h))
