@@ -4,9 +4,9 @@ Parity with HF (mode "inference": chunks of chunk_size positions, then HF's step
 logits, the embedding and every resid_post within 1e-4 of HF's max magnitude; float64 within 1e-10 where HF
 stays in float64 (whole chunks: its step loop keeps its state in inference_state_dtype, float32; and its norms'
 float32 reductions off: norm_reduction_force_float32=False, and by hand on the final norm, built without it;
-its logits are cast to float32, so they are compared with its lm_head and cap applied in float64); HF reads no attention mask, so a left-padded row is checked against the
-prompt alone (ours and HF's); decoding with a DecodeState == recompute == HF's whole forward == HF's own
-cached decoding; save_pretrained -> from_pretrained == from_hf bit for bit, and a weight_mode "fused"
+its logits are cast to float32, so they are compared with its lm_head and cap applied in float64); HF reads
+no attention mask, so a left-padded row is checked against the prompt alone (ours and HF's); decoding with a
+DecodeState == recompute == HF's whole forward == HF's own cached decoding; save_pretrained -> from_pretrained == from_hf bit for bit, and a weight_mode "fused"
 checkpoint (HF 5.24 cannot build one) == the same weights unfused; xLSTM-7B's config built on meta with HF's
 shape for every tensor and its parameter count; configs HF cannot run refused by name.
 The mLSTM (float64, 1e-12): the chunkwise form == the sequential oracle == HF's native kernels (any chunk,

@@ -158,18 +158,6 @@ def mlstm_decays(log_f: Float[Tensor, "batch pos n_heads"]) -> Float[Tensor, "ba
     return torch.exp(log_f)[..., None, None]
 
 
-def mlstm_read(
-    C: Float[Tensor, "batch pos n_heads d_qk d_v"],
-    n: Float[Tensor, "batch pos n_heads d_qk"],
-    q: Float[Tensor, "batch pos n_heads d_qk"],
-    m: Float[Tensor, "batch pos n_heads"],
-    eps: float,
-) -> tuple[Float[Tensor, "batch pos n_heads d_v"], Float[Tensor, "batch pos n_heads"]]:
-    """(y, N) from the memories as they are (no stabiliser): y = C^T q / N, N = max(|n . q|, 1) + eps exp(m)."""
-    denom = torch.clamp_min(einsum(n, q, "b l h c, b l h c -> b l h").abs(), 1.0) + eps * torch.exp(m)
-    return einsum(C, q, "b l h c v, b l h c -> b l h v") / denom[..., None], denom
-
-
 def _log_weights(log_i: Tensor, log_f: Tensor, log_denom: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """[b h row col]: F_j - F_i + i_i - log N_j for the given rows j and columns i, -inf where i > j."""
     F = log_f.cumsum(1)  # [b l h]
