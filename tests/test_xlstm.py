@@ -32,6 +32,7 @@ from tiny_families import tiny
 from transformers.models.xlstm import modeling_xlstm as hf_xlstm
 
 from analysis.interventions import knockout
+from analysis.kernel_rows import kernel_cols, kernel_rows
 from hooked.models.decode_state import DecodeState
 from hooked.models.model_map import model_map
 from hooked.ops.mlstm import (mlstm_chunked, mlstm_kernel, mlstm_kernel_cols, mlstm_kernel_rows, mlstm_sequential,
@@ -288,6 +289,22 @@ def test_kernel_states_and_normaliser_reconstruct_y():
     ref = brute(c)
     for name, hook in (("C", "h"), ("n", "n"), ("N", "denom"), ("y", "y")):
         close(c[hook], ref[name], f"hook_{hook} vs the brute-force recurrence")
+
+
+def test_the_models_kernel_rows_and_columns_equal_hook_kernel_with_padding():
+    """analysis.kernel_rows through the mixer's kernel_slices (no pos x pos tensor) == the cached kernel; a padded
+    source has no entry (its i = -inf)."""
+    model = model64()
+    toks, mask = left_padded([11, 7], 11, V)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks, attention_mask=mask, names_filter=lambda n: n.endswith("hook_kernel"))
+    idx = [10, 0, 6, 6]
+    rows, cols = kernel_rows(model, toks, idx, attention_mask=mask), kernel_cols(model, toks, idx, attention_mask=mask)
+    for site in ("blocks.0.mixer", "blocks.1.mixer"):
+        K = cache[f"{site}.hook_kernel"]
+        close(rows[site], K[:, :, idx], f"{site} rows")
+        close(cols[site], K[..., idx], f"{site} cols")
+        assert not K[1, :, :, :4].any() and K[1, :, 4:, 4:].abs().sum() > 0
 
 
 def test_an_edit_of_the_normaliser_continues_from_it_and_rescales_y():
