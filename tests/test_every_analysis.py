@@ -54,7 +54,7 @@ from analysis.interventions.ablation import ablate_units
 from analysis.interventions.experts import ablate_expert_units
 from analysis.kernel_rows import kernel_cols, kernel_rows
 from analysis.tasks.known_facts import load_facts, prepare_facts
-from analysis.tasks.scoring import answer_logprob, accuracy, score_choices
+from analysis.tasks.scoring import accuracy, answer_logprob, score_choices
 from analysis.tasks.text import Example, char_tokenizer, encode_prompts
 from hooked.models.model_map import model_map
 
@@ -301,7 +301,8 @@ def test_kernel_and_pattern_rows_equal_the_dense_matrices(run):
         with pytest.raises(ValueError, match="no state-space mixer"):
             kernel_rows(model, clean, rows)
     got = {}
-    hooks = [h for s in sites for h in weight_rows_hooks(s, torch.tensor(rows), lambda x, s=s: got.setdefault(s.path, x))]
+    hooks = [h for s in sites
+             for h in weight_rows_hooks(s, torch.tensor(rows), lambda x, s=s: got.setdefault(s.path, x))]
     with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         model(clean)
     for site, name in zip(sites, names):
