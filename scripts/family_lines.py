@@ -112,8 +112,9 @@ def table() -> str:
         total = [sum(x) for x in zip(*fam_lines, *own_lines)]
         names = ", ".join(m.split(".")[-1] + ".py" for m in files[loader])
         mark = "" if phys <= TARGET else " *"
-        rows.append(f"| {loader.split('.')[-1]} ({', '.join(archs)}) | {names} | {phys} "
-                    f"({sum(c for _, c in fam_lines)}){mark} | {shown} | {total[0]} ({total[1]}) | {lines(loader)[0]} |")
+        code = sum(c for _, c in fam_lines)
+        rows.append(f"| {loader.split('.')[-1]} ({', '.join(archs)}) | {names} | {phys} ({code}){mark} | {shown} | "
+                    f"{total[0]} ({total[1]}) | {lines(loader)[0]} |")
     rows.append("")
     rows.append(f"{under} of {len(fams)} families' own files are at most {TARGET} lines (* marks the others); "
                 "own modules are the hooked/ modules no other family reaches.")
