@@ -6,8 +6,9 @@ map and the mixer protocol only, so what holds here holds for any family built o
 within 1e-10 of the largest magnitude unless said):
 
     patching     patching the clean cache into the clean run is the clean run; the last hook_resid_post patched
-                 into the corrupt run is the clean run; an act_patch sweep over hook_resid_pre equals patches
-                 made by hand, and the corrupt run before the corrupted position
+                 into the corrupt run is the clean run; an act_patch sweep over hook_resid_pre, and one over a
+                 state-bearing mixer's hook_h by position (states set, the recurrence continuing from them),
+                 equal patches made by hand, and the corrupt run before the corrupted position
     ablation     ablate_units with one unit of every token-mixer site == zeroing those units' slices of the
                  write hooks by hand; per site, the ablated unit's write (the site's `writes`) is zero and the
                  other units' writes are the clean ones; ablate_heads(keep=True) == zeroing every other unit;
@@ -128,6 +129,15 @@ def reads_of(model, site, tokens) -> dict:
 
 
 # ---------------------------------------------------------------------------------- patching
+def position_patch(source: torch.Tensor, t: int):
+    """A hook setting position t of its activation to `source`'s, by hand."""
+    def hook(act, hook):
+        act = act.clone()
+        act[:, t] = source[:, t]
+        return act
+    return hook
+
+
 def test_patching(run):
     model, clean, corrupt, cache = run.model, run.clean, run.corrupt, run.cache
     n = model.cfg.n_layers
@@ -140,13 +150,29 @@ def test_patching(run):
         close(sweep[:, :C], plain.expand(n, C), "positions before the change")
         for layer, t in {(0, C), (n - 1, POS - 1), (n // 2, C + 1)}:
             name = f"blocks.{layer}.hook_resid_pre"
-
-            def one(act, hook, t=t, name=name):
-                act = act.clone()
-                act[:, t] = cache[name][:, t]
-                return act
-            close(sweep[layer, t], metric(model.run_with_hooks(corrupt, fwd_hooks=[(name, one)])), f"{name} at {t}")
+            by_hand = metric(model.run_with_hooks(corrupt, fwd_hooks=[(name, position_patch(cache[name], t))]))
+            close(sweep[layer, t], by_hand, f"{name} at {t}")
         assert not torch.isclose(sweep[0, C], plain)
+
+
+def test_patching_states_by_position(run):
+    """The last state-bearing mixer's hook_h patched position by position (each a state SET there, from which
+    the recurrence continues: hooked/state_edit.py) == the same patches by hand; the states before the
+    corrupted position are the clean ones already."""
+    model, clean, corrupt = run.model, run.clean, run.corrupt
+    states = [s.module.hook_h for s in model_map(model).mixers() if s.recurrent and hasattr(s.module, "hook_h")]
+    if not states:
+        pytest.skip("no state hook: attention, or a short convolution (its window is its state)")
+    name = states[-1].name
+    with torch.no_grad():
+        _, cache = model.run_with_cache(clean, names_filter=[name])
+        sweep = act_patch(model, corrupt, cache, metric, name, over=("pos",))
+        plain = metric(model(corrupt))
+        close(sweep[:C], plain.expand(C), f"{name} before the change")
+        for t in (C, POS - 1):
+            by_hand = metric(model.run_with_hooks(corrupt, fwd_hooks=[(name, position_patch(cache[name], t))]))
+            close(sweep[t], by_hand, f"{name} at {t}")
+        assert (sweep[C:] - plain).abs().max() > 1e-9  # small where the states decay fast (Mamba-1), not 0
 
 
 # ---------------------------------------------------------------------------------- ablation
