@@ -18,8 +18,10 @@ within 1e-10 of the largest magnitude unless said):
                  rank_heads' accuracy and log-prob drops of a unit == score_choices with it ablated by hand
     knockout     a knockout with no source is the clean run; edges cut in every layer == the cut entries of
                  every mixer's dense matrix zeroed (attention="pattern"), or its scores set to -inf
-                 ("scores"; recurrent mixers have no scores: their kernel entries are zeroed); info_flow's
-                 change for one (fact, window) == the same knockout by hand
+                 ("scores"; recurrent mixers have no scores: their kernel entries are zeroed); a knockout
+                 restricted to unit 0 of the recurrent mixers == zeroing only unit 0's kernel entries (every head's
+                 of an attention in the same block); info_flow's change for one (fact, window) == the same
+                 knockout by hand; decay_norms gives one positive number per unit
     rows         kernel_rows / kernel_cols == hook_kernel's rows / columns on every recurrent mixer (refused
                  by name on a family without one); the G&A weight rows == every mixer's matrix rows (the
                  pattern's for attention)
@@ -29,8 +31,9 @@ within 1e-10 of the largest magnitude unless said):
     SAE          an SAE with its error term leaves the logits bit-identical; without, the run equals
                  splicing decode(encode(x)) by hand (at a block's resid_post and at a mixer's write hook)
     attribution  the logit attributions of the full residual decomposition sum to the logits
-    refusals     what a family has nothing for is refused by name: kernel rows, decay norms and a
-                 channel-restricted knockout without a recurrent mixer, expert ablation without experts
+    refusals     what a family has nothing for is refused by name: kernel rows and a channel-restricted
+                 knockout without a recurrent mixer, decay norms where nothing decays (attention, a short
+                 convolution), expert ablation without experts
 """
 
 from __future__ import annotations
