@@ -18,7 +18,8 @@ within 1e-10 of the largest magnitude unless said):
                  rank_heads' accuracy and log-prob drops of a unit == score_choices with it ablated by hand
     knockout     a knockout with no source is the clean run; edges cut in every layer == the cut entries of
                  every mixer's dense matrix zeroed (attention="pattern"), or its scores set to -inf
-                 ("scores"; recurrent mixers have no scores: their kernel entries are zeroed); a knockout
+                 ("scores"; recurrent mixers have no scores: their kernel entries are zeroed, and the row
+                 rescaled to its sum where the mixer says its cut renormalises: RWKV); a knockout
                  restricted to unit 0 of the recurrent mixers == zeroing only unit 0's kernel entries (every head's
                  of an attention in the same block); info_flow's change for one (fact, window) == the same
                  knockout by hand; decay_norms gives one positive number per unit
@@ -271,26 +272,36 @@ def test_rank_heads_drops_equal_ablations_by_hand(run):
 
 
 # ---------------------------------------------------------------------------------- knockout
+CUT = torch.zeros(POS, POS, dtype=torch.bool)
+CUT[torch.tensor(TARGETS)[:, None], torch.tensor(SOURCES)] = True
+
+
+def cut_by_hand(site, mode: str = "pattern", unit: int | None = None) -> tuple[str, Any]:
+    """(hook, fn) cutting the (TARGETS, SOURCES) entries of the site's dense matrix (of `unit` only, if given):
+    -inf on attention's scores ("scores"), else zeros on the matrix, the row rescaled to its sum where the
+    mixer's cut renormalises (Mixing.renormalised: RWKV)."""
+    m = site.mixing()
+    if mode == "scores" and m.scores is not None:
+        return m.scores.name, lambda x, hook: x.masked_fill(CUT, -math.inf)
+    cut = CUT if unit is None else CUT & (torch.arange(site.n) == unit)[:, None, None]
+
+    def hook(x, hook):
+        assert x.shape[1] == site.n, (hook.name, x.shape, site.n)
+        kept = x.masked_fill(cut, 0.0)
+        return kept * (x.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)) if m.renormalised else kept
+    return m.matrix.name, hook
+
+
 @pytest.mark.parametrize("mode", ["pattern", "scores"])
 def test_knockout_equals_the_dense_matrices_cut(run, mode):
     model, clean = run.model, run.clean
     layers = range(model.cfg.n_layers)
-    cut = torch.zeros(POS, POS, dtype=torch.bool)
-    cut[torch.tensor(TARGETS)[:, None], torch.tensor(SOURCES)] = True
-
-    def fill(value):
-        return lambda x, hook: x.masked_fill(cut, value)
-    hooks = []
-    for site in model_map(model).mixers():
-        m = site.mixing()
-        at_scores = mode == "scores" and m.scores is not None
-        hooks.append((m.scores.name if at_scores else m.matrix.name, fill(-math.inf if at_scores else 0.0)))
     with torch.no_grad():
         with knockout(model, sources=[], targets=TARGETS, layers=layers, attention=mode):
             close(model(clean), run.logits, "a knockout cutting nothing")
         with knockout(model, sources=SOURCES, targets=TARGETS, layers=layers, attention=mode):
             ours = model(clean)
-        ref = model.run_with_hooks(clean, fwd_hooks=hooks)
+        ref = model.run_with_hooks(clean, fwd_hooks=[cut_by_hand(s, mode) for s in model_map(model).mixers()])
     close(ours, ref, "knockout vs the dense matrices cut by hand")
     close(ours[:, :TARGETS[0]], run.logits[:, :TARGETS[0]], "before the first target")
     assert not torch.allclose(ours, run.logits)
@@ -388,8 +399,8 @@ def test_logit_attributions_sum_to_the_logits(run):
 
 # ------------------------------------------------------------------- decay and channel knockouts
 def test_channel_knockouts_and_decay_norms_or_their_refusals(run):
-    """A knockout restricted to unit 0 of the recurrent mixers == zeroing the cut entries of their kernels' unit 0
-    (and of every head of an attention beside them); decay norms per unit, or refused where nothing decays."""
+    """A knockout restricted to unit 0 of the recurrent mixers == cutting the entries of their kernels' unit 0 by
+    hand (and of every head of an attention beside them); decay norms per unit, or refused where nothing decays."""
     model, clean = run.model, run.clean
     recurrent = [s for s in model_map(model).mixers() if s.recurrent]
     if not recurrent:
@@ -400,15 +411,8 @@ def test_channel_knockouts_and_decay_norms_or_their_refusals(run):
             decay_norms(model, 0)
         return
     layer = recurrent[0].layer
-    cut = torch.zeros(POS, POS, dtype=torch.bool)
-    cut[torch.tensor(TARGETS)[:, None], torch.tensor(SOURCES)] = True
-
-    def zero(site):
-        def hook(matrix, hook):
-            assert matrix.shape[1] == site.n, (hook.name, matrix.shape, site.n)
-            return matrix.masked_fill(cut & (torch.arange(site.n)[:, None, None] == 0 if site.recurrent else True), 0.0)
-        return hook
-    hooks = [(s.mixing().matrix.name, zero(s)) for s in model_map(model).layer_sites(layer) if s.mixes_tokens]
+    hooks = [cut_by_hand(s, unit=0 if s.recurrent else None) for s in model_map(model).layer_sites(layer)
+             if s.mixes_tokens]
     with torch.no_grad():
         with knockout(model, sources=SOURCES, targets=TARGETS, layers=[layer], channels=[0], attention="pattern"):
             ours = model(clean)

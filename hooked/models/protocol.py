@@ -90,13 +90,17 @@ class Mixing:
     (attention: hook_pattern, per query head from hook_v, into hook_z; the recurrent mixers: hook_kernel,
     their input u into y; DESIGN.md section 4). `signed`: the entries carry a sign and rows no fixed sum
     (a kernel), so a row's weights are its magnitudes normalised; a pattern is its own weights. `scores`:
-    the matrix before a softmax (attention's hook_attn_scores), where a "scores" cut sets -inf."""
+    the matrix before a softmax (attention's hook_attn_scores), where a "scores" cut sets -inf.
+    `renormalised`: the mixer's knockout gives the cut entries' weight back to the rest of their row (RWKV's
+    WKV is a ratio: a cut source leaves its numerator and its denominator), so it equals zeroing them and
+    rescaling the row to its sum, not zeroing alone."""
 
     matrix: HookPoint  # [batch n target source]
     value: HookPoint
     output: HookPoint
     signed: bool = True
     scores: HookPoint | None = None
+    renormalised: bool = False
 
     def weights(self, x: Tensor) -> Tensor:
         """Row weights [.. target source] from the matrix's value (or some of its rows)."""

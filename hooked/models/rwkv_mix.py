@@ -115,8 +115,8 @@ class TimeMix(RecurrentCut, TokenMixer, nn.Module):
         return Heads(self.n_heads, 1, self.hook_gated, "ssm", self.hook_head_out)
 
     def mixing(self) -> Mixing:
-        """y_t = sum_i K[c, t, i] v_i: the kernel mixes hook_v into hook_y."""
-        return Mixing(self.hook_kernel, self.hook_v, self.hook_y)
+        """y_t = sum_i K[c, t, i] v_i: the kernel mixes hook_v into hook_y; a cut renormalises its rows."""
+        return Mixing(self.hook_kernel, self.hook_v, self.hook_y, renormalised=True)
 
     def A(self) -> Float[Tensor, "att_width"]:
         """w = -exp(time_decay), at least float32: a and b decay by e^w per position."""
