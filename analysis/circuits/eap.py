@@ -1,8 +1,20 @@
 """Edge attribution patching: every edge's effect on a metric, estimated from a few forwards.
 
 Glossary
-    clean, corrupt  token ids [batch pos] of the same shape (or `Example`s, tokenised to the same length):
-                    the run explained, and the run whose activations replace it
+    clean, corrupt  the run explained, and the run whose activations replace it: token ids [batch pos]
+                    (with `attention_mask` when padded, left or right), or lists of strings, of 1-D token
+                    tensors or of `Example`s, of different lengths (prompts.py: left-padded internally)
+    padding         (prompts.py) each clean prompt and its corrupt must have one length: pairs of different
+                    lengths are refused, naming them. Every batch runs LEFT-padded with the mask (a right-
+                    padded one is moved row by row), so logits[:, -1] is each prompt's last token: AnswerDiff
+                    and `metric.tail` work unchanged (a tail longer than a prompt, or AnswerDiff(pos >= 0),
+                    is refused). Pad positions hold one id in clean and corrupt and precede every real token,
+                    so the sender diffs there are exactly 0 and no real position reads them (gradient 0):
+                    they add nothing to a score. The scores then equal the per-prompt runs combined as the
+                    metric combines them (a mean over prompts: the mean of the per-prompt scores). Chunks
+                    (batch_size) are trimmed to their longest prompt; a batch of one length runs unmasked.
+                    Token-edge positions are the padded batch's columns (prompt b's position p is column
+                    p + width - length_b: positions counted from the end agree across prompts)
     metric          `metric(logits) -> scalar tensor`, a mean over prompts (analysis.interventions.logit_diff,
                     answer_prob, circuits.metrics.AnswerDiff for per-prompt answers: metrics.py)
     EAP             (Syed et al. 2023) score(s -> r) = sum over batch and positions of
@@ -21,7 +33,7 @@ Glossary
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +42,7 @@ from torch import Tensor
 
 from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.metrics import at_rows, tail_of
+from analysis.circuits.prompts import Prompts, prompt_pair, prompts_of
 from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
 from hooked.models.protocol import ATTENTION_MODES
 from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_name, metric_value
@@ -100,26 +113,20 @@ class EdgeScores:
 
 
 def as_tokens(model: Any, x: Any) -> Tensor:
-    """Token ids [batch pos] from a tensor, or from `Example`s (their prompts, which must tokenise to one length)."""
-    if torch.is_tensor(x):
-        return model.check_tokens(x)
-    from analysis.tasks.text import Example, encode, tokenizer_of
-
-    if isinstance(x, Sequence) and x and all(isinstance(e, Example) for e in x):
-        tok = tokenizer_of(model)
-        rows = [encode(tok, e.prompt) for e in x]
-        if len({len(r) for r in rows}) != 1:
-            raise ValueError(f"prompts tokenise to lengths {sorted({len(r) for r in rows})}: circuits need one length")
-        return torch.tensor(rows, device=model.device)
-    raise TypeError(f"expected token ids [batch pos] or a list of Examples, got {type(x).__name__}")
+    """Token ids [batch pos] from a tensor, or from a list of prompts (prompts.py) of one length."""
+    p = prompts_of(model, x)
+    if p.padded:
+        raise ValueError(f"prompts tokenise to lengths {sorted(set(p.lengths.tolist()))}: this needs one length")
+    return p.tokens
 
 
 def pair(model: Any, clean: Any, corrupt: Any) -> tuple[Tensor, Tensor]:
+    """(clean, corrupt) token ids of one shape (unpadded: prompt_pair for prompts of different lengths)."""
     clean, corrupt = as_tokens(model, clean), as_tokens(model, corrupt)
     if clean.shape != corrupt.shape:
         raise ValueError(f"clean and corrupt must have the same shape, got {tuple(clean.shape)} and "
                          f"{tuple(corrupt.shape)}")
-    return clean.to(model.device), corrupt.to(model.device)
+    return clean, corrupt
 
 
 def chunks(n: int, batch_size: int | None) -> list[slice]:
@@ -170,26 +177,26 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     Returns EdgeScores: `len(scores)` edges, `scores.top(n)` the n largest by |score|, each an Edge with
     `.sender`, `.receiver`, `.score`. With token_edges=True, `scores.token` holds the token-edge
     estimates of every mixer (`attention`: the cut they estimate on attention, "scores" or "pattern").
+    Prompts of different lengths (glossary: padding): lists, or token batches with their `attention_mask`.
     """
-    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-        raise ValueError("circuits need unpadded prompts of one length (attention_mask all ones)")
     from analysis.circuits.graph import graph_of
     from analysis.circuits.token_edges import TokenGradients
 
-    clean, corrupt = pair(model, clean, corrupt)
+    clean, corrupt = prompt_pair(model, clean, corrupt, attention_mask, metric)
     graph = graph_of(model)
     total, values = None, [0.0, 0.0]
-    token = TokenGradients(model, attention) if token_edges else None
-    n = clean.shape[0]
+    token = TokenGradients(model, attention, width=clean.width) if token_edges else None
+    n = clean.batch
     for part in chunks(n, batch_size):
         weight, m = (part.stop - part.start) / n, at_rows(metric, part)
-        c_logits, corr = record(model, graph, corrupt[part], tail=tail_of(m))
+        cp, xp = clean.rows(part), corrupt.rows(part)
+        c_logits, corr = record(model, graph, xp.tokens, xp.attention_mask, tail=tail_of(m))
         values[1] += weight * metric_value(m(c_logits), metric_name(metric))
         if method == "eap":
-            value, cl, grads = gradients(model, graph, clean[part], m, token=token, pending=True)
+            value, cl, grads = gradients(model, graph, cp.tokens, m, cp.attention_mask, token=token, pending=True)
         else:
-            _, cl = record(model, graph, clean[part], tail=tail_of(m))
-            value, grads = _integrated(model, graph, clean[part], corr, cl, m, steps, token)
+            _, cl = record(model, graph, cp.tokens, cp.attention_mask, tail=tail_of(m))
+            value, grads = _integrated(model, graph, cp, corr, cl, m, steps, token)
         values[0] += weight * value
         diff = corr.minus(cl)
         emb_diff = None if cl.emb is None else corr.emb - cl.emb
@@ -200,7 +207,7 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     return EdgeScores(graph, total, method, values[0], values[1], token.scores() if token is not None else None)
 
 
-def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, metric: Metric, steps: int,
+def _integrated(model: Any, graph: Graph, clean: Prompts, corr: Any, cl: Any, metric: Metric, steps: int,
                 token: Any) -> tuple[float, Grads]:
     """Receiver gradients averaged over embeddings interpolated from corrupt to clean (EAP-IG). Token edges
     estimate a cut of the clean run: their gradients come from one more run, on clean."""
@@ -212,13 +219,14 @@ def _integrated(model: Any, graph: Graph, clean: Tensor, corr: Any, cl: Any, met
         def embed(x: Tensor, alpha: float = alpha) -> Tensor:
             return e_corr.to(x) + alpha * (x - e_corr.to(x))
 
-        _, _, (g, ge) = gradients(model, graph, clean, metric, embed=embed)
+        _, _, (g, ge) = gradients(model, graph, clean.tokens, metric, clean.attention_mask, embed=embed)
         g, ge = g.div_(steps), [None if e is None else e / steps for e in ge]
         total = (g, ge) if total is None else (total[0].add_(g), [None if a is None else a + e
                                                                  for a, e in zip(total[1], ge)])
     if token is not None:
-        value = gradients(model, graph, clean, metric, token=token)[0]
+        value = gradients(model, graph, clean.tokens, metric, clean.attention_mask, token=token)[0]
     else:
         with torch.no_grad():
-            value = metric_value(metric(forward_logits(model, clean, None, tail_of(metric))), metric_name(metric))
+            logits = forward_logits(model, clean.tokens, clean.attention_mask, tail_of(metric))
+            value = metric_value(metric(logits), metric_name(metric))
     return value, total

@@ -325,13 +325,16 @@ def _rows_of(lin: nn.Module, u: Tensor, rows: Tensor) -> Tensor:
     return lin.forward(u)[..., rows]
 
 
-def _constant(u: Tensor, m: Tensor, lin: nn.Module) -> float:
-    """c with u = c * m (a linear's input as a constant times its module's input), checked."""
-    c = float((u * m).sum() / (m * m).sum().clamp(min=torch.finfo(m.dtype).tiny))
-    if not torch.allclose(u, c * m, rtol=1e-4, atol=1e-6 * float(u.abs().max())):
+def _constant(u: Tensor, m: Tensor, lin: nn.Module) -> float | Tensor:
+    """c with u = c * m (a linear's input as a constant times its module's input), checked. A mixer that
+    zeroes its padded positions (attention_mask) reads u = c * m * keep: then c * keep [batch pos 1], so a
+    patch adds nothing where the mixer reads nothing."""
+    keep = u.ne(0).any(-1, keepdim=True) | m.eq(0).all(-1, keepdim=True)  # rows the module zeroed: padding
+    c = float((u * m).sum() / (m * m * keep).sum().clamp(min=torch.finfo(m.dtype).tiny))
+    if not torch.allclose(u, c * m * keep, rtol=1e-4, atol=1e-6 * float(u.abs().max())):
         raise ValueError(f"{type(lin).__name__} reads something other than a constant times its module's input: "
                          "circuits cannot patch its rows")
-    return c
+    return c if bool(keep.all()) else c * keep.to(m.dtype)
 
 
 class _WholeInput(ReceiverGroup):

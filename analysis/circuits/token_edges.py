@@ -55,10 +55,10 @@ def token_sites(model: Any) -> list[Site]:
 class TokenGradients:
     """Hooks for a gradient run (runs.gradients) that score every token edge of every mixer."""
 
-    def __init__(self, model: Any, attention: str = "scores") -> None:
+    def __init__(self, model: Any, attention: str = "scores", width: int | None = None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-        self.attention = attention
+        self.attention, self.width = attention, width  # width: the padded batch's (chunks may be narrower)
         self.sites = token_sites(model)
         for site in self.sites:
             _check_scorable(site.path, site.module)
@@ -105,6 +105,8 @@ class TokenGradients:
 
     def close_chunk(self, weight: float) -> None:
         for name, s in self._pending.items():
+            pad = 0 if self.width is None else self.width - s.shape[-1]  # a chunk trimmed to its longest prompt:
+            s = torch.nn.functional.pad(s, (pad, 0, pad, 0)) if pad else s  # its columns are the last ones
             self._total[name] = self._total.get(name, 0) + weight * s
         self._pending = {}
 

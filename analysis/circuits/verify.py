@@ -13,6 +13,9 @@ Glossary
                    get their exact single-edge effect as score (one batched sweep). First-order estimates
                    can get an edge's sign wrong where attention moves (gpt2-kv: L0H3->L1H0.v estimated
                    +11.6 by EAP-IG, exactly -0.88), so top-n of the estimate alone can waste slots
+    prompts        clean and corrupt as edge_attribution takes them: prompts of different lengths (lists, or
+                   token batches with their `attention_mask`) run left-padded, each pair of one length
+                   (prompts.py); every value equals the per-prompt runs combined as the metric combines them
 All variants of a sweep share forwards: replicas (analysis.interventions.batching) of the clean batch.
 """
 
@@ -24,12 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.eap import BATCH_SIZE, EdgeScores, chunks, pair
+from analysis.circuits.eap import BATCH_SIZE, EdgeScores, chunks
 from analysis.circuits.graph import Edge, Graph, graph_of
 from analysis.circuits.metrics import at_rows, tail_of
+from analysis.circuits.prompts import Prompts, prompt_pair, unpadded
 from analysis.circuits.runs import forward_logits, patched, record
 from analysis.interventions.batching import tiles_for
-from hooked.validate import Integer, Number, Seq, checked, metric_name, metric_value
+from hooked.validate import Instance, Integer, Number, Seq, checked, metric_name, metric_value
 
 Metric = Callable[[Tensor], Tensor]
 
@@ -48,56 +52,71 @@ def prune(scores: EdgeScores, top_n: int | None = None, threshold: float | None 
     return scores.top(keep)
 
 
-@checked(shortlist=Integer(ge=0, le=N_EDGES), batch_size=BATCH_SIZE)
+MASK = Instance(Tensor, "a tensor", none=True)  # the padding of clean and corrupt token batches (prompts.py)
+
+
+@checked(shortlist=Integer(ge=0, le=N_EDGES), batch_size=BATCH_SIZE, attention_mask=MASK)
 def rescore(model: Any, scores: EdgeScores, clean: Any, corrupt: Any, metric: Metric, shortlist: int,
-            batch_size: int | None = None) -> EdgeScores:
+            batch_size: int | None = None, attention_mask: Tensor | None = None) -> EdgeScores:
     """A copy of `scores` whose `shortlist` largest-|score| edges score their exact effect (edge_effects);
     the other edges keep their estimate."""
     order = scores.order()[:shortlist]
-    exact = edge_effects(model, [int(i) for i in order], clean, corrupt, metric, batch_size)
+    exact = edge_effects(model, [int(i) for i in order], clean, corrupt, metric, batch_size,
+                         attention_mask=attention_mask)
     values = scores.scores.clone()
     values[order] = exact
     return EdgeScores(scores.graph, values, f"{scores.method}+exact{shortlist}", scores.clean_metric,
                       scores.corrupt_metric, scores.token, scores.settings | {"shortlist": shortlist})
 
 
-def sweep(model: Any, base: Tensor, source: Tensor, coefs: Tensor, metric: Metric, *, graph: Graph | None = None,
-          batch_size: int | None = None, replicas: int | None = None, frozen: bool = False) -> Tensor:
-    """metric of `base` patched by each row of coefs [k, n_edges] (runs.patched), [k] (float64).
+def sweep(model: Any, base: Tensor | Prompts, source: Tensor | Prompts, coefs: Tensor, metric: Metric, *,
+          graph: Graph | None = None, batch_size: int | None = None, replicas: int | None = None,
+          frozen: bool = False) -> Tensor:
+    """metric of `base` patched by each row of coefs [k, n_edges] (runs.patched), [k] (float64). base and
+    source: token ids of one shape, or Prompts of equal lengths (prompt_pair).
 
     Chunks of the prompts are weighted by their share of the batch (a metric that is a mean over prompts)."""
     graph = graph or graph_of(model)
+    base, source = _prompts(base), _prompts(source)
     out = torch.zeros(coefs.shape[0], dtype=torch.float64)
-    n = base.shape[0]
+    n = base.batch
     dtype = next(model.parameters()).dtype
     for part in chunks(n, batch_size):
         rows, m = part.stop - part.start, at_rows(metric, part)
-        _, src = record(model, graph, source[part])
-        r = replicas or tiles_for(model, rows, base.shape[1])
+        b, s = base.rows(part), source.rows(part)
+        _, src = record(model, graph, s.tokens, s.attention_mask)
+        r = replicas or tiles_for(model, rows, b.width)
         for start in range(0, coefs.shape[0], r):
             block = coefs[start:start + r]
-            logits = patched(model, graph, base[part], src, block.to(dtype), frozen=frozen, tail=tail_of(m))
+            logits = patched(model, graph, b.tokens, src, block.to(dtype), b.attention_mask, frozen=frozen,
+                             tail=tail_of(m))
             for k in range(block.shape[0]):
                 out[start + k] += (rows / n) * metric_value(m(logits[k * rows:(k + 1) * rows]), metric_name(metric))
     return out
 
 
+def _prompts(x: Tensor | Prompts) -> Prompts:
+    return x if isinstance(x, Prompts) else unpadded(x)
+
+
 @torch.no_grad()
-def metric_of(model: Any, tokens: Tensor, metric: Metric, batch_size: int | None = None) -> float:
+def metric_of(model: Any, tokens: Tensor | Prompts, metric: Metric, batch_size: int | None = None) -> float:
     """The metric of an unpatched run (chunked as `sweep`)."""
-    n = tokens.shape[0]
+    tokens = _prompts(tokens)
+    n = tokens.batch
     total = 0.0
     for p in chunks(n, batch_size):
-        m = at_rows(metric, p)
-        total += (p.stop - p.start) / n * metric_value(m(forward_logits(model, tokens[p], None, tail_of(m))), metric_name(metric))
+        m, t = at_rows(metric, p), tokens.rows(p)
+        logits = forward_logits(model, t.tokens, t.attention_mask, tail_of(m))
+        total += (p.stop - p.start) / n * metric_value(m(logits), metric_name(metric))
     return total
 
 
-@checked(batch_size=BATCH_SIZE)
+@checked(batch_size=BATCH_SIZE, attention_mask=MASK)
 def circuit_metric(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
-                   batch_size: int | None = None) -> dict[str, float]:
+                   batch_size: int | None = None, attention_mask: Tensor | None = None) -> dict[str, float]:
     """{"circuit", "clean", "corrupt", "faithfulness", "n_edges", "fraction"} of one circuit, in one patched pass."""
-    clean, corrupt = pair(model, clean, corrupt)
+    clean, corrupt = prompt_pair(model, clean, corrupt, attention_mask, metric)
     graph = graph_of(model)
     keep = graph.mask(edges)
     value = float(sweep(model, clean, corrupt, (~keep).double()[None], metric, graph=graph, batch_size=batch_size)[0])
@@ -112,20 +131,21 @@ def _faith(value: float, clean: float, corrupt: float) -> float:
     return (value - corrupt) / (clean - corrupt)
 
 
-@checked(batch_size=BATCH_SIZE)
+@checked(batch_size=BATCH_SIZE, attention_mask=MASK)
 def verify_circuit(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
-                   batch_size: int | None = None) -> float:
+                   batch_size: int | None = None, attention_mask: Tensor | None = None) -> float:
     """Faithfulness of the circuit `edges` (Edges, (sender, receiver) pairs or "sender->receiver"): the metric
     with only those edges carrying the clean run and every other edge the corrupt run, as a fraction of clean
     minus corrupt. Exact: one forward (plus the clean, corrupt and source-recording forwards)."""
-    return circuit_metric(model, edges, clean, corrupt, metric, batch_size)["faithfulness"]
+    return circuit_metric(model, edges, clean, corrupt, metric, batch_size, attention_mask)["faithfulness"]
 
 
-@checked(sizes=Seq(Integer(ge=0, le=N_EDGES)), batch_size=BATCH_SIZE)
+@checked(sizes=Seq(Integer(ge=0, le=N_EDGES)), batch_size=BATCH_SIZE, attention_mask=MASK)
 def faithfulness_curve(model: Any, scores: EdgeScores, clean: Any, corrupt: Any, metric: Metric,
-                       sizes: Sequence[int], batch_size: int | None = None) -> list[dict[str, float]]:
+                       sizes: Sequence[int], batch_size: int | None = None,
+                       attention_mask: Tensor | None = None) -> list[dict[str, float]]:
     """Faithfulness of the top-k circuits for each k in sizes (replicas share forwards)."""
-    clean, corrupt = pair(model, clean, corrupt)
+    clean, corrupt = prompt_pair(model, clean, corrupt, attention_mask, metric)
     graph = scores.graph
     order = scores.order()
     coefs = torch.ones(len(sizes), len(graph), dtype=torch.float64)
@@ -137,11 +157,12 @@ def faithfulness_curve(model: Any, scores: EdgeScores, clean: Any, corrupt: Any,
             for k, v in zip(sizes, values)]
 
 
-@checked(batch_size=BATCH_SIZE, replicas=Integer(ge=1, none=True))
+@checked(batch_size=BATCH_SIZE, replicas=Integer(ge=1, none=True), attention_mask=MASK)
 def edge_effects(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
-                 batch_size: int | None = None, replicas: int | None = None) -> Tensor:
+                 batch_size: int | None = None, replicas: int | None = None,
+                 attention_mask: Tensor | None = None) -> Tensor:
     """[len(edges)] the metric's exact change when each edge alone carries the corrupt run."""
-    clean, corrupt = pair(model, clean, corrupt)
+    clean, corrupt = prompt_pair(model, clean, corrupt, attention_mask, metric)
     graph = graph_of(model)
     coefs = torch.zeros(len(edges), len(graph), dtype=torch.float64)
     for row, e in enumerate(edges):
