@@ -8,10 +8,14 @@ Glossary
                     lengths are refused, naming them. Every batch runs LEFT-padded with the mask (a right-
                     padded one is moved row by row), so logits[:, -1] is each prompt's last token: AnswerDiff
                     and `metric.tail` work unchanged (a tail longer than a prompt, or AnswerDiff(pos >= 0),
-                    is refused). Pad positions hold one id in clean and corrupt and precede every real token,
-                    so the sender diffs there are exactly 0 and no real position reads them (gradient 0):
-                    they add nothing to a score. The scores then equal the per-prompt runs combined as the
-                    metric combines them (a mean over prompts: the mean of the per-prompt scores). Chunks
+                    is refused). No real position reads a pad position (every family's attention_mask
+                    path: masked keys, SSM / delta-rule inputs zeroed), so the receivers' gradients there are
+                    exactly 0; the sender diffs there are set to 0 too (a left-pad query's attention row
+                    has no visible key and is uniform over all keys, real ones included, so its activations
+                    differ between clean and corrupt): pad positions add nothing to a score, and what a
+                    patched run changes there reaches no real position. The scores then equal the per-
+                    prompt runs combined as the metric combines them (a mean over prompts: the mean of the
+                    per-prompt scores). Chunks
                     (batch_size) are trimmed to their longest prompt; a batch of one length runs unmasked.
                     Token-edge positions are the padded batch's columns (prompt b's position p is column
                     p + width - length_b: positions counted from the end agree across prompts)
@@ -42,7 +46,7 @@ from torch import Tensor
 
 from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.metrics import at_rows, tail_of
-from analysis.circuits.prompts import Prompts, prompt_pair, prompts_of
+from analysis.circuits.prompts import Prompts, pad_free, prompt_pair, prompts_of
 from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
 from hooked.models.protocol import ATTENTION_MODES
 from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_name, metric_value
@@ -200,6 +204,8 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
         values[0] += weight * value
         diff = corr.minus(cl)
         emb_diff = None if cl.emb is None else corr.emb - cl.emb
+        if cp.attention_mask is not None:  # pad positions add nothing (glossary: padding)
+            diff, emb_diff = pad_free(diff, cp.attention_mask), pad_free(emb_diff, cp.attention_mask)
         s = weight * _edge_scores(graph, diff, emb_diff, grads)
         total = s if total is None else total + s
         if token is not None:

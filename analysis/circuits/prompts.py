@@ -13,11 +13,12 @@ Glossary
                   logits[:, -1] is each prompt's last token, so a metric that reads positions from the end
                   (AnswerDiff(pos=-1), `metric.tail`) sees each prompt's own; a position counted from the
                   start would include the padding and is refused for AnswerDiff
-    pad id        pad positions hold PAD in clean and corrupt alike. A pad position comes before every real
-                  token, so (causality) it reads only pad positions: every activation there is the same in
-                  both runs, the sender diffs there are exactly 0, and no real position reads one (every
-                  family's attention_mask path: masked keys, SSM / delta-rule inputs zeroed), so its
-                  gradients are 0 too. Pad positions add nothing to any score or patched run.
+    pad id        pad positions hold PAD in clean and corrupt alike. No real position reads a pad position
+                  (every family's attention_mask path: masked keys, SSM / delta-rule inputs zeroed), so the
+                  metric's gradients there are exactly 0 and a patch there reaches no real position. Their
+                  activations may still differ between clean and corrupt (a left-pad query's attention row
+                  has no visible key: uniform over every key), so EAP zeroes the sender diffs there
+                  (`pad_free`): pad positions add nothing to any score or patched run.
     pair          clean prompt b and corrupt prompt b must have one length (the edges patch position by
                   position); pairs of different lengths are refused, naming them
     rows(part)    the prompts of a chunk (batch_size=), trimmed to the chunk's longest prompt
@@ -185,3 +186,10 @@ def check_metric(metric: Callable[[Tensor], Tensor], prompts: Prompts) -> None:
     if isinstance(metric, AnswerDiff) and metric.pos >= 0:
         raise ValueError(f"AnswerDiff(pos={metric.pos}) counts from the start, which padding shifts: give the "
                          "position from the end (pos < 0) for prompts of different lengths")
+
+
+def pad_free(x: Tensor | None, attention_mask: Tensor) -> Tensor | None:
+    """x [... batch pos d] with every pad position set to 0 (in place)."""
+    if x is None:
+        return None
+    return x.masked_fill_(~attention_mask.to(x.device)[..., None], 0.0)
