@@ -208,14 +208,14 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "analysis.circuits.eap.EdgeScores.top": {"n": Int(0), "absolute": FLAG},  # past n_edges: every edge
     "analysis.circuits.eap.edge_attribution": {
         "method": Choice("eap", "eap-ig"), "steps": Int(1), "token_edges": FLAG, "batch_size": BATCH,
-        "attention": Choice("scores", "pattern"), "attention_mask": None},  # a tensor (all ones: one length)
+        "attention": Choice("scores", "pattern"), "attention_mask": None},  # a tensor: the padding (prompts.py)
     "analysis.circuits.verify.prune": {"top_n": Int(0, none=True), "threshold": Real(0, none=True)},
-    "analysis.circuits.verify.rescore": {"shortlist": Int(0, edges_and_one), "batch_size": BATCH},
-    "analysis.circuits.verify.circuit_metric": {"batch_size": BATCH},
-    "analysis.circuits.verify.verify_circuit": {"batch_size": BATCH},
-    "analysis.circuits.verify.faithfulness_curve": {"batch_size": BATCH,
+    "analysis.circuits.verify.rescore": {"shortlist": Int(0, edges_and_one), "batch_size": BATCH, "attention_mask": None},
+    "analysis.circuits.verify.circuit_metric": {"batch_size": BATCH, "attention_mask": None},
+    "analysis.circuits.verify.verify_circuit": {"batch_size": BATCH, "attention_mask": None},
+    "analysis.circuits.verify.faithfulness_curve": {"batch_size": BATCH, "attention_mask": None,
                                                     "sizes": None},  # each in [0, n_edges]: tests/test_index_grammar.py
-    "analysis.circuits.verify.edge_effects": {"batch_size": BATCH, "replicas": Int(1, none=True)},
+    "analysis.circuits.verify.edge_effects": {"batch_size": BATCH, "replicas": Int(1, none=True), "attention_mask": None},
     "analysis.circuits.metrics.AnswerDiff.__init__": {"pos": Int()},  # its range: at the call (the logits' positions)
     "analysis.circuits.token_edges.TokenEdgeScores.top": {"n": Int(0), "absolute": FLAG},
     "analysis.circuits.token_edges.verify_token_edges": {"attention": Choice("scores", "pattern")},

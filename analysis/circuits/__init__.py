@@ -4,6 +4,8 @@
                   MLPs, experts, side blocks), receivers (heads' q/k/v, SSM heads' inputs, MLPs, logits),
                   edges through the residual stream (`graph_of`, `Graph`, `Edge`)
     eap           edge attribution patching, EAP and EAP-IG (`edge_attribution` -> `EdgeScores`)
+    prompts       prompts of different lengths (lists of strings / 1-D token tensors, a batch with its mask)
+                  as one left-padded batch, each clean prompt with a corrupt of its length
     verify        exact verification by edge patching: `verify_circuit` (faithfulness), `circuit_metric`,
                   `faithfulness_curve`, `edge_effects`, `prune`, `rescore`
     token_edges   (unit, target <- source) edges inside mixers: estimates (edge_attribution(token_edges=True)),
