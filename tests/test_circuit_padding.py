@@ -239,3 +239,20 @@ def test_every_family_scores_and_verifies_a_padded_batch_as_its_prompts_alone(fa
     want = _mean([circuit_metric(model, edges, [c], [x], _one(metric, k))["circuit"]
                   for k, (c, x) in enumerate(zip(clean, corrupt))])
     assert abs(got - want) < TOL
+
+
+def test_node_scores_and_node_verification_take_padded_prompts():
+    from analysis.circuits.nodes import node_attribution, verify_nodes
+
+    model = copy.deepcopy(tiny("mamba2")).double()
+    clean, corrupt = _prompts(1), _prompts(2)
+    metric = AnswerDiff(torch.tensor([3, 4, 5, 6]), torch.tensor([7, 8, 9, 10]))
+    batch = node_attribution(model, clean, corrupt, metric)
+    alone = [node_attribution(model, [c], [x], _one(metric, k)) for k, (c, x) in enumerate(zip(clean, corrupt))]
+    assert _rel(batch.scores, _mean([a.scores for a in alone])) < TOL
+    nodes = [name for name, _ in batch.top(4)]
+    got = verify_nodes(model, nodes, clean, corrupt, metric)["circuit"]
+    want = _mean([verify_nodes(model, nodes, [c], [x], _one(metric, k))["circuit"]
+                  for k, (c, x) in enumerate(zip(clean, corrupt))])
+    assert abs(got - want) < TOL
+    assert edge_attribution(model, clean, corrupt, metric).settings["lengths"] == list(LENGTHS)

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.metrics import at_rows, tail_of
-from analysis.circuits.prompts import Prompts, pad_free, prompt_pair, prompts_of
+from analysis.circuits.prompts import Prompts, pad_free, prompt_pair, prompts_of, unpadded
 from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
 from hooked.models.protocol import ATTENTION_MODES
 from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_name, metric_value
@@ -210,13 +210,16 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
         total = s if total is None else total + s
         if token is not None:
             token.close_chunk(weight)
-    return EdgeScores(graph, total, method, values[0], values[1], token.scores() if token is not None else None)
+    settings = {"lengths": clean.lengths.tolist()} if clean.padded else {}  # prompts of different lengths
+    return EdgeScores(graph, total, method, values[0], values[1], token.scores() if token is not None else None,
+                      settings=settings)
 
 
-def _integrated(model: Any, graph: Graph, clean: Prompts, corr: Any, cl: Any, metric: Metric, steps: int,
+def _integrated(model: Any, graph: Graph, clean: Prompts | Tensor, corr: Any, cl: Any, metric: Metric, steps: int,
                 token: Any) -> tuple[float, Grads]:
     """Receiver gradients averaged over embeddings interpolated from corrupt to clean (EAP-IG). Token edges
     estimate a cut of the clean run: their gradients come from one more run, on clean."""
+    clean = clean if isinstance(clean, Prompts) else unpadded(clean)
     e_corr = corr.emb[0]  # the corrupt run's token embedding (hook_embed)
     total = None
     for k in range(steps):
