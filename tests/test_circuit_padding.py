@@ -1,13 +1,15 @@
 """Circuits on prompts of different lengths equal the per-prompt runs combined as the metric combines them.
 
-In float64, on attention (GPT-2's learned positions, Llama's rotary GQA), SSM (Mamba-1, Mamba-2), hybrid
-(Zamba2: the embedding side slot) and delta-rule (Qwen3-Next) families: prompts of lengths 5, 3, 7, 4, each
-clean prompt with a corrupt of its length, given as a list of 1-D token tensors. The metric is a mean over
-prompts, so every per-prompt quantity combines as the mean of the per-prompt runs (each a batch of one,
-unpadded): EAP and EAP-IG scores and metrics, circuit_metric, faithfulness_curve, edge_effects, rescore
-and the token-edge estimates (prompt b's position p at column p + width - length_b). The forms a user may
-give (left- or right-padded batches with their mask, lists, strings through model.tokenizer, chunks) give
-the same numbers; pad positions carry no sender diff and no gradient; bad inputs are refused by name.
+In float64, on attention (GPT-2's learned positions), SSM (Mamba-1, Mamba-2) and delta-rule (Qwen3-Next)
+families: prompts of lengths 5, 3, 7, 4, each clean prompt with a corrupt of its length, given as a list of
+1-D token tensors. The metric is a mean over prompts, so every per-prompt quantity combines as the mean of
+the per-prompt runs (each a batch of one, unpadded): EAP and EAP-IG scores and metrics, circuit_metric,
+faithfulness_curve, edge_effects, rescore and the token-edge estimates (prompt b's position p at column
+p + width - length_b); node scores and node verification too. Every family of tiny_families: EAP and one
+patched run (each family's attention_mask path: rotary, side blocks, experts, mixers that zero padded
+rows). The forms a user may give (left- or right-padded batches with their mask, lists, strings through
+model.tokenizer, chunks) give the same numbers; pad positions get no gradient and EAP drops their sender
+diffs; bad inputs are refused by name.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from analysis.circuits.metrics import AnswerDiff
 from analysis.circuits.prompts import PAD, pad_free, prompt_pair
 from analysis.circuits.runs import gradients, record
 
-FAMILIES = ("gpt2", "llama", "mamba", "mamba2", "zamba2", "qwen3_next")
+FAMILIES = ("gpt2", "mamba", "mamba2", "qwen3_next")
 LENGTHS = (5, 3, 7, 4)
 TOL = 1e-10
 
