@@ -140,6 +140,7 @@ def edges_and_one(model: Any) -> int:
     return len(graph_of(model)) + 1
 
 
+ABLATION = {"intervention": Choice("patch", "zero", "mean"), "per_position": FLAG}  # circuits.verify's entry points
 
 ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "hooked.generate.generate": {
@@ -207,16 +208,22 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "analysis.intervals.paired_interval": {"confidence": PROB, "draws": Int(1)},
     "analysis.circuits.eap.EdgeScores.top": {"n": Int(0), "absolute": FLAG},  # past n_edges: every edge
     "analysis.circuits.eap.edge_attribution": {
-        "method": Choice("eap", "eap-ig"), "steps": Int(1), "token_edges": FLAG, "batch_size": BATCH,
-        "attention": Choice("scores", "pattern"), "attention_mask": None},  # a tensor: the padding (prompts.py)
+        "method": Choice("eap", "eap-ig", "eap-ig-activations", "clean-corrupted"), "steps": Int(1),
+        "token_edges": FLAG, "batch_size": BATCH, "attention": Choice("scores", "pattern"),
+        "attention_mask": None,  # a tensor: the padding (prompts.py)
+        "intervention": Choice("patch", "zero", "mean"), "per_position": FLAG,
+        "steps_at": Choice("mid", "left", "right")},
     "analysis.circuits.verify.prune": {"top_n": Int(0, none=True), "threshold": Real(0, none=True)},
-    "analysis.circuits.verify.rescore": {"shortlist": Int(0, edges_and_one), "batch_size": BATCH, "attention_mask": None},
-    "analysis.circuits.verify.circuit_metric": {"batch_size": BATCH, "attention_mask": None},
-    "analysis.circuits.verify.verify_circuit": {"batch_size": BATCH, "attention_mask": None},
-    "analysis.circuits.verify.faithfulness_curve": {"batch_size": BATCH, "attention_mask": None,
+    "analysis.circuits.verify.rescore": {"shortlist": Int(0, edges_and_one), "batch_size": BATCH, "attention_mask": None,
+                                         **ABLATION},
+    "analysis.circuits.verify.circuit_metric": {"batch_size": BATCH, "attention_mask": None, **ABLATION},
+    "analysis.circuits.verify.verify_circuit": {"batch_size": BATCH, "attention_mask": None, **ABLATION},
+    "analysis.circuits.verify.faithfulness_curve": {"batch_size": BATCH, "attention_mask": None, **ABLATION,
                                                     "sizes": None},  # each in [0, n_edges]: tests/test_index_grammar.py
-    "analysis.circuits.verify.edge_effects": {"batch_size": BATCH, "replicas": Int(1, none=True), "attention_mask": None},
+    "analysis.circuits.verify.edge_effects": {"batch_size": BATCH, "replicas": Int(1, none=True), "attention_mask": None,
+                                              **ABLATION},
     "analysis.circuits.metrics.AnswerDiff.__init__": {"pos": Int()},  # its range: at the call (the logits' positions)
+    "analysis.circuits.metrics.KL.__init__": {"pos": Int()},
     "analysis.circuits.token_edges.TokenEdgeScores.top": {"n": Int(0), "absolute": FLAG},
     "analysis.circuits.token_edges.verify_token_edges": {"attention": Choice("scores", "pattern")},
     "analysis.circuits.nodes.NodeScores.top": {"n": Int(0), "absolute": FLAG},

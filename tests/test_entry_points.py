@@ -33,7 +33,7 @@ from analysis.circuits import circuit_metric, edge_attribution, edge_effects, fa
 from analysis.circuits import verify_circuit, verify_token_edges
 from analysis.circuits import neuron_attribution, node_scores, select, verify_neurons
 from analysis.circuits.positions import position_attribution, position_effects, verify_positions
-from analysis.circuits.metrics import AnswerDiff
+from analysis.circuits.metrics import KL, AnswerDiff
 from analysis.interventions import ablate_heads, knockout
 from analysis.tasks.text import kv_retrieval
 from hooked.validate import RULES
@@ -134,6 +134,7 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
         c.model, c.scores, c.clean, c.corrupt, c.metric, **{"sizes": [1], **kw}),
     "analysis.circuits.verify.edge_effects": lambda c, **kw: edge_effects(c.model, [0], c.clean, c.corrupt, c.metric, **kw),
     "analysis.circuits.metrics.AnswerDiff.__init__": lambda c, **kw: AnswerDiff([1], **kw),
+    "analysis.circuits.metrics.KL.__init__": lambda c, **kw: KL(**kw),
     "analysis.circuits.token_edges.TokenEdgeScores.top": lambda c, **kw: c.scores.token.top(**{"n": 1, **kw}),
     "analysis.circuits.token_edges.verify_token_edges": lambda c, **kw: verify_token_edges(
         c.model, c.clean, [], c.metric, **kw),

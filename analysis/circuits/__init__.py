@@ -6,6 +6,9 @@
     eap           edge attribution patching, EAP and EAP-IG (`edge_attribution` -> `EdgeScores`)
     prompts       prompts of different lengths (lists of strings / 1-D token tensors, a batch with its mask)
                   as one left-padded batch, each clean prompt with a corrupt of its length
+    baselines     what an ablated edge carries: the corrupt run, zeros, a reference batch's mean (`intervention=`)
+    integrated    EAP-IG's step placement (`steps_at=`), "eap-ig-activations" and "clean-corrupted"
+    metrics       `AnswerDiff`, `KL` (a metric reading the clean logits), how metrics follow chunks
     verify        exact verification by edge patching: `verify_circuit` (faithfulness), `circuit_metric`,
                   `faithfulness_curve`, `edge_effects`, `prune`, `rescore`
     token_edges   (unit, target <- source) edges inside mixers: estimates (edge_attribution(token_edges=True)),
@@ -27,6 +30,7 @@
 from analysis.circuits.eap import EdgeScores, edge_attribution
 from analysis.circuits.dot import to_dot
 from analysis.circuits.graph import Edge, Graph, graph_of
+from analysis.circuits.metrics import KL
 from analysis.circuits.neurons import Neuron, NeuronScores, neuron_attribution, verify_neurons
 from analysis.circuits.nodes import NodeScores, node_attribution, node_scores, verify_nodes
 from analysis.circuits.paths import path_patch, path_patch_sweep
@@ -37,7 +41,7 @@ from analysis.circuits.token_edges import TokenEdge, TokenEdgeScores, cut_token_
 from analysis.circuits.transplant import generate_from, patchscope, read, ssm_sites, transplant, transplant_state
 from analysis.circuits.verify import circuit_metric, edge_effects, faithfulness_curve, prune, rescore, verify_circuit
 
-__all__ = ["EdgeScores", "edge_attribution", "Edge", "Graph", "graph_of", "path_patch", "path_patch_sweep",
+__all__ = ["EdgeScores", "edge_attribution", "Edge", "Graph", "graph_of", "KL", "path_patch", "path_patch_sweep",
            "PositionEdge", "PositionScores", "position_attribution", "position_effects", "verify_positions",
            "TokenEdge", "TokenEdgeScores", "cut_token_edges", "verify_token_edges", "generate_from", "patchscope",
            "read", "ssm_sites", "transplant", "transplant_state", "circuit_metric", "edge_effects",

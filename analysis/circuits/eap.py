@@ -20,14 +20,19 @@ Glossary
                     Token-edge positions are the padded batch's columns (prompt b's position p is column
                     p + width - length_b: positions counted from the end agree across prompts)
     metric          `metric(logits) -> scalar tensor`, a mean over prompts (analysis.interventions.logit_diff,
-                    answer_prob, circuits.metrics.AnswerDiff for per-prompt answers: metrics.py)
+                    answer_prob, circuits.metrics.AnswerDiff for per-prompt answers: metrics.py), or
+                    `metric(logits, clean_logits)` (metrics.KL; the arity rule: metrics.reads_clean)
+    intervention    what an ablated edge carries (baselines.py): "patch" (the corrupt run), "zero", "mean"
+                    (over `reference=`, whole or per_position); every estimate below uses
+                    diff = baseline - clean, and `corrupt_metric` is the fully ablated run's metric
     EAP             (Syed et al. 2023) score(s -> r) = sum over batch and positions of
                     (a_s^corrupt - a_s^clean) . d metric / d x_r on the clean run: the first-order change of
                     the metric when edge s -> r alone carries the corrupt sender (x_r: the residual as r
                     reads it). One forward on corrupt, one forward and one backward on clean; memory
                     linear in nodes x positions (activations and gradients per node, never per edge).
     EAP-IG          (Hanna et al. 2024) the gradient averaged over `steps` runs whose token embedding is
-                    interpolated from corrupt to clean at alpha = (k + 1/2) / steps (midpoints)
+                    interpolated from corrupt to clean at alpha = (k + 1/2) / steps (midpoints; `steps_at`:
+                    integrated.py). "eap-ig-activations" and "clean-corrupted": integrated.py
     batch_size      prompts per forward: scores of chunks are added, weighted by their share of the
                     prompts (right when the metric is a mean over prompts, as the helpers are)
     token_edges     also score the token edges inside every mixer (token_edges.py): the estimate of
@@ -44,21 +49,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from analysis.circuits.baselines import INTERVENTIONS, prepare
 from analysis.circuits.graph import Edge, Graph
-from analysis.circuits.metrics import at_rows, tail_of
-from analysis.circuits.prompts import Prompts, pad_free, prompt_pair, prompts_of, unpadded
+from analysis.circuits.integrated import STEPS_AT, activation_ig, alphas, clean_corrupted
+from analysis.circuits.metrics import WithClean, at_rows, tail_of, with_clean
+from analysis.circuits.prompts import Prompts, pad_free, prompts_of, unpadded
 from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
 from hooked.models.protocol import ATTENTION_MODES
 from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_name, metric_value
 
-METHODS = ("eap", "eap-ig")
+METHODS = ("eap", "eap-ig", "eap-ig-activations", "clean-corrupted")
 Metric = Callable[[Tensor], Tensor]
 
 
 class EdgeScores:
     """Scores of every edge of a graph: `len()`, `.top(n)`, `[edge]`, `.edges()`, `.to_json(path)`;
     `.save(path)` / `EdgeScores.load(path, model=None)` (store.py). `settings`: what produced the scores
-    (method, steps, ...), saved with them."""
+    (method, steps, steps_at, intervention, per_position, lengths, ...), saved with them."""
 
     def __init__(self, graph: Graph, scores: Tensor, method: str, clean_metric: float, corrupt_metric: float,
                  token: Any = None, settings: dict[str, Any] | None = None) -> None:
@@ -172,11 +179,15 @@ BATCH_SIZE = Integer(ge=1, none=True)  # prompts per forward; None: all at once
 
 
 @checked(method=OneOf(*METHODS), steps=Integer(ge=1), token_edges=Flag(), batch_size=BATCH_SIZE,
-         attention=OneOf(*ATTENTION_MODES), attention_mask=Instance(Tensor, "a tensor", none=True))
+         attention=OneOf(*ATTENTION_MODES), attention_mask=Instance(Tensor, "a tensor", none=True),
+         intervention=OneOf(*INTERVENTIONS), per_position=Flag(), steps_at=OneOf(*STEPS_AT))
 def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, method: str = "eap", steps: int = 5,
                      token_edges: bool = False, attention_mask: Tensor | None = None,
-                     batch_size: int | None = None, attention: str = "scores") -> EdgeScores:
-    """Scores of every edge of the model's graph (graph.py) by EAP or EAP-IG (see the glossary).
+                     batch_size: int | None = None, attention: str = "scores", intervention: str = "patch",
+                     reference: Any = None, per_position: bool = False, steps_at: str = "mid") -> EdgeScores:
+    """Scores of every edge of the model's graph (graph.py) by EAP, EAP-IG, EAP-IG-activations or
+    clean-corrupted (see the glossary; integrated.py), patching from `corrupt` or ablating to zero or to the
+    mean over `reference` (`intervention`, baselines.py: corrupt=None for zero and mean).
 
     Returns EdgeScores: `len(scores)` edges, `scores.top(n)` the n largest by |score|, each an Edge with
     `.sender`, `.receiver`, `.score`. With token_edges=True, `scores.token` holds the token-edge
@@ -186,44 +197,71 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
     from analysis.circuits.graph import graph_of
     from analysis.circuits.token_edges import TokenGradients
 
-    clean, corrupt = prompt_pair(model, clean, corrupt, attention_mask, metric)
+    if method == "clean-corrupted" and intervention != "patch":
+        raise ValueError(f"method='clean-corrupted' takes the gradient at the corrupt run: intervention='patch' only, "
+                         f"got {intervention!r}")
+    if token_edges and method in ("eap-ig-activations", "clean-corrupted"):
+        raise ValueError(f"token_edges=True is estimated by 'eap' and 'eap-ig', not by method={method!r}")
     graph = graph_of(model)
+    clean, baseline = prepare(model, graph, clean, corrupt, intervention, reference, per_position, batch_size,
+                              attention_mask, metric)
     total, values = None, [0.0, 0.0]
     token = TokenGradients(model, attention, width=clean.width) if token_edges else None
     n = clean.batch
     for part in chunks(n, batch_size):
         weight, m = (part.stop - part.start) / n, at_rows(metric, part)
-        cp, xp = clean.rows(part), corrupt.rows(part)
-        c_logits, corr = record(model, graph, xp.tokens, xp.attention_mask, tail=tail_of(m))
-        values[1] += weight * metric_value(m(c_logits), metric_name(metric))
+        cp = clean.rows(part)
+        if method == "clean-corrupted":
+            value, value_corrupt, s = clean_corrupted(model, graph, cp, baseline.corrupt.rows(part), m)
+            values[0], values[1] = values[0] + weight * value, values[1] + weight * value_corrupt
+            total = weight * s if total is None else total + weight * s
+            continue
+        c_logits, corr = baseline.activations(model, part, cp, tail=tail_of(m))
+        # first: a patched run (zero, mean) resets the norm sites that pending gradients read
+        ablated = baseline.ablated(model, cp, corr, c_logits, tail=tail_of(m))
         if method == "eap":
-            value, cl, grads = gradients(model, graph, cp.tokens, m, cp.attention_mask, token=token, pending=True)
+            bound = with_clean(m)  # a metric reading the clean logits gets this run's own
+            value, cl, grads = gradients(model, graph, cp.tokens, bound, cp.attention_mask, token=token, pending=True)
+            cl_logits = bound.clean if isinstance(bound, WithClean) else None
         else:
-            _, cl = record(model, graph, cp.tokens, cp.attention_mask, tail=tail_of(m))
-            value, grads = _integrated(model, graph, cp, corr, cl, m, steps, token)
+            cl_logits, cl = record(model, graph, cp.tokens, cp.attention_mask, tail=tail_of(m))
+        values[1] += weight * metric_value(with_clean(m, cl_logits)(ablated), metric_name(metric))
+        if method == "eap-ig":
+            value, grads = _integrated(model, graph, cp, corr, cl, with_clean(m, cl_logits), steps, token,
+                                       steps_at, cl_logits)
+        if method == "eap-ig-activations":
+            value = metric_value(with_clean(m, cl_logits)(cl_logits), metric_name(metric))
+            s = weight * activation_ig(model, graph, cp, corr, cl, cl_logits, m, steps, steps_at)
+        else:
+            diff = corr.minus(cl)
+            emb_diff = None if cl.emb is None else corr.emb - cl.emb
+            if cp.attention_mask is not None:  # pad positions add nothing (glossary: padding)
+                diff, emb_diff = pad_free(diff, cp.attention_mask), pad_free(emb_diff, cp.attention_mask)
+            s = weight * _edge_scores(graph, diff, emb_diff, grads)
         values[0] += weight * value
-        diff = corr.minus(cl)
-        emb_diff = None if cl.emb is None else corr.emb - cl.emb
-        if cp.attention_mask is not None:  # pad positions add nothing (glossary: padding)
-            diff, emb_diff = pad_free(diff, cp.attention_mask), pad_free(emb_diff, cp.attention_mask)
-        s = weight * _edge_scores(graph, diff, emb_diff, grads)
         total = s if total is None else total + s
         if token is not None:
             token.close_chunk(weight)
-    settings = {"lengths": clean.lengths.tolist()} if clean.padded else {}  # prompts of different lengths
+    settings: dict[str, Any] = {"method": method, "intervention": intervention}
+    if method in ("eap-ig", "eap-ig-activations"):
+        settings.update(steps=steps, steps_at=steps_at)
+    if intervention == "mean":
+        settings["per_position"] = per_position
+    if clean.padded:  # prompts of different lengths
+        settings["lengths"] = clean.lengths.tolist()
     return EdgeScores(graph, total, method, values[0], values[1], token.scores() if token is not None else None,
                       settings=settings)
 
 
 def _integrated(model: Any, graph: Graph, clean: Prompts | Tensor, corr: Any, cl: Any, metric: Metric, steps: int,
-                token: Any) -> tuple[float, Grads]:
-    """Receiver gradients averaged over embeddings interpolated from corrupt to clean (EAP-IG). Token edges
-    estimate a cut of the clean run: their gradients come from one more run, on clean."""
+                token: Any, steps_at: str = "mid", clean_logits: Tensor | None = None) -> tuple[float, Grads]:
+    """Receiver gradients averaged over embeddings interpolated from the baseline's to clean (EAP-IG) at
+    integrated.alphas(steps, steps_at). Token edges estimate a cut of the clean run: their gradients come
+    from one more run, on clean; without them the metric's clean value is read off `clean_logits`."""
     clean = clean if isinstance(clean, Prompts) else unpadded(clean)
-    e_corr = corr.emb[0]  # the corrupt run's token embedding (hook_embed)
+    e_corr = corr.emb[0]  # the baseline's token embedding (hook_embed)
     total = None
-    for k in range(steps):
-        alpha = (k + 0.5) / steps
+    for alpha in alphas(steps, steps_at):
 
         def embed(x: Tensor, alpha: float = alpha) -> Tensor:
             return e_corr.to(x) + alpha * (x - e_corr.to(x))
@@ -234,6 +272,8 @@ def _integrated(model: Any, graph: Graph, clean: Prompts | Tensor, corr: Any, cl
                                                                  for a, e in zip(total[1], ge)])
     if token is not None:
         value = gradients(model, graph, clean.tokens, metric, clean.attention_mask, token=token)[0]
+    elif clean_logits is not None:
+        value = metric_value(metric(clean_logits), metric_name(metric))
     else:
         with torch.no_grad():
             logits = forward_logits(model, clean.tokens, clean.attention_mask, tail_of(metric))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.eap import BATCH_SIZE, METHODS, _integrated, chunks, pair
+from analysis.circuits.eap import BATCH_SIZE, _integrated, chunks, pair
 from analysis.circuits.graph import Graph, graph_of
 from analysis.circuits.metrics import at_rows, tail_of
 from analysis.circuits.runs import ReceiverGrads, gradients, patched, record
@@ -169,7 +169,7 @@ def _position_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads:
     return out
 
 
-@checked(method=OneOf(*METHODS), steps=Integer(ge=1), token_edges=Flag(), batch_size=BATCH_SIZE,
+@checked(method=OneOf("eap", "eap-ig"), steps=Integer(ge=1), token_edges=Flag(), batch_size=BATCH_SIZE,
          attention=OneOf(*ATTENTION_MODES))
 def position_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, method: str = "eap", steps: int = 5,
                          token_edges: bool = True, batch_size: int | None = None,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.metrics import tail_of
+from analysis.circuits.metrics import tail_of, with_clean
 from analysis.circuits.runs import forward_logits
 from hooked.hook_points import scoped_hooks
 from hooked.models.model_map import Site, model_map
@@ -274,8 +274,10 @@ def verify_token_edges(model: Any, tokens: Tensor, edges: Sequence[Any], metric:
     """The metric's exact change when the listed token edges are all cut, beside the sum of their estimates
     (TokenEdges carry theirs): {"exact", "estimated", "clean"}."""
     tail = tail_of(metric)
-    clean = metric_value(metric(forward_logits(model, tokens, None, tail)), metric_name(metric))
+    clean_logits = forward_logits(model, tokens, None, tail)
+    bound = with_clean(metric, clean_logits)  # a metric(logits, clean_logits) reads the uncut run's
+    clean = metric_value(bound(clean_logits), metric_name(metric))
     with cut_token_edges(model, edges, attention):
-        cut = metric_value(metric(forward_logits(model, tokens, None, tail)), metric_name(metric))
+        cut = metric_value(bound(forward_logits(model, tokens, None, tail)), metric_name(metric))
     estimated = sum(e.score for e in edges if isinstance(e, TokenEdge))
     return {"clean": clean, "exact": cut - clean, "estimated": float(estimated)}
