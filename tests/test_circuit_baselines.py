@@ -265,8 +265,9 @@ def test_eap_with_a_baseline_is_the_derivative_of_the_scaled_ablation(family, ki
     scores = edge_attribution(model, clean, None, last_logit, intervention=kind,
                               reference=reference if kind == "mean" else None, per_position=per_position)
     graph = graph_of(model)
-    _, baseline = prepare(model, graph, clean, None, kind, reference if kind == "mean" else None, per_position, None)
-    _, acts = baseline.activations(model, slice(None), clean)
+    prompts, baseline = prepare(model, graph, clean, None, kind, reference if kind == "mean" else None, per_position,
+                                None)
+    _, acts = baseline.activations(model, slice(None), prompts)
     k = min(12, len(graph))
     picked = torch.randperm(len(graph), generator=torch.Generator().manual_seed(1))[:k]
     coef = torch.zeros(2 * k, len(graph), dtype=torch.float64)
@@ -286,3 +287,24 @@ def test_activation_ig_at_the_clean_end_is_eap(family, kind="mean"):
     ig = edge_attribution(model, clean, metric=last_logit, method="eap-ig-activations", steps=1, steps_at="right", **kw)
     torch.testing.assert_close(ig.scores, eap.scores, rtol=1e-9, atol=1e-12 * eap.scores.abs().max().item())
     assert abs(ig.corrupt_metric - eap.corrupt_metric) < 1e-12, name
+
+
+@pytest.mark.parametrize("kind,method", [("zero", "eap"), ("mean", "eap-ig-activations"), ("mean", "eap-ig")])
+def test_prompts_of_different_lengths_equal_the_per_prompt_runs(gpt2, kind, method):
+    """Padded (prompts.py) with a zero or mean baseline: scores, the ablated metric and a circuit's metric equal
+    the per-prompt runs averaged (the metric is a mean over prompts); the reference is padded too."""
+    model, _, _, _ = gpt2
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 64, (n,), generator=gen) for n in (4, 6, 5)]
+    reference = [torch.randint(1, 64, (n,), generator=gen) for n in (3, 5)]
+    last = lambda logits: logits[:, -1, 3].mean() - logits[:, -1].logsumexp(-1).mean()  # noqa: E731
+    kw = dict(intervention=kind, reference=reference if kind == "mean" else None)
+    padded = edge_attribution(model, prompts, None, last, method=method, steps=2, **kw)
+    alone = [edge_attribution(model, [p], None, last, method=method, steps=2, **kw) for p in prompts]
+    torch.testing.assert_close(padded.scores, sum(a.scores for a in alone) / 3, rtol=0, atol=1e-10)
+    assert abs(padded.corrupt_metric - sum(a.corrupt_metric for a in alone) / 3) < 1e-10
+    edges = padded.top(8)
+    got = circuit_metric(model, edges, prompts, None, last, **kw)
+    each = [circuit_metric(model, edges, [p], None, last, **kw) for p in prompts]
+    for key in ("circuit", "clean", "corrupt"):
+        assert abs(got[key] - sum(e[key] for e in each) / 3) < 1e-10, key
