@@ -42,15 +42,16 @@ def main() -> None:
     faith = {k: verify_positions(model, scores.position_edges(k), clean, corrupt, metric) for k in (4, 8, 12, 20)}
     n_all = len(scores.graph) * scores.n_pos
     lines = [f"# Per-position circuit of organism/{args.organism}", "",
-             f"`python scripts/position_circuit.py {args.organism}`: one prompt, 8 pairs, the queried pair is {pair} "
+             f"`python scripts/position_circuit.py {args.organism} --fmt '{args.fmt}'`: one prompt, 8 pairs, the queried pair is {pair} "
              f"(key at position {key}, `:` at {key + 1}, value at {key + 2}, newline at {key + 3}); the corrupt "
              f"prompt swaps the queried key with another pair's. Metric: logit(clean answer) - logit(corrupt "
              f"answer) = {scores.clean_metric:.2f} clean, {scores.corrupt_metric:.2f} corrupt. EAP-IG, 8 steps, "
              f"per position, with token edges (cut estimates, attention renormalised).", "",
              "| rank | edge | estimate | exact alone |", "|---|---|---|---|", *rows, "",
              "Position edges: patched to the corrupt run at that position alone; token edges: cut in the clean run.",
-             "First-order cut estimates of a head that puts almost all its weight on one key can get the sign wrong "
-             "(the renormalised row moves to another key): the exact column is what to read.", "",
+             "First-order cut estimates can get the sign wrong where what follows the cut is far from linear (an "
+             "attention row renormalised onto another key; the gated RMSNorm after an SSM head): the exact column is "
+             "what to read.", "",
              f"Faithfulness of the top-k position edges (the other ones of all {n_all} patched to the corrupt run):", "",
              "| k | fraction of position edges | faithfulness |", "|---|---|---|",
              *[f"| {k} | {r['fraction']:.4f} | {r['faithfulness']:.3f} |" for k, r in faith.items()], "",

@@ -9,7 +9,9 @@ own hooks); keeping every position edge is the clean run and keeping one graph e
 verify_circuit's circuit; a token edge cut with every position edge kept is verify_token_edges' cut. On the
 gpt2-kv organism (one prompt) the per-position circuit names the queried pair's key, value and newline
 positions: L0H3 moves the key (position k) into its newline (k + 3), a value mover reads the value (k + 2)
-there, and L1H0 reads that newline from the query; its top 12 position edges keep >= 0.95 of the metric.
+there, and L1H0 reads that newline from the query; its top 12 position edges keep >= 0.95 of the metric. On
+mamba2-kv (an SSM) the key enters B at its own position and head L0H1 reads the value position from the last
+token; its top 4 position edges keep >= 0.95.
 """
 
 from __future__ import annotations
@@ -223,3 +225,21 @@ def test_gpt2_kv_per_position_circuit_names_the_key_and_value_positions(organism
     assert movers, "a layer-0 head moves the value into its newline"
     faith = verify_positions(model, scores.position_edges(12), clean, corrupt, metric_)["faithfulness"]
     assert faith >= 0.95
+
+
+def test_mamba2_kv_per_position_circuit_reads_the_key_into_B_and_the_value_from_the_kernel(organism):
+    """An SSM organism: the queried key enters B at its own position (the conv carries it to the value's
+    state update), and the aggregate head L0H1 reads the value position from the last token."""
+    from analysis.circuits.tasks import kv_pairs
+    from analysis.tasks import token_kv as kv
+
+    model = organism("mamba2-kv")
+    clean, corrupt, metric_ = kv_pairs(8, 1, 0, "k?", "swap")
+    pair = int(kv.prompts(8, 1, 0, "k?").answer[0])
+    key, value, last = 1 + 4 * pair, 3 + 4 * pair, clean.shape[1] - 1
+    scores = position_attribution(model, clean, corrupt, metric_, method="eap-ig", steps=8)
+    top = [str(e) for e in scores.top(5)]
+    assert f"embed->L0Hg0.B@{key}" in top and f"L0H1->logits@{last}" in top
+    reads = [e.source for e in scores.token.top(3) if e.unit == "L0H1" and e.target == last]
+    assert value in reads
+    assert verify_positions(model, scores.position_edges(4), clean, corrupt, metric_)["faithfulness"] >= 0.95
