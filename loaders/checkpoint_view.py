@@ -222,3 +222,28 @@ def chained(*adapts: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return source
 
     return adapt
+
+
+def shard_view(pattern: re.Pattern, suffix: str) -> Callable[[Any], Any]:
+    """An `adapt` function: tensors whose names match `pattern` (groups `target` and `i`, the shard number) are
+    seen as one tensor `<target>.<suffix>`, the shards concatenated on dim 0 in the order of i (which must run
+    0..n-1): Qwen4-Exp's n-gram tables saved in `split_ngram_parts` shards, as HF's Concatenate loads them."""
+
+    def adapt(source: Any) -> Any:
+        names = list(source.keys())
+        groups: dict[str, dict[int, str]] = {}
+        for n in names:
+            if m := pattern.match(n):
+                groups.setdefault(m["target"], {})[int(m["i"])] = n
+        if not groups:
+            return source
+        for target, shards in groups.items():
+            if sorted(shards) != list(range(len(shards))):
+                raise ValueError(f"{target}: shards {sorted(shards)} are not numbered 0..{len(shards) - 1}")
+        used = {n for shards in groups.values() for n in shards.values()}
+        view = _Concat(source, {n: n for n in names if n not in used},
+                       {f"{t}.{suffix}": [[s[i] for i in sorted(s)]] for t, s in groups.items()})
+        return _with_files(MappingSource(view, origin=getattr(source, "origin", "checkpoint"),
+                                         shapes={n: view.shape(n) for n in view}), view)
+
+    return adapt

@@ -20,6 +20,7 @@ from loaders import minimax  # issue 41's new mixer kinds
 from loaders import rwkv  # issue 41's new mixer kinds
 from loaders import zamba  # issue 41's families on mixers we have
 from loaders import xlstm  # issue 41's new mixer kinds
+from loaders import qwen4_exp  # issue 41's families on mixers we have
 from loaders import gpt_oss, mixtral, olmoe, qwen3_moe  # issue 42's mixtures of experts
 from loaders.architecture import Architecture, Key
 
@@ -66,6 +67,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     rwkv.ARCHITECTURE,
     zamba.ARCHITECTURE,
     xlstm.ARCHITECTURE,
+    qwen4_exp.ARCHITECTURE,
 )
 
 REGISTRY: dict[str, Architecture] = {arch.name: arch for arch in ARCHITECTURES}

@@ -175,9 +175,10 @@ class HookedModel(SAEMethods, TLSwitches, ModelWeights, HookedRootModule):
         else:
             if not torch.is_tensor(input) or not input.is_floating_point() or input.ndim != 3:
                 raise ValueError("with start_at_layer, input must be the residual stream [batch pos d_model]")
-            if input.shape[-1] != self.cfg.d_model or input.shape[1] == 0:
+            width = self.dims.get("d_stream", self.cfg.d_model)  # d_stream: hyper-connected streams (Qwen4-Exp)
+            if input.shape[-1] != width or input.shape[1] == 0:
                 raise ValueError(f"with start_at_layer, input must be the residual stream [batch pos d_model="
-                                 f"{self.cfg.d_model}] with pos >= 1, got shape {tuple(input.shape)}")
+                                 f"{width}] with pos >= 1, got shape {tuple(input.shape)}")
             p = next(self.parameters(), None)
             if p is not None and input.dtype != p.dtype:
                 raise ValueError(f"with start_at_layer, the residual's dtype must be the model's ({p.dtype}), "

@@ -256,6 +256,19 @@ class DecodeState:
         self._put(module, "conv", full[:, full.shape[1] - (width - 1):])
         return full
 
+    def history(self, module: Any, kind: str, x: Tensor, keep: int | None = None, fill: Any = 0) -> Tensor:
+        """x [batch pos ...] with `module`'s earlier entries of `kind` in front: the last `keep` of them (`fill`
+        where fewer were read), or every one (keep None: they must cover the positions read so far)."""
+        past = self._get(module, kind)
+        if keep is None:
+            if past is None and self.length > 0 or past is not None and past.shape[1] != self.length:
+                self._mismatch(module, 0 if past is None else past.shape[1])
+        elif past is None:
+            past = x.new_full((x.shape[0], keep, *x.shape[2:]), fill)
+        full = x if past is None else torch.cat([past, x], dim=1)
+        self._put(module, kind, full if keep is None else full[:, full.shape[1] - keep:])
+        return full
+
     def conv_past(self, module: Any) -> Tensor | None:
         """The previous `width - 1` conv inputs [batch width-1 channels] before this step's (None: none yet)."""
         return self.entries.get((id(module), "conv"))
