@@ -114,6 +114,14 @@ CONFIGS["zamba"] = lambda: (_T.ZambaForCausalLM, _T.ZambaConfig(  # grouped Mamb
 CONFIGS["xlstm"] = lambda: (_T.xLSTMForCausalLM, _T.xLSTMConfig(  # mLSTM; widths that are multiples of 64 (HF's cache)
     vocab_size=V, hidden_size=64, num_hidden_layers=2, num_heads=4, qk_dim_factor=1.0, chunk_size=4, ffn_proj_factor=0.5,
     ffn_round_up_to_multiple_of=8, pad_token_id=0))
+CONFIGS["qwen4_exp"] = lambda: (_T.Qwen4ExpForCausalLM, _T.Qwen4ExpTextConfig(  # streams, PLE, QSA top-k blocks
+    vocab_size=V, hidden_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+    moe_intermediate_size=12, shared_expert_intermediate_size=10, num_experts=4, num_experts_per_tok=2, hc_count=2,
+    hc_lowrank=6, ple_layer_ids=[1], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
+    make_ngram_vocab_size_divisible_by=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+    indexer_compress_ratio=2, eos_token_id=1, pad_token_id=0,
+    layer_types=["linear_attention", "indexed_attention", "linear_attention"]))
 FAMILIES = tuple(CONFIGS)
 
 

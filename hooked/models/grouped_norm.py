@@ -4,7 +4,7 @@
 
 Each of the n_groups residual streams of a hyper-connection (hyper_residual.py) is normalised on its own;
 the weight w [n_groups * group] is stored as HF stores it (an offset from 1). With group = the whole width it
-is norms.py's UnitOffsetRMSNorm. The arithmetic is ops.norms.rms_norm_unit_offset's (float32 or wider).
+is norms.py's UnitOffsetRMSNorm; the arithmetic is ops.norms.rms_norm_unit_offset's (float32 or wider), per group.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from hooked.ops.norms import rms_norm_unit_offset
 
 
 class GroupedRMSNorm(nn.Module):
@@ -25,8 +24,9 @@ class GroupedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(d))
 
     def forward(self, x: Float[Tensor, "*lead d"]) -> Float[Tensor, "*lead d"]:
-        groups = x.unflatten(-1, (-1, self.group))  # [.. n_groups group]
-        return rms_norm_unit_offset(groups, self.weight.view(-1, self.group), self.eps).flatten(-2)
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, self.group))  # [.. n_groups group]
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.to(x32.dtype).view(-1, self.group))).flatten(-2).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, group={self.group}, eps={self.eps}"
