@@ -190,6 +190,8 @@ FAMILY: dict[str, dict[str, Any]] = {
                                               "kernels take it and drop it"),
               "return_last_states": Ignore("read in mode 'train' only: whether the kernel also returns its last "
                                            "state, not what it computes")},
+    "qwen4_exp": {"hidden_act": Vary("gelu", (("output_gate_type", "silu"),)), "output_gate_type": Vary("sigmoid"),
+                  "ngram_size": Vary(5), "ple_conv_kernel_size": Vary(3), "seed": Vary(7)},
 }
 
 
