@@ -129,7 +129,7 @@ class ResidualStreamMethods:
                           has_batch_dim: bool | None = None, recompute_ln: bool = False) -> Tensor:
         """Normalise a stack of components as the norm at `layer` normalised the full residual."""
         layer = self._final_layer(layer)
-        d_model = self.model.cfg.d_model
+        d_model = self.model.dims.get("d_stream", self.model.cfg.d_model)  # the residual's width (Qwen4-Exp: streams)
         if not torch.is_tensor(residual_stack) or residual_stack.ndim < 2 or residual_stack.shape[-1] != d_model:
             shape = tuple(residual_stack.shape) if torch.is_tensor(residual_stack) else type(residual_stack).__name__
             raise ValueError(f"apply_ln_to_stack: residual_stack must be [..., pos, d_model={d_model}], got {shape}")
@@ -370,6 +370,10 @@ class ResidualStreamMethods:
                     expert_parts, names = self._expert_parts(l, w)
                     mlp_parts += [slice_pos(p, pos_slice) for p in expert_parts]
                     mlp_labels += names
+                elif w.kind != "mlp" and not any(site.module is w.module for site in model_map(self.model).layer_sites(l)):
+                    mlp_parts.append(slice_pos(self.cache_dict[w.out_hook.name], pos_slice)[None])  # no units: whole
+                    mlp_labels.append(f"{l}_{w.kind}_out")  # (Qwen4-Exp's per-layer embeddings)
+                    with_bias = False
                 elif w.kind == "mlp":
                     neurons, names = self.stack_neuron_results(l + 1, pos_slice=pos_slice, return_labels=True)
                     keep = [i for i, n in enumerate(names) if n.startswith(label(l, "N"))]

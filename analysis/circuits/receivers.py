@@ -379,8 +379,9 @@ class ModuleReceiver(_WholeInput):
         if grads[0] is None:
             out.zero_()
         else:
-            out[0] = grads[0]
-            out[0:1] = self.site.pull_(self._read, out[0:1])
+            # the module's input gradient pulled back through its norm to the stream (a read may be narrower than
+            # the stream: Qwen4-Exp's hyper-connections, hooked/models/hyper_residual.py)
+            out[0:1] = self.site.pull_(self._read, grads[0][None].clone())
         return None
 
     def _patched(self, x: Tensor, delta: Tensor) -> Tensor:

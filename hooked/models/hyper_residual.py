@@ -6,28 +6,30 @@ Glossary
     rank        hc_lowrank: the width of the read weights' bottleneck
     stream      the residual, n_streams blocks of d_model side by side (stream s = features s*d .. (s+1)*d)
 
-HyperConnection (a sublayer's "norm": what the sublayer reads, and how its output is written back):
+HyperConnection (a sublayer's "norm": what the sublayer reads, and the weights its output is written with):
     normed = grouped_rmsnorm(stream)                             one RMS per stream (grouped_norm.py)
-    mix    = sigmoid(up(silu(down(normed) / n_streams)))          [.. n_streams d_model]   hook_mix
-    x      = mean_s(mix_s * normed_s)                             [.. d_model]   hook_normalized (the read)
-    inject = 2 * sigmoid(block_inject(normed) / n_streams)        [.. n_streams] hook_inject
-The final one (the model's ln_final) has no block_inject: it only reads.
+    mix    = sigmoid(up(silu(down(normed) / n_streams)))          [.. n_streams d_model]  hook_mix
+    x      = mean_s(mix_s * normed_s)                             [.. d_model]  hook_normalized (the read)
+    inject = 2 * sigmoid(block_inject(normed) / n_streams)        [.. n_streams] hook_inject (`inject(stream)`)
+`hook_scale` [.. d_stream] is the read as one factor per stream feature, x = sum_s factor_s * stream_s
+(factor = mix * (1 + w) / (n_streams * rms_s)): the norm's "scale" as the analyses take it (normalize_with_scale
+applies a cached factor to a stack of components: linear, so they sum to the read); an edited factor is what
+the read multiplies by. The final read (the model's ln_final) has no block_inject.
 
-HyperBlock: each step adds its sublayer's output to every stream, weighted by the stream's inject weight:
+HyperBlock: each step adds its sublayer's output to every stream, weighted by that stream's inject weight:
     stream = stream + flatten(inject[.., s] * module(x))          hook_{kind}_out [batch pos d_stream]
-so the residual is still a plain sum of what the steps add (hook_{kind}_out is exactly that: zeroing it
-removes the sublayer), but the read is not a norm of a d_model residual, and what a unit writes reaches the
-stream through the inject weights of its own forward. A layer with per-layer embeddings (ple.py) first adds
-`hook_ple_out` [batch pos d_stream] to the stream. Block hooks: block.py's, on d_stream.
-
-What the analyses are told (the block protocol): `stream_map()` says the stream is n_streams x d_model wide and
-how a step's output enters it; decompositions that project a d_model component into the stream need the inject
-weights of the forward, and are refused by name (hooked/cache_resid.py asks `residual_sum()`).
+The residual is still a plain sum of what the steps add (hook_{kind}_out is exactly that; zeroing it removes
+the sublayer). The writers say how a d_model output reaches the stream: their `post_norm` is a `StreamWrite`,
+whose "scale" is the run's inject weights (hook_inject), so the analyses that carry a unit's write through a
+post-norm with that run's scale (hooked/cache_resid.py, the circuits' senders) carry it into the streams. A layer
+with per-layer embeddings (ple.py) has a first writer of kind "ple", reading the stream itself (a NoNorm,
+`ple_in`): blocks.{l}.hook_ple_in, hook_ple_out [batch pos d_stream]. Block hooks are block.py's, on d_stream.
+fold_ln is refused (a read is no norm followed by linear maps).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,18 +37,18 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from hooked.hook_points import HookPoint
+from hooked.hook_points import HookPoint, through_hook
 from hooked.models.base import Context
-from hooked.models.block import ResidualBlock, Sublayer
+from hooked.models.block import ResidualBlock, Sublayer, Writer
 from hooked.models.grouped_norm import GroupedRMSNorm
 from hooked.models.language_model import LanguageModel
-from hooked.models.norms import Norm
+from hooked.models.norms import NoNorm, Norm
 
 STREAM = ("batch", "pos", "d_stream")
 
 
 class HyperConnection(Norm):
-    """Read a sublayer's input from the streams (forward: x) and the weights its output is written with (`read`)."""
+    """Read a sublayer's input from the streams (forward) and the weights its output is written with (`inject`)."""
 
     def __init__(self, d_model: int, n_streams: int, rank: int, eps: float, combine: bool = True) -> None:
         super().__init__()
@@ -60,34 +62,85 @@ class HyperConnection(Norm):
         self.block_inject_weight = nn.Linear(d_stream, n_streams, bias=False) if combine else None
         self.dims = {"n_streams": n_streams}
         self.hook_mix = HookPoint("batch pos n_streams d_model")  # the read weights, after the sigmoid
+        self.hook_scale = HookPoint("batch pos d_stream", element="wide")  # the read's factor per stream feature
         self.hook_normalized = HookPoint("batch pos d_model")  # what the sublayer reads
         if combine:
             self.hook_inject = HookPoint("batch pos n_streams")  # the write weights
+            self.write = StreamWrite(self)  # how the sublayer's output enters the streams (its writer's post_norm)
 
-    def read(self, stream: Float[Tensor, "batch pos d_stream"]
-             ) -> tuple[Float[Tensor, "batch pos d_model"], Float[Tensor, "batch pos n_streams"] | None]:
-        normed = self.hc_norm(stream)
+    @property
+    def weight(self) -> Tensor:
+        return self.hc_norm.weight
+
+    def input_grads_(self, x: Float[Tensor, "*lead d_stream"], grads: Float[Tensor, "n *lead d_model"]) -> None:
+        """No closed form (the read narrows the stream, its weights depend on it): the caller takes autograd's."""
+        return None
+
+    def _mix(self, normed: Tensor) -> Tensor:
         mix = F.silu(self.input_mix_weight_down(normed) / self.n_streams)
-        mix = torch.sigmoid(self.input_mix_weight_up(mix)).unflatten(-1, (self.n_streams, self.d_model))
-        mix = self.hook_mix(mix)
-        x = (mix * normed.unflatten(-1, (self.n_streams, self.d_model))).mean(dim=-2)
-        x = self.hook_normalized(x)
-        if self.block_inject_weight is None:
-            return x, None
-        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.n_streams)
-        inject = self.hook_inject(inject)
-        return x, inject
+        return torch.sigmoid(self.input_mix_weight_up(mix)).unflatten(-1, (self.n_streams, self.d_model))
+
+    def _factor(self, stream: Tensor, mix: Tensor) -> Tensor:
+        """mix * (1 + w) / (n_streams * rms_s): the read as a factor of each stream feature (wide dtype)."""
+        x32 = stream.to(torch.promote_types(stream.dtype, torch.float32)).unflatten(-1, (self.n_streams, self.d_model))
+        inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.hc_norm.eps)
+        gain = 1.0 + self.hc_norm.weight.to(x32.dtype).view(self.n_streams, self.d_model)
+        return (mix.to(x32.dtype) * gain * inv / self.n_streams).flatten(-2)
 
     def forward(self, stream: Float[Tensor, "batch pos d_stream"]) -> Float[Tensor, "batch pos d_model"]:
-        return self.read(stream)[0]
+        normed = self.hc_norm(stream)
+        mix = self.hook_mix(self._mix(normed))
+        fast = (mix * normed.unflatten(-1, (self.n_streams, self.d_model))).mean(dim=-2)
+        if self.hook_scale.is_active:
+            factor, edited = through_hook(self.hook_scale, self._factor(stream, mix))
+            if edited is not None:
+                fast = self.normalize_with_scale(stream, factor).to(stream.dtype)
+        return self.hook_normalized(fast)
+
+    def inject(self, stream: Float[Tensor, "batch pos d_stream"]) -> Float[Tensor, "batch pos n_streams"]:
+        inject = 2 * torch.sigmoid(self.block_inject_weight(self.hc_norm(stream)) / self.n_streams)
+        return self.hook_inject(inject)
+
+    def normalize_with_scale(self, stack: Float[Tensor, "*comp d_stream"],
+                             scale: Float[Tensor, "*batch d_stream"]) -> Float[Tensor, "*comp d_model"]:
+        """The read of each component at a run's factor (hook_scale): linear, components sum to the read."""
+        return (scale.to(stack.dtype) * stack).unflatten(-1, (self.n_streams, self.d_model)).sum(dim=-2)
+
+    def normalize_fresh(self, stack: Float[Tensor, "*comp d_stream"]) -> Float[Tensor, "*comp d_model"]:
+        """Each component read on its own (its own norms and mix weights; no hooks fire)."""
+        normed = self.hc_norm(stack)
+        return (self._mix(normed) * normed.unflatten(-1, (self.n_streams, self.d_model))).mean(dim=-2)
 
     def extra_repr(self) -> str:
         return f"n_streams={self.n_streams}, d_model={self.d_model}, combine={self.block_inject_weight is not None}"
 
 
-def spread(inject: Float[Tensor, "*lead n_streams"], out: Float[Tensor, "*lead d_model"]) -> Float[Tensor, "*lead d_stream"]:
-    """A d_model output written into every stream with its inject weight: [.., s * d + i] = inject_s * out_i."""
+def spread(inject: Float[Tensor, "*lead n_streams"], out: Float[Tensor, "*units d_model"]) -> Tensor:
+    """A d_model output written into every stream with its inject weight: [.., s * d + i] = inject_s * out_i
+    (out may carry leading unit axes: [units .. d_model] -> [units .. d_stream])."""
     return (inject[..., :, None] * out[..., None, :]).flatten(-2)
+
+
+class StreamWrite(nn.Module):
+    """How a step's d_model output enters the streams, in the shape of a post-norm: `hook_scale` is the run's
+    inject weights (its HyperConnection's hook_inject), `normalize_with_scale` spreads with them. In
+    the module tree once, as ln{i}.write, holding no parameters or hooks of its own (its read's are ln{i}'s)."""
+
+    def __init__(self, read: HyperConnection) -> None:
+        super().__init__()
+        self.__dict__["read"] = read  # not a child (it is the parent)
+
+    @property
+    def hook_scale(self) -> HookPoint:
+        return self.read.hook_inject
+
+    @property
+    def weight(self) -> Tensor:
+        return self.read.block_inject_weight.weight
+
+    def normalize_with_scale(self, stack: Float[Tensor, "*comp d_model"],
+                             scale: Float[Tensor, "*batch n_streams"]) -> Float[Tensor, "*comp d_stream"]:
+        return spread(scale.to(stack.dtype), stack)
 
 
 class HyperBlock(ResidualBlock):
@@ -102,22 +155,28 @@ class HyperBlock(ResidualBlock):
         self.n_streams = n_streams
         self.dims = {"d_stream": n_streams * d_model, "n_streams": n_streams}
         if ple is not None:
+            self.hook_ple_in = HookPoint("batch pos d_stream")
+            self.ple_in = NoNorm()
             self.ple = ple
             self.hook_ple_out = HookPoint("batch pos d_stream")
         else:
             self.ple = None
         for name, point in self.named_children():
-            if name.startswith("hook_") and name != "hook_ple_out":
+            if name.startswith("hook_"):
                 point.axes = STREAM
 
-    @property
-    def reads_tokens(self) -> bool:
-        return self.ple is not None
+    def writers(self) -> Iterator[Writer]:
+        """The PLE (when the layer has one, step 0), then the steps, each written through its StreamWrite."""
+        if self.ple is not None:
+            yield Writer("ple", self.ple, self.hook_ple_out, self.ple_in, step=0)
+        for _, i, step in self._plan:
+            read = getattr(self, f"ln{i}")
+            yield Writer(step.kind, getattr(self, step.kind), getattr(self, f"hook_{step.kind}_out"), read,
+                         post_norm=read.write, step=i)
 
-    def residual_sum(self) -> bool:
-        """False: what a unit writes reaches the stream through this forward's inject weights, so a d_model
-        decomposition of the residual is not this block's (decompositions refuse it by name)."""
-        return False
+    @property
+    def kind(self) -> str:
+        return self._plan[0][2].kind
 
     def norm_readers(self) -> list[tuple[nn.Module, list[nn.Module]]]:
         raise ValueError("fold_ln: a hyper-connection's read is not a norm followed by linear maps (its weights "
@@ -126,13 +185,14 @@ class HyperBlock(ResidualBlock):
     def forward(self, resid: Float[Tensor, "batch pos d_stream"], ctx: Context) -> Float[Tensor, "batch pos d_stream"]:
         resid = self.hook_resid_pre(resid)
         if self.ple is not None:
-            resid = resid + self.hook_ple_out(self.ple(resid, ctx))
+            resid = resid + self.hook_ple_out(self.ple(self.ple_in(self.hook_ple_in(resid)), ctx))
         for n, (_, i, step) in enumerate(self._plan):
             if n == 1:
                 resid = self.hook_resid_mid(resid)
-            x, inject = getattr(self, f"ln{i}").read(getattr(self, f"hook_{step.kind}_in")(resid))
-            out = getattr(self, step.kind)(x, ctx)
-            resid = resid + getattr(self, f"hook_{step.kind}_out")(spread(inject, out))
+            stream = getattr(self, f"hook_{step.kind}_in")(resid)
+            read = getattr(self, f"ln{i}")
+            out = getattr(self, step.kind)(read(stream), ctx)
+            resid = resid + getattr(self, f"hook_{step.kind}_out")(spread(read.inject(stream), out))
         return self.hook_resid_post(resid)
 
     def extra_repr(self) -> str:
@@ -142,16 +202,17 @@ class HyperBlock(ResidualBlock):
 
 class StreamsLanguageModel(LanguageModel):
     """language_model.py's model on n_streams copies of the residual: the embedding enters every stream
-    (stream = [embed, .., embed], the input of block 0), and ln_final is a HyperConnection's read."""
+    (hook_embed [batch pos d_stream]: [embed, .., embed], the input of block 0), ln_final is a HyperConnection's
+    read."""
 
     def __init__(self, cfg: Any, blocks: Sequence[nn.Module], final_read: HyperConnection, **kwargs: Any) -> None:
         self.n_streams = final_read.n_streams
         super().__init__(cfg, blocks, final_read, **kwargs)
-        self.reads_embedding = False
+        self.hook_embed.axes = STREAM
 
     @property
     def dims(self) -> dict[str, int]:
         return {**super().dims, "d_stream": self.n_streams * self.cfg.d_model, "n_streams": self.n_streams}
 
     def embed_input(self, tokens: Int[Tensor, "batch pos"], ctx: Context) -> Float[Tensor, "batch pos d_stream"]:
-        return super().embed_input(tokens, ctx).repeat(1, 1, self.n_streams)
+        return self.hook_embed(self._scaled(self.embed(tokens)).repeat(1, 1, self.n_streams))

@@ -106,6 +106,12 @@ class PerLayerEmbedding(nn.Module):
         conv = self.hook_conv(conv)
         return written + conv
 
+    def input_linears(self) -> list[nn.Module]:
+        return [self.key_proj, self.value_proj]
+
+    def output_bias(self) -> Tensor | None:
+        return None
+
     def _conv(self, x: Float[Tensor, "batch pos d_stream"]) -> Float[Tensor, "batch pos d_stream"]:
         """The dilated causal depthwise conv: out[t] = sum_k w[k] x[t - (K - 1 - k) N] (zeros before the start)."""
         reach = (self.width - 1) * self.dilation
