@@ -324,8 +324,13 @@ def reads_inside_blocks(model, run) -> list[str]:
     return counter.seen
 
 
+# families whose forward reads the host by design, and why
+HOST_READS = {"qwen4_exp": "QSA selects each query's blocks with top-k on exactly HF's scores (ties broken as torch "
+                           "breaks them on that vector), sized by the query's count of complete blocks"}
+
+
 @pytest.mark.parametrize("scan", [None, "chunked", "fused"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in HOST_READS])
 def test_no_host_read_inside_blocks_without_hooks(family, scan):
     model = tiny(family)
     tokens, mask = batch()

@@ -162,7 +162,7 @@ def site(name: str):
 
 SITES = ["mamba", "falcon_mamba", "jamba", "mamba2", "zamba2", "bamba", "granite", "falcon_h1", "nemotron_h",
          "llamba", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "recurrent_gemma", "minimax",
-         "rwkv", "zamba", "xlstm"]
+         "rwkv", "zamba", "xlstm", "qwen4_exp"]
 
 
 def tokens(seed: int = 0, pos: int = POS):
