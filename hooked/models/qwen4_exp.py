@@ -65,12 +65,15 @@ class Qwen4ExpConfig(Qwen3_5Config):
             raise ValueError("every Qwen4-Exp MLP is a mixture of experts (n_experts must be set)")
         bad = [l for l in self.ple_layers if not 0 <= l < self.n_layers or self.layer_types[l] != "delta"]
         if bad:
-            raise ValueError(f"PLE layers must be delta layers in [0, {self.n_layers}), got {bad}")
+            raise ValueError(f"PLE layers [ple_layer_ids] must be delta layers in [0, {self.n_layers}), got {bad}")
         if self.ple_layers and self.eos is None:
             raise ValueError("PLE layers need eos (eos_token_id): it marks the n-grams' document boundaries")
-        if self.idx_budget % self.idx_ratio or self.rotary.d_rot > self.d_idx:
-            raise ValueError(f"QSA needs idx_budget ({self.idx_budget}) divisible by idx_ratio ({self.idx_ratio}) "
-                             f"and the rotary width ({self.rotary.d_rot}) within d_idx ({self.d_idx})")
+        if self.idx_budget % self.idx_ratio:
+            raise ValueError(f"QSA: idx_budget [indexer_budget] ({self.idx_budget}) must be a multiple of idx_ratio "
+                             f"[indexer_compress_ratio] ({self.idx_ratio})")
+        if self.rotary.d_rot > self.d_idx:
+            raise ValueError(f"QSA: the attention's rotary width ({self.rotary.d_rot}) must fit an index head, d_idx "
+                             f"[indexer_head_dim] ({self.d_idx})")
 
     @property
     def mixer(self) -> DeltaSpec:
