@@ -13,6 +13,11 @@ Padding positions read as eos and are zeroed before the conv (as HF's conv mask)
 equals its prompt alone. While decoding, the state keeps the last N - 1 tokens (the n-gram context) and
 the last (K - 1) * N conv inputs.
 
+For the analyses PLE is a writer of kind "ple" (hyper_residual.py), not a token mixer: its output is one
+component of the residual decompositions and one circuit node ("ple{l}"), but knockout does not cut what it moves
+between positions (the n-gram context reads token ids; the conv reads the gated values of positions t - N k, and
+so, through each one's gate, the streams there).
+
 Hooks under blocks.{l}.ple.: hook_embed [batch pos ple_dim], hook_gate [batch pos n_streams] (before the
 sigmoid), hook_written [batch pos d_stream], hook_conv [batch pos d_stream] (after the SiLU); the block
 adds the output as blocks.{l}.hook_ple_out.
