@@ -58,7 +58,7 @@ class Baseline:
             return record(model, self.graph, x.tokens, x.attention_mask, tail=tail)
         acts = Activations(self.graph)
         batch, pos = clean.tokens.shape
-        d = model.cfg.d_model
+        d = model.hook_shape("blocks.0.hook_resid_pre", batch=1, pos=1)[-1]  # the stream's width, as its hooks say
         like = next(model.parameters())
         for k, (g, ss) in enumerate(zip(self.graph.sender_groups, self.graph.sender_slices)):
             shape = (ss.stop - ss.start, batch, pos, d)
