@@ -235,8 +235,8 @@ class TimeMix(RecurrentCut, TokenMixer, nn.Module):
                                                                                 float("-inf"))
         h0 = None if ctx.state is None else ctx.state.ssm_state(self)  # scaled (a', b', m)
         y, scaled, log_den = wkv_scan(w, u, k, v, h0)
-        notes = forward_notes()
-        if notes is not None:  # for this forward's knockout and kernel slices
+        notes = forward_notes() if self.hook_y.is_active else None  # (a plain forward reads no context: compiles)
+        if notes is not None:  # for this forward's knockout and kernel slices, both hooks on hook_y
             notes[("rwkv", id(self))] = (w, u, k, v, h0, log_den)
         last = scaled[:, -1]
         if self.hook_h.is_active:
