@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from analysis.circuits.attribution import chunks
 from analysis.circuits.graph import Graph
 from analysis.circuits.prompts import Prompts, check_metric, prompt_pair, prompts_of
 from analysis.circuits.runs import Activations, patched, record
@@ -83,8 +84,6 @@ def means_of(model: Any, graph: Graph, reference: Prompts, per_position: bool,
              batch_size: int | None) -> tuple[list[Tensor], Tensor]:
     """Per sender group its mean activation [n 1 1|pos d_model] over the reference's real positions (see the
     glossary), and the token embedding's [1 1 1|pos d_model]."""
-    from analysis.circuits.eap import chunks  # eap imports this module
-
     keep = (1,) if per_position else (1, 2)  # batch, or batch and positions
     count = reference.batch if per_position else int(reference.lengths.sum())
     sums: list[Tensor] | None = None

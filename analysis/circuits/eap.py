@@ -49,14 +49,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from analysis.circuits.attribution import GraphReader, attribute, settings_of
+from analysis.circuits.attribution import chunks  # noqa: F401  (re-exported)
 from analysis.circuits.baselines import INTERVENTIONS, prepare
 from analysis.circuits.graph import Edge, Graph
-from analysis.circuits.integrated import STEPS_AT, activation_ig, alphas, clean_corrupted
-from analysis.circuits.metrics import WithClean, at_rows, tail_of, with_clean
-from analysis.circuits.prompts import Prompts, pad_free, prompts_of, unpadded
-from analysis.circuits.runs import Grads, ReceiverGrads, forward_logits, gradients, record
+from analysis.circuits.integrated import STEPS_AT, activation_ig, clean_corrupted
+from analysis.circuits.prompts import pad_free, prompts_of
+from analysis.circuits.runs import Grads, ReceiverGrads
 from hooked.models.protocol import ATTENTION_MODES
-from hooked.validate import Flag, Instance, Integer, OneOf, checked, metric_name, metric_value
+from hooked.validate import Flag, Instance, Integer, OneOf, checked
 
 METHODS = ("eap", "eap-ig", "eap-ig-activations", "clean-corrupted")
 Metric = Callable[[Tensor], Tensor]
@@ -140,12 +141,6 @@ def pair(model: Any, clean: Any, corrupt: Any) -> tuple[Tensor, Tensor]:
     return clean, corrupt
 
 
-def chunks(n: int, batch_size: int | None) -> list[slice]:
-    """Slices of `batch_size` prompts (checked at the entry points: an integer >= 1 or None, all at once)."""
-    size = n if batch_size is None else batch_size
-    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
-
-
 def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads | ReceiverGrads,
                  blocks: int = 4) -> Tensor:
     """score[e] = diff[s_e] . grad[r_e] summed over batch, positions and d_model (+ the embedding slot).
@@ -207,75 +202,21 @@ def edge_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, metho
                               attention_mask, metric)
     total, values = None, [0.0, 0.0]
     token = TokenGradients(model, attention, width=clean.width) if token_edges else None
-    n = clean.batch
-    for part in chunks(n, batch_size):
-        weight, m = (part.stop - part.start) / n, at_rows(metric, part)
-        cp = clean.rows(part)
+    for ch in attribute(model, GraphReader(graph), clean, baseline, metric, method, steps, steps_at, batch_size,
+                        token, values):
         if method == "clean-corrupted":
-            value, value_corrupt, s = clean_corrupted(model, graph, cp, baseline.corrupt.rows(part), m)
-            values[0], values[1] = values[0] + weight * value, values[1] + weight * value_corrupt
-            total = weight * s if total is None else total + weight * s
-            continue
-        c_logits, corr = baseline.activations(model, part, cp, tail=tail_of(m))
-        # first: a patched run (zero, mean) resets the norm sites that pending gradients read
-        ablated = baseline.ablated(model, cp, corr, c_logits, tail=tail_of(m))
-        if method == "eap":
-            bound = with_clean(m)  # a metric reading the clean logits gets this run's own
-            value, cl, grads = gradients(model, graph, cp.tokens, bound, cp.attention_mask, token=token, pending=True)
-            cl_logits = bound.clean if isinstance(bound, WithClean) else None
+            corrupt_rows = baseline.corrupt.rows(ch.part)
+            ch.value, ch.ablated, s = clean_corrupted(model, graph, ch.clean, corrupt_rows, ch.metric)
+        elif method == "eap-ig-activations":
+            s = activation_ig(model, graph, ch.clean, ch.base, ch.run, ch.clean_logits, ch.metric, steps, steps_at)
         else:
-            cl_logits, cl = record(model, graph, cp.tokens, cp.attention_mask, tail=tail_of(m))
-        values[1] += weight * metric_value(with_clean(m, cl_logits)(ablated), metric_name(metric))
-        if method == "eap-ig":
-            value, grads = _integrated(model, graph, cp, corr, cl, with_clean(m, cl_logits), steps, token,
-                                       steps_at, cl_logits)
-        if method == "eap-ig-activations":
-            value = metric_value(with_clean(m, cl_logits)(cl_logits), metric_name(metric))
-            s = weight * activation_ig(model, graph, cp, corr, cl, cl_logits, m, steps, steps_at)
-        else:
-            diff = corr.minus(cl)
-            emb_diff = None if cl.emb is None else corr.emb - cl.emb
-            if cp.attention_mask is not None:  # pad positions add nothing (glossary: padding)
-                diff, emb_diff = pad_free(diff, cp.attention_mask), pad_free(emb_diff, cp.attention_mask)
-            s = weight * _edge_scores(graph, diff, emb_diff, grads)
-        values[0] += weight * value
-        total = s if total is None else total + s
-        if token is not None:
-            token.close_chunk(weight)
-    settings: dict[str, Any] = {"method": method, "intervention": intervention}
-    if method in ("eap-ig", "eap-ig-activations"):
-        settings.update(steps=steps, steps_at=steps_at)
-    if intervention == "mean":
-        settings["per_position"] = per_position
-    if clean.padded:  # prompts of different lengths
-        settings["lengths"] = clean.lengths.tolist()
+            diff = ch.base.minus(ch.run)
+            emb_diff = None if ch.run.emb is None else ch.base.emb - ch.run.emb
+            if ch.clean.attention_mask is not None:  # pad positions add nothing (glossary: padding)
+                diff, emb_diff = pad_free(diff, ch.clean.attention_mask), pad_free(emb_diff, ch.clean.attention_mask)
+            s = _edge_scores(graph, diff, emb_diff, ch.grads)
+        total = ch.weight * s if total is None else total + ch.weight * s
     return EdgeScores(graph, total, method, values[0], values[1], token.scores() if token is not None else None,
-                      settings=settings)
+                      settings=settings_of(method, steps, steps_at, intervention, per_position, clean))
 
 
-def _integrated(model: Any, graph: Graph, clean: Prompts | Tensor, corr: Any, cl: Any, metric: Metric, steps: int,
-                token: Any, steps_at: str = "mid", clean_logits: Tensor | None = None) -> tuple[float, Grads]:
-    """Receiver gradients averaged over embeddings interpolated from the baseline's to clean (EAP-IG) at
-    integrated.alphas(steps, steps_at). Token edges estimate a cut of the clean run: their gradients come
-    from one more run, on clean; without them the metric's clean value is read off `clean_logits`."""
-    clean = clean if isinstance(clean, Prompts) else unpadded(clean)
-    e_corr = corr.emb[0]  # the baseline's token embedding (hook_embed)
-    total = None
-    for alpha in alphas(steps, steps_at):
-
-        def embed(x: Tensor, alpha: float = alpha) -> Tensor:
-            return e_corr.to(x) + alpha * (x - e_corr.to(x))
-
-        _, _, (g, ge) = gradients(model, graph, clean.tokens, metric, clean.attention_mask, embed=embed)
-        g, ge = g.div_(steps), [None if e is None else e / steps for e in ge]
-        total = (g, ge) if total is None else (total[0].add_(g), [None if a is None else a + e
-                                                                 for a, e in zip(total[1], ge)])
-    if token is not None:
-        value = gradients(model, graph, clean.tokens, metric, clean.attention_mask, token=token)[0]
-    elif clean_logits is not None:
-        value = metric_value(metric(clean_logits), metric_name(metric))
-    else:
-        with torch.no_grad():
-            logits = forward_logits(model, clean.tokens, clean.attention_mask, tail_of(metric))
-            value = metric_value(metric(logits), metric_name(metric))
-    return value, total

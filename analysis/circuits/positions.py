@@ -17,7 +17,15 @@ Glossary
                     the knockout machinery (token_edges.cut_token_edges). `position_effects` gives each
                     edge's exact effect alone, `verify_positions` a circuit's: every position edge outside it
                     carries the corrupt run, with the token edges in `cut` cut in the same run.
-Prompts are one length and positions are shared by the batch: scores at p sum over the prompts' position p.
+    prompts         edge_attribution's (prompts.py): lists or padded batches, `intervention` (patch, zero,
+                    mean: the estimate's diff and the exact runs' source are the baseline's, baselines.py),
+                    `steps_at`, metrics reading the clean logits. One estimate loop with edge_attribution
+                    (attribution.py), the product kept per position.
+    positions       the padded batch's COLUMNS, shared by the batch: a score at p sums the prompts' column p.
+                    Prompts are left-padded, so prompt b's own position q is column q + width - length_b
+                    (width: the longest prompt; `settings["lengths"]` holds the lengths); columns counted
+                    from the end (-1: every prompt's last token) agree across prompts. Pad columns score 0
+                    and patching them changes nothing.
 """
 
 from __future__ import annotations
@@ -32,14 +40,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.eap import BATCH_SIZE, _integrated, chunks, pair
+from analysis.circuits.attribution import GraphReader, attribute, real, settings_of
+from analysis.circuits.baselines import prepare
+from analysis.circuits.eap import BATCH_SIZE
 from analysis.circuits.graph import Graph, graph_of
-from analysis.circuits.metrics import at_rows, tail_of
-from analysis.circuits.runs import ReceiverGrads, gradients, patched, record
-from analysis.circuits.token_edges import TokenEdge, TokenEdgeScores, TokenGradients, cut_token_edges
-from analysis.circuits.verify import _faith, metric_of, sweep
+from analysis.circuits.integrated import STEPS_AT
+from analysis.circuits.runs import ReceiverGrads
+from analysis.circuits.token_edges import TokenEdge, TokenEdgeScores, TokenGradients, cut_token_edges, in_chunk
+from analysis.circuits.verify import ABLATION, MASK, _ablated_sweep, _faith, metric_of, sweep
 from hooked.models.protocol import ATTENTION_MODES
-from hooked.validate import Flag, Integer, OneOf, as_index, checked, metric_name, metric_value
+from hooked.validate import Flag, Integer, OneOf, as_index, checked
 
 Metric = Callable[[Tensor], Tensor]
 _TEXT = re.compile(r"^(?P<sender>[^-]+)->(?P<receiver>[^@]+)@(?P<pos>-?\d+)$")
@@ -83,9 +93,10 @@ class PositionScores:
     (a PositionEdge, "s->r@p" or a TokenEdge); `at(edge)` the graph edge's scores over positions."""
 
     def __init__(self, graph: Graph, scores: Tensor, token: TokenEdgeScores | None, method: str,
-                 clean_metric: float, corrupt_metric: float) -> None:
+                 clean_metric: float, corrupt_metric: float, settings: dict[str, Any] | None = None) -> None:
         self.graph, self.scores, self.token, self.method = graph, scores.detach().double().cpu(), token, method
         self.clean_metric, self.corrupt_metric = clean_metric, corrupt_metric
+        self.settings: dict[str, Any] = dict(settings or {})  # what produced them (attribution.settings_of)
         self.n_pos = self.scores.shape[1]
 
     def __repr__(self) -> str:
@@ -132,7 +143,8 @@ class PositionScores:
     def to_dict(self, n: int | None = None) -> dict[str, Any]:
         """The scores as plain data: every position edge (or the top n of each kind) and token edge."""
         tokens = [] if self.token is None else self.token.top(len(self.token) if n is None else n)
-        return {"method": self.method, "clean_metric": self.clean_metric, "corrupt_metric": self.corrupt_metric,
+        return {"method": self.method, "settings": self.settings, "clean_metric": self.clean_metric,
+                "corrupt_metric": self.corrupt_metric,
                 "n_pos": self.n_pos, "n_edges": len(self.graph),
                 "position_edges": [{"sender": e.sender, "receiver": e.receiver, "pos": e.pos, "score": e.score}
                                    for e in self.position_edges(n)],
@@ -170,34 +182,28 @@ def _position_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads:
 
 
 @checked(method=OneOf("eap", "eap-ig"), steps=Integer(ge=1), token_edges=Flag(), batch_size=BATCH_SIZE,
-         attention=OneOf(*ATTENTION_MODES))
+         attention=OneOf(*ATTENTION_MODES), attention_mask=MASK, steps_at=OneOf(*STEPS_AT), **ABLATION)
 def position_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, method: str = "eap", steps: int = 5,
-                         token_edges: bool = True, batch_size: int | None = None,
-                         attention: str = "scores") -> PositionScores:
-    """Scores of every position edge (and, with token_edges, every token edge) by EAP or EAP-IG (glossary).
+                         token_edges: bool = True, batch_size: int | None = None, attention: str = "scores",
+                         attention_mask: Tensor | None = None, intervention: str = "patch", reference: Any = None,
+                         per_position: bool = False, steps_at: str = "mid") -> PositionScores:
+    """Scores of every position edge (and, with token_edges, every token edge) by EAP or EAP-IG (glossary),
+    with edge_attribution's arguments (prompts, intervention, steps_at, metrics reading the clean logits).
 
-    Costs what edge_attribution costs: the same forwards, the product kept per position."""
-    clean, corrupt = pair(model, clean, corrupt)
+    Costs what edge_attribution costs: the same forwards (attribution.py), the product kept per position."""
     graph = graph_of(model)
-    token = TokenGradients(model, attention) if token_edges else None
-    total, values, n = None, [0.0, 0.0], clean.shape[0]
-    for part in chunks(n, batch_size):
-        weight, m = (part.stop - part.start) / n, at_rows(metric, part)
-        c_logits, corr = record(model, graph, corrupt[part], tail=tail_of(m))
-        values[1] += weight * metric_value(m(c_logits), metric_name(metric))
-        if method == "eap":
-            value, cl, grads = gradients(model, graph, clean[part], m, token=token, pending=True)
-        else:
-            _, cl = record(model, graph, clean[part], tail=tail_of(m))
-            value, (g, ge) = _integrated(model, graph, clean[part], corr, cl, m, steps, token)
-            grads = _Pulled(graph, g, ge)
-        values[0] += weight * value
-        emb_diff = None if cl.emb is None else corr.emb - cl.emb
-        s = weight * _position_scores(graph, corr.minus(cl), emb_diff, grads)
-        total = s if total is None else total + s
-        if token is not None:
-            token.close_chunk(weight)
-    return PositionScores(graph, total, token.scores() if token is not None else None, method, *values)
+    clean, baseline = prepare(model, graph, clean, corrupt, intervention, reference, per_position, batch_size,
+                              attention_mask, metric)
+    token = TokenGradients(model, attention, width=clean.width) if token_edges else None
+    total, values = torch.zeros(len(graph), clean.width, dtype=torch.float64), [0.0, 0.0]
+    for ch in attribute(model, GraphReader(graph), clean, baseline, metric, method, steps, steps_at, batch_size,
+                        token, values):
+        diff = real(ch.base.minus(ch.run), ch.clean.attention_mask)  # pad positions add nothing
+        emb_diff = None if ch.run.emb is None else real(ch.base.emb - ch.run.emb, ch.clean.attention_mask)
+        grads = ch.grads if method == "eap" else _Pulled(graph, *ch.grads)
+        total[:, clean.width - ch.clean.width:] += ch.weight * _position_scores(graph, diff, emb_diff, grads).cpu()
+    return PositionScores(graph, total, token.scores() if token is not None else None, method, *values,
+                          settings=settings_of(method, steps, steps_at, intervention, per_position, clean))
 
 
 class _Pulled:
@@ -220,62 +226,58 @@ def _coefs(graph: Graph, n_pos: int, rows: Sequence[Sequence[tuple[int, int]]], 
     return coef
 
 
-def _patched_metric(model: Any, graph: Graph, clean: Tensor, corrupt: Tensor, coef: Tensor, metric: Metric,
-                    batch_size: int | None, cut: Sequence[Any], attention: str) -> Tensor:
-    """[len(coef)] metric of clean patched by each row of coef [k, n_edges, pos] from the corrupt run (recorded
-    with no cut), with the token edges `cut` cut in the patched runs."""
-    out = torch.zeros(coef.shape[0], dtype=torch.float64)
-    n, dtype = clean.shape[0], next(model.parameters()).dtype
-    for part in chunks(n, batch_size):
-        rows, m = part.stop - part.start, at_rows(metric, part)
-        _, src = record(model, graph, corrupt[part])
-        with cut_token_edges(model, cut, attention):
-            for k in range(coef.shape[0]):
-                logits = patched(model, graph, clean[part], src, coef[k:k + 1].to(dtype), tail=tail_of(m))
-                out[k] += rows / n * metric_value(m(logits), metric_name(metric))
-    return out
+def _cuts(model: Any, cut: Sequence[Any], attention: str) -> Callable[[int], Any] | None:
+    """For verify.sweep: the token edges `cut` cut in a chunk whose first `offset` columns are trimmed."""
+    if not cut:
+        return None
+    return lambda offset: cut_token_edges(model, in_chunk(cut, offset), attention)
 
 
-@checked(attention=OneOf(*ATTENTION_MODES), batch_size=BATCH_SIZE)
+@checked(attention=OneOf(*ATTENTION_MODES), batch_size=BATCH_SIZE, attention_mask=MASK, **ABLATION)
 def position_effects(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
-                     attention: str = "scores", batch_size: int | None = None) -> Tensor:
-    """[len(edges)] the metric's exact change for each edge alone: a position edge carrying the corrupt run
-    (at its position only), a token edge cut in the clean run (what each kind's estimate estimates)."""
-    clean, corrupt = pair(model, clean, corrupt)
-    graph, n_pos = graph_of(model), clean.shape[1]
+                     attention: str = "scores", batch_size: int | None = None, attention_mask: Tensor | None = None,
+                     intervention: str = "patch", reference: Any = None, per_position: bool = False) -> Tensor:
+    """[len(edges)] the metric's exact change for each edge alone: a position edge carrying the baseline
+    (`intervention`, at its position only), a token edge cut in the clean run (what each kind's estimate
+    estimates). Positions are the padded batch's columns (glossary)."""
+    graph = graph_of(model)
+    clean, baseline = prepare(model, graph, clean, corrupt, intervention, reference, per_position, batch_size,
+                              attention_mask, metric)
     base = metric_of(model, clean, metric, batch_size)
     out = torch.empty(len(edges), dtype=torch.float64)
     resid = [k for k, e in enumerate(edges) if not isinstance(e, TokenEdge)]
     if resid:
-        rows = [[position_index(graph, n_pos, edges[k], f"edges[{k}]")] for k in resid]
-        values = sweep(model, clean, corrupt, _coefs(graph, n_pos, rows, 0.0), metric, graph=graph,
+        rows = [[position_index(graph, clean.width, edges[k], f"edges[{k}]")] for k in resid]
+        values = sweep(model, clean, baseline, _coefs(graph, clean.width, rows, 0.0), metric, graph=graph,
                        batch_size=batch_size)
         out[resid] = values - base
     for k, e in enumerate(edges):
         if isinstance(e, TokenEdge):
-            with cut_token_edges(model, [e], attention):
-                out[k] = metric_of(model, clean, metric, batch_size) - base
+            out[k] = metric_of(model, clean, metric, batch_size, context=_cuts(model, [e], attention)) - base
     return out
 
 
-@checked(attention=OneOf(*ATTENTION_MODES), batch_size=BATCH_SIZE)
+@checked(attention=OneOf(*ATTENTION_MODES), batch_size=BATCH_SIZE, attention_mask=MASK, **ABLATION)
 def verify_positions(model: Any, edges: Sequence[Any], clean: Any, corrupt: Any, metric: Metric,
-                     cut: Sequence[Any] = (), attention: str = "scores",
-                     batch_size: int | None = None) -> dict[str, float]:
-    """A per-position circuit's exact metric: every position edge outside `edges` carries the corrupt run (the
-    circuit's keep the clean one), and the token edges in `cut` are cut in the same run.
+                     cut: Sequence[Any] = (), attention: str = "scores", batch_size: int | None = None,
+                     attention_mask: Tensor | None = None, intervention: str = "patch", reference: Any = None,
+                     per_position: bool = False) -> dict[str, float]:
+    """A per-position circuit's exact metric: every position edge outside `edges` carries the baseline
+    (`intervention`; the circuit's keep the clean run), and the token edges in `cut` are cut in the same run.
 
-    Returns {"circuit", "clean", "corrupt", "faithfulness", "n_edges", "fraction"} (glossary of verify.py)."""
-    clean, corrupt = pair(model, clean, corrupt)
-    graph, n_pos = graph_of(model), clean.shape[1]
-    keep = [position_index(graph, n_pos, e, f"edges[{k}]") for k, e in enumerate(edges)]
+    Returns {"circuit", "clean", "corrupt", "faithfulness", "n_edges", "fraction"} (glossary of verify.py;
+    "corrupt": the fully ablated run)."""
+    graph = graph_of(model)
+    clean, baseline = prepare(model, graph, clean, corrupt, intervention, reference, per_position, batch_size,
+                              attention_mask, metric)
+    keep = [position_index(graph, clean.width, e, f"edges[{k}]") for k, e in enumerate(edges)]
     cut = list(cut)
     for k, e in enumerate(cut):
         if not isinstance(e, (TokenEdge, tuple, list)):
             raise TypeError(f"cut[{k}]: expected a token edge (TokenEdge or (unit, target, source)), got {e!r}")
-    coef = _coefs(graph, n_pos, [keep], 1.0)
-    value = float(_patched_metric(model, graph, clean, corrupt, coef, metric, batch_size, cut, attention)[0])
-    c, x = metric_of(model, clean, metric, batch_size), metric_of(model, corrupt, metric, batch_size)
-    n_keep = len(set(keep))
+    coef = _coefs(graph, clean.width, [keep], 1.0)
+    values, c, x = _ablated_sweep(model, graph, clean, baseline, coef, metric, batch_size,
+                                  context=_cuts(model, cut, attention))
+    value, n_keep = float(values[0]), len(set(keep))
     return {"circuit": value, "clean": c, "corrupt": x, "faithfulness": _faith(value, c, x), "n_edges": n_keep,
-            "fraction": n_keep / (len(graph) * n_pos)}
+            "fraction": n_keep / (len(graph) * clean.width)}

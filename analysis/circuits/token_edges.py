@@ -198,6 +198,18 @@ def _as_triples(edges: Sequence[Any]) -> list[tuple[str, int, int]]:
     return out
 
 
+def in_chunk(edges: Sequence[Any], offset: int) -> list[tuple[str, int, int]]:
+    """The token edges of a padded batch's columns in a chunk whose first `offset` columns are trimmed:
+    positions >= 0 move back by offset (those before the chunk, pad columns of all its prompts, are
+    dropped: cutting them changes nothing); positions from the end (< 0) are the same columns."""
+    out = []
+    for unit, j, i in _as_triples(edges):
+        if 0 <= j < offset or 0 <= i < offset:
+            continue
+        out.append((unit, j if j < 0 else j - offset, i if i < 0 else i - offset))
+    return out
+
+
 @contextlib.contextmanager
 def cut_token_edges(model: Any, edges: Sequence[Any], attention: str = "scores") -> Iterator[Any]:
     """Cut exactly the listed token edges (TokenEdges or (unit, target, source)) while open: attention per

@@ -26,6 +26,7 @@ All variants of a sweep share forwards: replicas (analysis.interventions.batchin
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,12 +81,15 @@ def rescore(model: Any, scores: EdgeScores, clean: Any, corrupt: Any, metric: Me
 
 def sweep(model: Any, base: Tensor | Prompts, source: Tensor | Prompts | Baseline, coefs: Tensor, metric: Metric, *,
           graph: Graph | None = None, batch_size: int | None = None, replicas: int | None = None,
-          frozen: bool = False) -> Tensor:
+          frozen: bool = False, context: Callable[[int], Any] | None = None) -> Tensor:
     """metric of `base` patched by each row of coefs [k, n_edges] (runs.patched), [k] (float64). base and
     source: token ids of one shape, or Prompts of equal lengths (prompt_pair); or source a baselines.Baseline
     (of this graph).
 
-    Chunks of the prompts are weighted by their share of the batch (a metric that is a mean over prompts)."""
+    Chunks of the prompts are weighted by their share of the batch (a metric that is a mean over prompts).
+    coefs [k, n_edges, pos]: a weight per edge and column of the padded batch (a chunk reads its last
+    columns). context(offset): a context manager open around the patched forwards of a chunk whose first
+    `offset` columns are trimmed (positions.py: token edges cut)."""
     graph = graph or graph_of(model)
     base = _prompts(base)
     baseline = source if isinstance(source, Baseline) else Baseline(graph, "patch", corrupt=_prompts(source))
@@ -99,12 +103,17 @@ def sweep(model: Any, base: Tensor | Prompts, source: Tensor | Prompts | Baselin
         m = _bound(model, m, b)
         r = replicas or tiles_for(model, rows, b.width)
         for start in range(0, coefs.shape[0], r):
-            block = coefs[start:start + r]
-            logits = patched(model, graph, b.tokens, src, block.to(dtype), b.attention_mask, frozen=frozen,
-                             tail=tail_of(m))
+            block = coefs[start:start + r] if coefs.ndim == 2 else coefs[start:start + r, :, base.width - b.width:]
+            with _opened(context, base.width - b.width):
+                logits = patched(model, graph, b.tokens, src, block.to(dtype), b.attention_mask, frozen=frozen,
+                                 tail=tail_of(m))
             for k in range(block.shape[0]):
                 out[start + k] += (rows / n) * metric_value(m(logits[k * rows:(k + 1) * rows]), metric_name(metric))
     return out
+
+
+def _opened(context: Callable[[int], Any] | None, offset: int) -> Any:
+    return contextlib.nullcontext() if context is None else context(offset)
 
 
 def _prompts(x: Tensor | Prompts) -> Prompts:
@@ -121,30 +130,31 @@ def _bound(model: Any, metric: Metric, clean: Prompts) -> Callable[[Tensor], Ten
 
 @torch.no_grad()
 def metric_of(model: Any, tokens: Tensor | Prompts, metric: Metric, batch_size: int | None = None,
-              clean: Tensor | Prompts | None = None) -> float:
+              clean: Tensor | Prompts | None = None, context: Callable[[int], Any] | None = None) -> float:
     """The metric of an unpatched run (chunked as `sweep`); `clean`: the prompts whose logits a metric reading
-    the clean logits compares with (default: `tokens`)."""
+    the clean logits compares with (default: `tokens`); `context`: as sweep's, open around the run measured."""
     tokens = _prompts(tokens)
     clean = tokens if clean is None else _prompts(clean)
     n = tokens.batch
     total = 0.0
     for p in chunks(n, batch_size):
         m, t = _bound(model, at_rows(metric, p), clean.rows(p)), tokens.rows(p)
-        logits = forward_logits(model, t.tokens, t.attention_mask, tail_of(m))
+        with _opened(context, tokens.width - t.width):
+            logits = forward_logits(model, t.tokens, t.attention_mask, tail_of(m))
         total += (p.stop - p.start) / n * metric_value(m(logits), metric_name(metric))
     return total
 
 
 def _ablated_sweep(model: Any, graph: Graph, clean: Prompts, baseline: Baseline, coefs: Tensor, metric: Metric,
-                   batch_size: int | None) -> tuple[Tensor, float, float]:
+                   batch_size: int | None, context: Callable[[int], Any] | None = None) -> tuple[Tensor, float, float]:
     """(the sweep's values, the clean metric, the fully ablated one: the corrupt run when patching, else one
     more replica with every edge at the baseline)."""
     c = metric_of(model, clean, metric, batch_size)
     if baseline.kind == "patch":
-        values = sweep(model, clean, baseline, coefs, metric, graph=graph, batch_size=batch_size)
+        values = sweep(model, clean, baseline, coefs, metric, graph=graph, batch_size=batch_size, context=context)
         return values, c, metric_of(model, baseline.corrupt, metric, batch_size, clean=clean)
-    rows = torch.cat([coefs, torch.ones(1, len(graph), dtype=coefs.dtype)])
-    values = sweep(model, clean, baseline, rows, metric, graph=graph, batch_size=batch_size)
+    rows = torch.cat([coefs, torch.ones(1, *coefs.shape[1:], dtype=coefs.dtype)])
+    values = sweep(model, clean, baseline, rows, metric, graph=graph, batch_size=batch_size, context=context)
     return values[:-1], c, float(values[-1])
 
 
