@@ -84,21 +84,30 @@ def means_of(model: Any, graph: Graph, reference: Prompts, per_position: bool,
              batch_size: int | None) -> tuple[list[Tensor], Tensor]:
     """Per sender group its mean activation [n 1 1|pos d_model] over the reference's real positions (see the
     glossary), and the token embedding's [1 1 1|pos d_model]."""
-    keep = (1,) if per_position else (1, 2)  # batch, or batch and positions
+
+    def read(r: Prompts) -> list[Tensor]:
+        _, acts = record(model, graph, r.tokens, r.attention_mask)
+        return [acts.get(g) for g in graph.sender_groups] + [acts.emb]
+
+    *groups, emb = real_means(model, reference, per_position, batch_size, read)
+    return groups, emb
+
+
+def real_means(model: Any, reference: Prompts, per_position: bool, batch_size: int | None,
+               read: Any) -> list[Tensor]:
+    """The means of the tensors `read(chunk)` ([... batch pos d]) over the reference's prompts and real
+    positions, or over its prompts at each position ([... 1 1|pos d]); sums in float64, the model's dtype."""
+    keep = (-3,) if per_position else (-3, -2)  # batch, or batch and positions
     count = reference.batch if per_position else int(reference.lengths.sum())
     sums: list[Tensor] | None = None
-    emb = None
     for part in chunks(reference.batch, batch_size):
         r = reference.rows(part)
-        _, acts = record(model, graph, r.tokens, r.attention_mask)
         real = (torch.ones_like(r.tokens, dtype=torch.float64) if r.attention_mask is None else
-                r.attention_mask.double())[None, :, :, None]  # pad positions count for nothing
-        now = [(acts.get(g).double() * real).sum(keep, keepdim=True) for g in graph.sender_groups]
-        e = (acts.emb.double() * real).sum(keep, keepdim=True)
+                r.attention_mask.double())[:, :, None]  # pad positions count for nothing
+        now = [(x.double() * real).sum(keep, keepdim=True) for x in read(r)]
         sums = now if sums is None else [a + b for a, b in zip(sums, now)]
-        emb = e if emb is None else emb + e
     dtype = next(model.parameters()).dtype
-    return [(s / count).to(dtype) for s in sums], (emb / count).to(dtype)
+    return [(s / count).to(dtype) for s in sums]
 
 
 def prepare(model: Any, graph: Graph, clean: Any, corrupt: Any, intervention: str, reference: Any,

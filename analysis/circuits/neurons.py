@@ -8,13 +8,15 @@ Glossary
     site        one hook whose neurons are scored (`NeuronSite`): its units' labels and their width
     kinds       which sites: "mlp" (every block's dense MLP; the neurons of experts are not scored, their
                 experts are nodes, nodes.py), "ssm" (every SSM and other recurrent mixer), "attn"
-    score       EAP at the neuron: (a^corrupt - a^clean) * d metric / d a on the clean run, summed over batch
+    score       EAP at the neuron: (a^baseline - a^clean) * d metric / d a on the clean run, summed over batch
                 and positions (method "eap"); "eap-ig": the gradient averaged over `steps` runs whose token
-                embedding is interpolated from corrupt to clean at the midpoints alpha = (k + 1/2) / steps
-                (eap.py's EAP-IG). A site's neuron scores sum to its node's score where the output
+                embedding is interpolated from the baseline's to clean at integrated.alphas(steps, steps_at).
+                The loop is edge_attribution's (attribution.py: prompts of different lengths, `intervention`
+                patch / zero / mean with the baseline at the sites (neuron_runs.py), metrics reading the clean
+                logits). A site's neuron scores sum to its node's score where the output
                 projection is linear in them (an MLP's, a head's: the tests check it)
-    verify      `verify_neurons`: clean with every scored neuron outside the kept set set to its corrupt
-                value (hooks on the sites), exact; unscored sites keep their clean computation
+    verify      `verify_neurons`: clean with every scored neuron outside the kept set set to its baseline
+                (hooks on the sites), exact; unscored sites keep their clean computation
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.eap import BATCH_SIZE, chunks, pair
-from analysis.circuits.metrics import at_rows, tail_of
+from analysis.circuits.attribution import attribute, chunks, real, settings_of
+from analysis.circuits.baselines import prepare
+from analysis.circuits.eap import BATCH_SIZE
+from analysis.circuits.graph import graph_of
+from analysis.circuits.integrated import STEPS_AT
+from analysis.circuits.metrics import at_rows, tail_of, with_clean
+from analysis.circuits.neuron_runs import NeuronBaseline, NeuronReader, set_sites
+from analysis.circuits.prompts import Prompts, prompts_of
 from analysis.circuits.runs import attached, forward_logits
+from analysis.circuits.verify import ABLATION, MASK
 from hooked.models.model_map import label, model_map
 from hooked.models.protocol import ExpertMixture
-from hooked.validate import Flag, Integer, OneOf, Seq, checked, metric_name, metric_tensor, metric_value
+from hooked.validate import Flag, Integer, OneOf, Seq, checked, metric_name, metric_value
 
 Metric = Callable[[Tensor], Tensor]
 KINDS = ("mlp", "ssm", "attn")
@@ -114,75 +123,42 @@ class NeuronScores:
         return {u: float(self.scores[site.name][i].sum()) for site in self.sites for i, u in enumerate(site.units)}
 
 
-def _grads(model: Any, sites: list[NeuronSite], tokens: Tensor, metric: Metric,
-           embed: Callable[[Tensor], Tensor] | None) -> tuple[float, dict[str, Tensor], list[Tensor]]:
-    """(metric, the sites' activations, d metric / d activation at every site) of one forward and backward."""
-    seen: dict[str, Tensor] = {}
-
-    def leaf(x: Tensor, hook: Any) -> Tensor:  # the graph starts here, whatever the parameters require
-        return (embed(x.detach()) if embed is not None else x.detach()).requires_grad_(True)
-
-    def keep(x: Tensor, hook: Any) -> None:
-        seen[hook.name] = x
-
-    points = [(model.hook_embed, leaf)] + [(s.hook, keep) for s in sites]
-    with torch.enable_grad(), attached(points, []):
-        value = metric_tensor(metric(forward_logits(model, tokens, None, tail_of(metric))), metric, grad=True)
-        acts = [seen[s.name] for s in sites]
-        grads = torch.autograd.grad(value.reshape(()), acts, allow_unused=True)
-    grads = [torch.zeros_like(a) if g is None else g.detach() for a, g in zip(acts, grads)]
-    return float(value.detach()), {s.name: a.detach() for s, a in zip(sites, acts)}, grads
-
-
-@torch.no_grad()
-def _record(model: Any, sites: list[NeuronSite], tokens: Tensor, metric: Metric) -> tuple[float, dict[str, Tensor]]:
-    seen: dict[str, Tensor] = {}
-
-    def keep(x: Tensor, hook: Any) -> None:
-        seen[hook.name] = x.detach()
-
-    with attached([(model.hook_embed, keep)] + [(s.hook, keep) for s in sites], []):
-        value = metric_value(metric(forward_logits(model, tokens, None, tail_of(metric))), metric_name(metric))
-    return value, seen
-
-
 def _per_neuron(site: NeuronSite, x: Tensor) -> Tensor:
     """[.. pos features] summed over every axis before the neurons -> [n_units, width] float64."""
     features = len(site.units) * site.width
     return x.reshape(-1, features).double().sum(0).reshape(len(site.units), site.width).cpu()
 
 
-@checked(method=OneOf("eap", "eap-ig"), steps=Integer(ge=1), kinds=Seq(OneOf(*KINDS)), batch_size=BATCH_SIZE)
-def neuron_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, method: str = "eap", steps: int = 5,
-                       kinds: Sequence[str] = ("mlp", "ssm"), batch_size: int | None = None) -> NeuronScores:
-    """Every neuron's EAP or EAP-IG score (the glossary): one corrupt forward, then one forward and backward
-    on clean (EAP), or a clean forward and `steps` interpolated ones (EAP-IG), per chunk of `batch_size`."""
-    clean, corrupt = pair(model, clean, corrupt)
+def _prepared(model: Any, kinds: Sequence[str], clean: Any, corrupt: Any, metric: Metric, intervention: str,
+              reference: Any, per_position: bool, batch_size: int | None,
+              attention_mask: Any) -> tuple[list[NeuronSite], NeuronReader, Prompts, NeuronBaseline]:
+    """(the sites, their reader, the clean prompts, the sites' baseline), every argument checked by name."""
     sites = neuron_sites(model, kinds)
+    reader = NeuronReader(model, sites)
+    clean, edges = prepare(model, graph_of(model), clean, corrupt, intervention, reference, per_position,
+                           batch_size, attention_mask, metric)
+    ref = prompts_of(model, reference, None, "reference") if intervention == "mean" else None
+    return sites, reader, clean, NeuronBaseline(model, reader, edges, ref, per_position, batch_size)
+
+
+@checked(method=OneOf("eap", "eap-ig"), steps=Integer(ge=1), kinds=Seq(OneOf(*KINDS)), batch_size=BATCH_SIZE,
+         attention_mask=MASK, steps_at=OneOf(*STEPS_AT), **ABLATION)
+def neuron_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, method: str = "eap", steps: int = 5,
+                       kinds: Sequence[str] = ("mlp", "ssm"), batch_size: int | None = None,
+                       attention_mask: Tensor | None = None, intervention: str = "patch", reference: Any = None,
+                       per_position: bool = False, steps_at: str = "mid") -> NeuronScores:
+    """Every neuron's EAP or EAP-IG score (the glossary), with edge_attribution's arguments (prompts,
+    intervention, steps_at, metrics reading the clean logits) and its forwards (attribution.py)."""
+    sites, reader, clean, baseline = _prepared(model, kinds, clean, corrupt, metric, intervention, reference,
+                                               per_position, batch_size, attention_mask)
     totals = {s.name: torch.zeros(len(s.units), s.width, dtype=torch.float64) for s in sites}
-    values, n = [0.0, 0.0], clean.shape[0]
-    for part in chunks(n, batch_size):
-        weight, m = (part.stop - part.start) / n, at_rows(metric, part)
-        corr_value, corr = _record(model, sites, corrupt[part], m)
-        values[1] += weight * corr_value
-        if method == "eap":
-            value, cl, grads = _grads(model, sites, clean[part], m, None)
-        else:
-            value, cl = _record(model, sites, clean[part], m)
-            e_corr, grads = corr[model.hook_embed.name], None
-            for k in range(steps):
-                alpha = (k + 0.5) / steps
-
-                def embed(x: Tensor, alpha: float = alpha) -> Tensor:
-                    return e_corr.to(x) + alpha * (x - e_corr.to(x))
-
-                g = [t / steps for t in _grads(model, sites, clean[part], m, embed)[2]]
-                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-        values[0] += weight * value
-        for s, g in zip(sites, grads):
-            totals[s.name] += weight * _per_neuron(s, (corr[s.name] - cl[s.name]).to(g) * g)
-    return NeuronScores(sites, totals, method, values[0], values[1],
-                        {"method": method, "steps": steps if method == "eap-ig" else None, "kinds": list(kinds)})
+    values = [0.0, 0.0]
+    for ch in attribute(model, reader, clean, baseline, metric, method, steps, steps_at, batch_size, None, values):
+        for s, g in zip(sites, ch.grads):
+            diff = ch.base[s.name].to(g) - ch.run[s.name].to(g)  # pad positions add nothing
+            totals[s.name] += ch.weight * _per_neuron(s, real(diff * g, ch.clean.attention_mask))
+    settings = settings_of(method, steps, steps_at, intervention, per_position, clean) | {"kinds": list(kinds)}
+    return NeuronScores(sites, totals, method, values[0], values[1], settings)
 
 
 def _kept(sites: list[NeuronSite], neurons: Iterable[Any]) -> dict[str, Tensor]:
@@ -200,28 +176,28 @@ def _kept(sites: list[NeuronSite], neurons: Iterable[Any]) -> dict[str, Tensor]:
     return keep
 
 
-@checked(kinds=Seq(OneOf(*KINDS)), batch_size=BATCH_SIZE)
+@checked(kinds=Seq(OneOf(*KINDS)), batch_size=BATCH_SIZE, attention_mask=MASK, **ABLATION)
 def verify_neurons(model: Any, neurons: Iterable[Any], clean: Any, corrupt: Any, metric: Metric,
-                   kinds: Sequence[str] = ("mlp", "ssm"), batch_size: int | None = None) -> dict[str, float]:
+                   kinds: Sequence[str] = ("mlp", "ssm"), batch_size: int | None = None,
+                   attention_mask: Tensor | None = None, intervention: str = "patch", reference: Any = None,
+                   per_position: bool = False) -> dict[str, float]:
     """{"circuit", "clean", "corrupt", "faithfulness", "n_neurons", "fraction"}: the metric of clean with every
-    neuron of the `kinds` sites outside `neurons` set to its corrupt value (exact, through hooks)."""
-    clean, corrupt = pair(model, clean, corrupt)
-    sites = neuron_sites(model, kinds)
+    neuron of the `kinds` sites outside `neurons` set to its baseline (`intervention`; exact, through hooks);
+    "corrupt": the fully ablated run (neuron_runs.py)."""
+    sites, reader, clean, baseline = _prepared(model, kinds, clean, corrupt, metric, intervention, reference,
+                                               per_position, batch_size, attention_mask)
     keep = _kept(sites, neurons)
-    values, n = [0.0, 0.0, 0.0], clean.shape[0]
-    for part in chunks(n, batch_size):
-        weight, m = (part.stop - part.start) / n, at_rows(metric, part)
-        corr_value, corr = _record(model, sites, corrupt[part], m)
-        clean_value, _ = _record(model, sites, clean[part], m)
-
-        def patch(x: Tensor, hook: Any) -> Tensor:
-            mask = keep[hook.name].to(x.device)
-            flat = x.reshape(*x.shape[:2], -1)
-            return torch.where(mask, flat, corr[hook.name].reshape(flat.shape).to(x)).reshape(x.shape)
-
-        with torch.no_grad(), attached([(s.hook, patch) for s in sites], []):
-            value = metric_value(m(forward_logits(model, clean[part], None, tail_of(m))), metric_name(metric))
-        values = [values[0] + weight * value, values[1] + weight * clean_value, values[2] + weight * corr_value]
+    values, name = [0.0, 0.0, 0.0], metric_name(metric)
+    for part in chunks(clean.batch, batch_size):
+        weight, m, cp = (part.stop - part.start) / clean.batch, at_rows(metric, part), clean.rows(part)
+        c_logits, base = baseline.activations(model, part, cp, tail_of(m))
+        ablated = baseline.ablated(model, cp, base, c_logits, tail_of(m))
+        clean_logits = reader.record(model, cp, tail_of(m))[0]
+        bound = with_clean(m, clean_logits)
+        with torch.no_grad(), attached(set_sites(sites, keep, base), []):
+            value = metric_value(bound(forward_logits(model, cp.tokens, cp.attention_mask, tail_of(m))), name)
+        now = [value, metric_value(bound(clean_logits), name), metric_value(bound(ablated), name)]
+        values = [a + weight * b for a, b in zip(values, now)]
     circuit, c, x = values
     if c == x:
         raise ValueError("the metric is equal on clean and corrupt: faithfulness is undefined")

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from analysis.circuits.metrics import tail_of, with_clean
+from analysis.circuits.metrics import at_rows, tail_of, with_clean
 from analysis.circuits.runs import forward_logits
 from hooked.hook_points import scoped_hooks
 from hooked.models.model_map import Site, model_map
 from hooked.models.protocol import ATTENTION_MODES
-from hooked.validate import Flag, Integer, OneOf, Text, check, checked, metric_name, metric_value, token_edge
+from hooked.validate import (Flag, Instance, Integer, OneOf, Text, check, checked, metric_name, metric_value,
+                             token_edge)
 
 
 @dataclass(frozen=True)
@@ -280,16 +281,29 @@ def _head_cut_hooks(m: Any, per_head: dict[int, tuple[str, list[tuple[int, int]]
 
 
 @torch.no_grad()
-@checked(attention=OneOf(*ATTENTION_MODES))
-def verify_token_edges(model: Any, tokens: Tensor, edges: Sequence[Any], metric: Callable[[Tensor], Tensor],
-                       attention: str = "scores") -> dict[str, float]:
+@checked(attention=OneOf(*ATTENTION_MODES), attention_mask=Instance(Tensor, "a tensor", none=True),
+         batch_size=Integer(ge=1, none=True))
+def verify_token_edges(model: Any, tokens: Any, edges: Sequence[Any], metric: Callable[..., Tensor],
+                       attention: str = "scores", attention_mask: Tensor | None = None,
+                       batch_size: int | None = None) -> dict[str, float]:
     """The metric's exact change when the listed token edges are all cut, beside the sum of their estimates
-    (TokenEdges carry theirs): {"exact", "estimated", "clean"}."""
-    tail = tail_of(metric)
-    clean_logits = forward_logits(model, tokens, None, tail)
-    bound = with_clean(metric, clean_logits)  # a metric(logits, clean_logits) reads the uncut run's
-    clean = metric_value(bound(clean_logits), metric_name(metric))
-    with cut_token_edges(model, edges, attention):
-        cut = metric_value(bound(forward_logits(model, tokens, None, tail)), metric_name(metric))
+    (TokenEdges carry theirs): {"exact", "estimated", "clean"}. `tokens`: prompts as edge_attribution takes
+    them (prompts.py); positions are the padded batch's columns, as edge_attribution(token_edges=True)
+    scores them (prompt b's own position q is column q + width - length_b)."""
+    from analysis.circuits.attribution import chunks
+    from analysis.circuits.prompts import check_metric, prompts_of
+
+    prompts = prompts_of(model, tokens, attention_mask, "tokens")
+    if prompts.padded:
+        check_metric(metric, prompts)
+    clean = cut = 0.0
+    for part in chunks(prompts.batch, batch_size):
+        x, m, weight = prompts.rows(part), at_rows(metric, part), (part.stop - part.start) / prompts.batch
+        clean_logits = forward_logits(model, x.tokens, x.attention_mask, tail_of(m))
+        bound = with_clean(m, clean_logits)  # a metric(logits, clean_logits) reads the uncut run's
+        clean += weight * metric_value(bound(clean_logits), metric_name(metric))
+        with cut_token_edges(model, in_chunk(edges, prompts.width - x.width), attention):
+            logits = forward_logits(model, x.tokens, x.attention_mask, tail_of(m))
+        cut += weight * metric_value(bound(logits), metric_name(metric))
     estimated = sum(e.score for e in edges if isinstance(e, TokenEdge))
     return {"clean": clean, "exact": cut - clean, "estimated": float(estimated)}
