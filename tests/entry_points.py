@@ -225,19 +225,27 @@ ENTRY_POINTS: dict[str, dict[str, Any]] = {
     "analysis.circuits.metrics.AnswerDiff.__init__": {"pos": Int()},  # its range: at the call (the logits' positions)
     "analysis.circuits.metrics.KL.__init__": {"pos": Int()},
     "analysis.circuits.token_edges.TokenEdgeScores.top": {"n": Int(0), "absolute": FLAG},
-    "analysis.circuits.token_edges.verify_token_edges": {"attention": Choice("scores", "pattern")},
+    "analysis.circuits.token_edges.verify_token_edges": {"attention": Choice("scores", "pattern"),
+                                                         "attention_mask": None, "batch_size": BATCH},
     "analysis.circuits.nodes.NodeScores.top": {"n": Int(0), "absolute": FLAG},
     "analysis.circuits.neurons.NeuronScores.top": {"n": Int(0), "absolute": FLAG},
     "analysis.circuits.neurons.neuron_attribution": {
-        "method": Choice("eap", "eap-ig"), "steps": Int(1), "batch_size": BATCH,
+        "method": Choice("eap", "eap-ig"), "steps": Int(1), "batch_size": BATCH, "attention_mask": None, **ABLATION,
+        "steps_at": Choice("mid", "left", "right"),
         "kinds": None},  # a list of "mlp", "ssm", "attn": tests/test_circuit_nodes.py
-    "analysis.circuits.neurons.verify_neurons": {"batch_size": BATCH, "kinds": None},
+    "analysis.circuits.neurons.verify_neurons": {"batch_size": BATCH, "attention_mask": None, **ABLATION,
+                                                 "kinds": None},
     "analysis.circuits.positions.PositionScores.top": {"n": Int(0)},
     "analysis.circuits.positions.position_attribution": {
         "method": Choice("eap", "eap-ig"), "steps": Int(1), "token_edges": FLAG, "batch_size": BATCH,
-        "attention": Choice("scores", "pattern")},
-    "analysis.circuits.positions.position_effects": {"attention": Choice("scores", "pattern"), "batch_size": BATCH},
-    "analysis.circuits.positions.verify_positions": {"attention": Choice("scores", "pattern"), "batch_size": BATCH},
+        "attention": Choice("scores", "pattern"), "attention_mask": None, **ABLATION,
+        "steps_at": Choice("mid", "left", "right")},
+    "analysis.circuits.positions.position_effects": {"attention": Choice("scores", "pattern"), "batch_size": BATCH,
+                                                     "attention_mask": None, **ABLATION},
+    "analysis.circuits.positions.verify_positions": {"attention": Choice("scores", "pattern"), "batch_size": BATCH,
+                                                     "attention_mask": None, **ABLATION},
+    "analysis.circuits.paths.path_patch": {"batch_size": BATCH, "attention_mask": None, **ABLATION},
+    "analysis.circuits.paths.path_patch_sweep": {"batch_size": BATCH, "attention_mask": None, **ABLATION},
     "analysis.circuits.select.select": {"top_n": Int(0, none=True), "threshold": Real(0, none=True),
                                         "greedy": Int(0, none=True), "absolute": FLAG},  # exactly one rule
 }

@@ -32,6 +32,7 @@ import loaders.load  # noqa: F401
 from analysis.circuits import circuit_metric, edge_attribution, edge_effects, faithfulness_curve, prune, rescore
 from analysis.circuits import verify_circuit, verify_token_edges
 from analysis.circuits import neuron_attribution, node_scores, select, verify_neurons
+from analysis.circuits import path_patch, path_patch_sweep
 from analysis.circuits.positions import position_attribution, position_effects, verify_positions
 from analysis.circuits.metrics import KL, AnswerDiff
 from analysis.interventions import ablate_heads, knockout
@@ -151,6 +152,10 @@ CALLS = {  # entry point -> call with one argument given (every other one legal)
         c.model, [("embed", "logits", -1)], c.clean, c.corrupt, c.metric, **kw),
     "analysis.circuits.positions.verify_positions": lambda c, **kw: verify_positions(
         c.model, [], c.clean, c.corrupt, c.metric, **kw),
+    "analysis.circuits.paths.path_patch": lambda c, **kw: path_patch(
+        c.model, c.clean, c.corrupt, c.metric, ["embed"], ["logits"], **kw),
+    "analysis.circuits.paths.path_patch_sweep": lambda c, **kw: path_patch_sweep(
+        c.model, c.clean, c.corrupt, c.metric, ["embed"], ["logits"], **kw),
     "analysis.circuits.select.select": lambda c, **kw: select(
         c.scores, **({} if {"threshold", "greedy"} & set(kw) else {"top_n": 1}), **kw),
 }

@@ -158,8 +158,7 @@ def settings_of(method: str, steps: int, steps_at: str, intervention: str, per_p
 
 
 def real(x: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """x [batch pos ...] with every pad position set to 0 (prompts.py: pad positions add nothing)."""
+    """x [... batch pos features] with every pad position set to 0 (prompts.py: pad positions add nothing)."""
     if attention_mask is None:
         return x
-    mask = attention_mask.to(x.device).reshape(*attention_mask.shape, *([1] * (x.ndim - 2)))
-    return x.masked_fill(~mask, 0.0)
+    return x.masked_fill(~attention_mask.to(x.device)[:, :, None], 0.0)
