@@ -8,6 +8,8 @@
                   as one left-padded batch, each clean prompt with a corrupt of its length
     baselines     what an ablated edge carries: the corrupt run, zeros, a reference batch's mean (`intervention=`)
     integrated    EAP-IG's step placement (`steps_at=`), "eap-ig-activations" and "clean-corrupted"
+    attribution   the one chunked estimate loop (prompts, baseline, the method's gradients, metric values)
+                  that edges, position edges and neurons share; each keeps only its score product
     metrics       `AnswerDiff`, `KL` (a metric reading the clean logits), how metrics follow chunks
     verify        exact verification by edge patching: `verify_circuit` (faithfulness), `circuit_metric`,
                   `faithfulness_curve`, `edge_effects`, `prune`, `rescore`
