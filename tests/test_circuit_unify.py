@@ -7,7 +7,8 @@ verify_positions (with a token edge cut), neuron_attribution (EAP, EAP-IG), veri
 verify_token_edges, path_patch and path_patch_sweep each equal the per-prompt runs (batches of one,
 unpadded) combined as the metric combines them, a mean over prompts (1e-10). Positions are the padded
 batch's columns: prompt b's own position q is column q + width - length_b, and a column that is padding for
-a prompt changes nothing there.
+a prompt changes nothing there. With metrics.KL (reading each chunk's clean logits) and zero / mean
+interventions (the mean over a padded reference), the padded batch equals the per-prompt runs too.
 
 Zero and mean ablations equal the same ablation by hand with the model's own hooks: the per-position circuit
 missing the logits' edges at the last column (the final residual there set to 0, or to the reference's mean
@@ -27,7 +28,7 @@ from tiny_families import tiny
 
 from analysis.circuits import (graph_of, neuron_attribution, path_patch, path_patch_sweep, position_attribution,
                                position_effects, verify_neurons, verify_positions, verify_token_edges)
-from analysis.circuits.metrics import AnswerDiff
+from analysis.circuits.metrics import KL, AnswerDiff
 from analysis.circuits.neurons import neuron_sites
 from analysis.circuits.positions import PositionEdge
 from analysis.circuits.token_edges import TokenEdge
@@ -153,6 +154,35 @@ def test_token_edge_cuts_and_path_patching_are_the_per_prompt_ones(case):
         _close(cut[key], _mean([p[key] for p in per_cut]), key)
     _close(one, _mean(per_one))
     _close(grid.nan_to_num(), _mean(per_grid).nan_to_num())
+
+
+@pytest.mark.parametrize("kind", ["zero", "mean"])
+def test_kl_and_ablations_on_padded_prompts_are_the_per_prompt_ones(case, kind):
+    """KL reads the clean logits (of each chunk's own clean run); the mean is over a padded reference."""
+    name, model, clean, _, _ = case
+    unit, kinds, kl = UNIT[name], KINDS[name], KL()
+    kw = dict(intervention=kind, reference=_prompts(5, (4, 6)) if kind == "mean" else None)
+    keep = [("embed", "logits", WIDTH - 1), ("L0H0", "logits", WIDTH - 1)]
+    scores = position_attribution(model, clean, None, kl, token_edges=False, batch_size=3, **kw)
+    circuit = verify_positions(model, keep, clean, None, kl, batch_size=3, **kw)
+    neurons = neuron_attribution(model, clean, None, kl, kinds=kinds, batch_size=3, **kw)
+    path = path_patch(model, clean, None, kl, ["embed"], ["logits"], batch_size=3, **kw)
+    cut = verify_token_edges(model, clean, [TokenEdge(unit, WIDTH - 1, WIDTH - 2)], kl, batch_size=3)
+    want, per = torch.zeros_like(scores.scores), []
+    for c in clean:
+        lo = WIDTH - len(c)
+        want[:, lo:] += position_attribution(model, [c], None, kl, token_edges=False, **kw).scores / len(clean)
+        per.append((verify_positions(model, [(s, r, p - lo) for s, r, p in keep], [c], None, kl, **kw)["circuit"],
+                    neuron_attribution(model, [c], None, kl, kinds=kinds, **kw),
+                    path_patch(model, [c], None, kl, ["embed"], ["logits"], **kw),
+                    verify_token_edges(model, [c], [TokenEdge(unit, len(c) - 1, len(c) - 2)], kl)["exact"]))
+    _close(scores.scores, want, name)
+    _close(circuit["circuit"], _mean([p[0] for p in per]))
+    for site in neurons.scores:
+        _close(neurons.scores[site], _mean([p[1].scores[site] for p in per]), site)
+    _close(neurons.corrupt_metric, _mean([p[1].corrupt_metric for p in per]))
+    _close(path, _mean([p[2] for p in per]))
+    _close(cut["exact"], _mean([p[3] for p in per]))
 
 
 # ------------------------------------------------------------------------------- zero / mean by hand
