@@ -348,10 +348,10 @@ def metric_tensor(value: Any, metric: Callable[..., Any], grad: bool = False) ->
     operations autograd can follow), refused by the metric's name otherwise."""
     what = metric_name(metric)
     if not torch.is_tensor(value):
-        raise WrongType(f"{what} must return a scalar tensor (a mean over the prompts), got "
-                        f"{type(value).__name__} {_show(value)}")
+        raise WrongType(f"{what} must return one number per run (a scalar), got {type(value).__name__} "
+                        f"{_show(value)}: circuits need it as a tensor (a mean over the prompts)")
     if value.numel() != 1:
-        raise ValueError(f"{what} must return a scalar tensor (a mean over the prompts), got shape "
+        raise ValueError(f"{what} must return one number per run (a scalar), got a tensor of shape "
                          f"{tuple(value.shape)}: reduce it over the batch inside the metric (e.g. .mean())")
     if value.is_complex() or value.dtype == torch.bool or not value.is_floating_point():
         raise WrongType(f"{what} must return a real floating-point scalar, got a {value.dtype} tensor")
