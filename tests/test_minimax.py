@@ -23,20 +23,19 @@ import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import check_against_hf, check_padding, perturbed
+from hybrid_checks import (check_against_hf, check_decoding, check_heads_are_map_units,
+                           check_knockout_zeroes_head_entries, check_padding, check_released_on_meta,
+                           check_save_pretrained, perturbed)
 from test_parity_moe_families import _float64_forward
 from tiny_families import tiny
 
 from analysis.interventions import knockout
-from hooked.models.decode_state import DecodeState
 from hooked.models.lightning import LightningMixer
-from hooked.models.model_map import model_map
 from hooked.ops.lightning import (lightning_chunked, lightning_kernel, lightning_kernel_cols, lightning_kernel_rows,
                                   lightning_sequential)
 from hooked.ops.rotary import rope_inv_freq
-from loaders.load import from_hf, from_pretrained, normalise_config
-from loaders.meta import on_meta
-from loaders.registry import REGISTRY, find_architecture
+from loaders.load import from_hf, normalise_config
+from loaders.registry import find_architecture
 
 V = 64
 VARIANTS = {
@@ -127,20 +126,14 @@ def test_float64_within_1e10_of_hf_with_its_float32_parts_made_float64(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_with_the_state_equals_recomputing_and_hf(variant):
+    """5 positions (past one block of 3 or 4), then one at a time; and HF's own decoding where it can."""
     hf = make_hf(variant)
-    model, toks = from_hf(hf), tokens(pos=11)
-    state, steps = DecodeState(), []
-    with torch.no_grad():
-        steps.append(model(toks[:, :5], state=state))  # 5 positions: past one block of 3 or 4
-        for t in range(5, 11):
-            steps.append(model(toks[:, t:t + 1], state=state))
-        whole, theirs = model(toks), hf(toks, use_cache=False).logits
-    stepped = torch.cat(steps, 1)
-    torch.testing.assert_close(stepped, whole, rtol=0, atol=1e-5 * whole.abs().max().item())
-    torch.testing.assert_close(stepped, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())
+    toks = tokens(pos=11)
+    stepped = check_decoding(hf, from_hf(hf), toks, padded_then_step=False)
     if hf.config.layer_types[0] != "full_attention":
-        return  # HF's cache counts the positions read by layer 0's keys: none after a lightning layer 0 (below)
+        return  # HF's cache counts the positions read by layer 0's keys: none after a lightning layer 0 (above)
     with torch.no_grad():
+        theirs = hf(toks, use_cache=False).logits
         cache = hf(toks[:, :5], use_cache=True).past_key_values  # HF's own decoding: its linear cache
         hf_steps = [hf(toks[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(5, 11)]
     torch.testing.assert_close(stepped[:, 5:], torch.cat(hf_steps, 1), rtol=0, atol=1e-4 * theirs.abs().max().item())
@@ -148,37 +141,13 @@ def test_decoding_with_the_state_equals_recomputing_and_hf(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_save_pretrained_loads_like_the_model_in_memory(variant, tmp_path):
-    hf = make_hf(variant)
-    hf.save_pretrained(tmp_path)
-    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
-    assert loaded.cfg == direct.cfg
-    toks = tokens()
-    mask = torch.ones_like(toks)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        assert torch.equal(loaded(toks, attention_mask=mask), direct(toks, attention_mask=mask))
+    check_save_pretrained(make_hf(variant), tokens(), tmp_path)
 
 
 def test_released_config_builds_hf_shapes_on_meta():
-    raw = normalise_config(dict(RELEASED))
-    arch = find_architecture(raw)
-    assert arch is REGISTRY["minimax"]
-    cfg = arch.config_from_hf(raw)
+    cfg, model = check_released_on_meta(RELEASED, "minimax", transformers.MiniMaxForCausalLM, read="raw")
     assert cfg.layer_types.count("attention") == 10 and cfg.attn_alpha == pytest.approx(3.5565588200778455)
-    with torch.device("meta"):
-        hf = transformers.MiniMaxForCausalLM(transformers.AutoConfig.for_model(**RELEASED))
-    with on_meta():
-        model = arch.build(cfg)
-    theirs, ours = hf.state_dict(), dict(model.named_parameters())
-    mapped = arch.key_map(cfg)
-    for name, key in mapped.items():
-        source = theirs[next(n for n in key.names if n in theirs)]
-        shape = key.transform(source).shape if key.transform is not None else source.shape
-        assert tuple(ours[name].shape) == tuple(shape), name
-    assert set(mapped) == set(ours)  # every parameter of ours is read
-    count = sum(p.numel() for p in model.parameters())
-    assert count == sum(p.numel() for p in hf.parameters())
-    assert round(count / 1e9) == 456  # MiniMax-Text-01's published 456B parameters
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9) == 456  # MiniMax-Text-01's published 456B
 
 
 def test_a_layer_type_hf_has_no_mask_for_is_refused_by_name():
@@ -235,33 +204,10 @@ def test_kernel_and_states_reconstruct_y():
 @pytest.mark.parametrize("channels", [None, [0, 2]])
 def test_knockout_equals_zeroing_the_dense_kernels_entries(channels):
     model = copy.deepcopy(tiny("minimax")).double()
-    toks, sources, targets = tokens(pos=11), [1, 3, 6], [4, 6, 9, 10]
     layers = [l for l, b in enumerate(model.blocks) if isinstance(b.sublayer("mixer"), LightningMixer)]
-    heads = torch.zeros(4, dtype=torch.bool)
-    heads[channels if channels is not None else slice(None)] = True
-    cut = torch.zeros(11, 11, dtype=torch.bool)
-    cut[torch.tensor(targets)[:, None], torch.tensor(sources)] = True
-
-    def zero_entries(kernel, hook):
-        return kernel.masked_fill(heads[:, None, None] & cut & torch.ones(11, 11, dtype=torch.bool).tril(), 0.0)
-    with torch.no_grad():
-        plain = model(toks)
-        with knockout(model, sources=sources, targets=targets, layers=layers, channels=channels):
-            got = model(toks)
-        want = model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{l}.mixer.hook_kernel", zero_entries) for l in layers])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * want.abs().max().item())
-    assert (got - plain).abs().max() > 1e-6
+    check_knockout_zeroes_head_entries(model, tokens(pos=11), layers, [1, 3, 6], [4, 6, 9, 10], channels, 4, knockout)
 
 
 def test_the_heads_are_the_maps_units():
     model = copy.deepcopy(tiny("minimax")).double()
-    sites = {s.path: s for s in model_map(model)}
-    mixer = sites["blocks.0.mixer"]
-    assert mixer.labels() == [f"L0H{h}" for h in range(4)] and mixer.recurrent  # a block's own heads: "H"
-    toks = tokens(pos=7)
-    with torch.no_grad():
-        _, cache = model.run_with_cache(toks, names_filter=lambda n: n.startswith("blocks.0."), incl_lazy=True)
-    writes = mixer.writes_from(cache.cache_dict)
-    torch.testing.assert_close(writes, cache["blocks.0.mixer.hook_head_out"], rtol=0, atol=1e-12)
-    torch.testing.assert_close(writes.sum(-2) * model.cfg.lightning_beta, cache["blocks.0.hook_mixer_out"], rtol=0,
-                               atol=1e-12)
+    check_heads_are_map_units(model, 4, tokens(pos=7), scale=model.cfg.lightning_beta)

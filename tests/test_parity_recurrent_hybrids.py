@@ -12,12 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from hybrid_checks import check_against_hf, check_padding, perturbed
+from hybrid_checks import (check_against_hf, check_decoding, check_padding, check_released_on_meta,
+                           check_save_pretrained, perturbed)
 
-from hooked.models.decode_state import DecodeState
-from loaders.load import from_hf, from_pretrained, normalise_config
-from loaders.meta import on_meta
-from loaders.registry import REGISTRY, find_architecture
+from loaders.load import from_hf
 
 V = 64
 _T = transformers
@@ -95,47 +93,15 @@ def test_float64_logits_and_resid_equal_hf(family, variant):
 @pytest.mark.parametrize("family, variant", CASES)
 def test_decoding_with_the_state_equals_recomputing_and_hf(family, variant):
     hf = make_hf(family, variant)
-    model, toks = from_hf(hf), tokens(pos=11)
-    state, steps = DecodeState(), []
-    with torch.no_grad():
-        steps.append(model(toks[:, :5], state=state))
-        for t in range(5, 11):
-            steps.append(model(toks[:, t:t + 1], state=state))
-        whole, theirs = model(toks), hf(toks, use_cache=False).logits
-    stepped = torch.cat(steps, 1)
-    torch.testing.assert_close(stepped, whole, rtol=0, atol=1e-5 * whole.abs().max().item())
-    torch.testing.assert_close(stepped, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())
+    check_decoding(hf, from_hf(hf), tokens(pos=11), padded_then_step=False)
 
 
 @pytest.mark.parametrize("family, variant", CASES)
 def test_save_pretrained_loads_like_the_model_in_memory(family, variant, tmp_path):
-    hf = make_hf(family, variant)
-    hf.save_pretrained(tmp_path)
-    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
-    assert loaded.cfg == direct.cfg
-    toks = tokens()
-    mask = torch.ones_like(toks)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        assert torch.equal(loaded(toks, attention_mask=mask), direct(toks, attention_mask=mask))
+    check_save_pretrained(make_hf(family, variant), tokens(), tmp_path)
 
 
 @pytest.mark.parametrize("family", list(RELEASED))
 def test_released_config_builds_hf_shapes_on_meta(family):
-    raw = normalise_config(dict(RELEASED[family]))
-    arch = find_architecture(raw)
-    assert arch is REGISTRY[family]
-    cfg = arch.config_from_hf(raw)
-    with torch.device("meta"):
-        hf = FAMILIES[family][0](transformers.AutoConfig.for_model(**RELEASED[family]))
-    with on_meta():
-        model = arch.build(cfg)
-    theirs, ours = hf.state_dict(), dict(model.named_parameters())
-    mapped = arch.key_map(cfg)
-    for name, key in mapped.items():
-        source = theirs[next(n for n in key.names if n in theirs)]
-        shape = key.transform(source).shape if key.transform is not None else source.shape
-        assert tuple(ours[name].shape) == tuple(shape), name
-    assert set(mapped) == set(ours)  # every parameter of ours is read
-    stored = sum(p.numel() for p in hf.parameters()) + sum(b.numel() for n, b in hf.named_buffers() if n in theirs)
-    assert sum(p.numel() for p in model.parameters()) == stored  # HF's stored buffers (expert_bias) are parameters here
+    # HF's stored buffers (expert_bias) are parameters here
+    check_released_on_meta(RELEASED[family], family, FAMILIES[family][0], read="raw", stored_buffers=True)

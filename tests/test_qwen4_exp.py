@@ -29,16 +29,14 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from hybrid_checks import assert_rel_close, check_against_hf, check_knockout_equals_kernel_zeroing, left_padded
-from hybrid_checks import perturbed
+from hybrid_checks import (check_against_hf, check_decoding, check_knockout_equals_kernel_zeroing,
+                           check_released_on_meta, check_rows_alone, check_save_pretrained, perturbed)
 
 from analysis.interventions import knockout
 from hooked import backends
-from hooked.models.decode_state import DecodeState
 from hooked.ops import ngram_hash
-from loaders.load import from_hf, from_pretrained, normalise_config
-from loaders.meta import on_meta
-from loaders.registry import REGISTRY, find_architecture
+from loaders.load import from_hf, from_pretrained
+from loaders.registry import REGISTRY
 
 V = 64
 BASE = dict(vocab_size=V, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -103,53 +101,23 @@ def test_float64_equals_hf_at_its_float32_level(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_left_padded_rows_equal_each_prompt_alone_and_hf_alone(variant):
     hf = make_hf(variant)
-    model = from_hf(hf)
-    lengths = (16, 11, 5, 1)
-    toks, mask = left_padded(list(lengths), max(lengths), V)
-    with torch.no_grad():
-        ours = model(toks, attention_mask=mask)
-        for b, n in enumerate(lengths):
-            alone = toks[b:b + 1, toks.shape[1] - n:]
-            assert_rel_close(ours[b:b + 1, -n:], model(alone), f"row {b} vs alone")
-            assert_rel_close(ours[b:b + 1, -n:], hf(alone, use_cache=False).logits, f"row {b} vs HF alone")
+    check_rows_alone(hf, from_hf(hf), lengths=(16, 11, 5, 1))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_from_the_state_equals_recompute_and_hf(variant):
     """Prefill 5 tokens, then 1, 2, 1, ...: the n-gram context, the PLE and delta convs, S and the index keys carried."""
     hf = make_hf(variant)
-    model, toks = from_hf(hf), tokens(pos=14)
-    state, steps, at = DecodeState(), [], 0
-    with torch.no_grad():
-        for n in (5, 1, 2, 1, 1, 3, 1):
-            steps.append(model(toks[:, at:at + n], state=state))
-            at += n
-        whole, theirs = model(toks), hf(toks, use_cache=False).logits
-        toks_pad, mask = left_padded([9, 4], 9, V)  # a left-padded prompt, then a step
-        state_pad = DecodeState()
-        first = model(toks_pad, attention_mask=mask, state=state_pad)
-        nxt = model(toks[:, :1], state=state_pad)
-        alone = model(torch.cat([toks_pad[1:, 5:], toks[1:, :1]], 1))
-    stepped = torch.cat(steps, 1)
-    close(stepped, whole, "stepped vs whole", 1e-5)
-    close(stepped, theirs, "stepped vs HF", 1e-4)
-    close(torch.cat([first[1:, 5:], nxt[1:]], 1), alone, "padded prompt then a step vs alone", 1e-5)
+    check_decoding(hf, from_hf(hf), tokens(pos=14), steps=[5, 1, 2, 1, 1, 3, 1])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_save_pretrained_loads_like_the_model_in_memory(variant, tmp_path):
     hf = make_hf(variant)
-    hf.save_pretrained(tmp_path)
+    check_save_pretrained(hf, tokens(), tmp_path)
     names = set(safetensors.safe_open(tmp_path / "model.safetensors", "pt").keys())
     if hf.config.ple_layer_ids:  # HF's own on-disk layout: the table in split_ngram_parts shards
         assert "model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight" in names
-    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
-    assert loaded.cfg == direct.cfg
-    toks = tokens()
-    mask = torch.ones_like(toks)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        assert torch.equal(loaded(toks, attention_mask=mask), direct(toks, attention_mask=mask))
 
 
 def test_a_vision_language_config_reads_its_text_part(tmp_path):
@@ -173,22 +141,7 @@ RELEASED = dict(model_type="qwen4_exp_text", architectures=["Qwen4ExpForCausalLM
 
 
 def test_released_config_builds_hf_shapes_on_meta():
-    raw = normalise_config(dict(RELEASED))
-    arch = find_architecture(raw)
-    assert arch is REGISTRY["qwen4_exp"]
-    with torch.device("meta"):
-        hf = transformers.Qwen4ExpForCausalLM(transformers.AutoConfig.for_model(**RELEASED))
-    cfg = arch.config_from_hf(hf.config.to_dict())
-    with on_meta():
-        model = arch.build(cfg)
-    theirs, ours = hf.state_dict(), dict(model.named_parameters())
-    mapped = arch.key_map(cfg)
-    for name, key in mapped.items():
-        source = theirs[next(n for n in key.names if n in theirs)]
-        shape = key.transform(source).shape if key.transform is not None else source.shape
-        assert tuple(ours[name].shape) == tuple(shape), name
-    assert set(mapped) == set(ours)
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
+    check_released_on_meta(RELEASED, "qwen4_exp", transformers.Qwen4ExpForCausalLM)
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -29,8 +29,8 @@ import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import assert_rel_close, check_against_hf, check_knockout_equals_kernel_zeroing, left_padded
-from hybrid_checks import perturbed
+from hybrid_checks import (check_against_hf, check_decoding, check_knockout_equals_kernel_zeroing,
+                           check_released_on_meta, check_rows_alone, check_save_pretrained, perturbed)
 from test_parity_dense_families import _float64_method
 
 from analysis.ga import ga_scores, head_units, rank_heads
@@ -40,12 +40,10 @@ from analysis.kernel_rows import kernel_cols, kernel_rows, ssm_sites
 from analysis.tasks.known_facts import load_facts
 from analysis.tasks.text import char_tokenizer, kv_retrieval
 from hooked import backends
-from hooked.models.decode_state import DecodeState
 from hooked.ops.rg_lru import rg_lru_kernel, rg_lru_kernel_cols, rg_lru_kernel_rows, rg_lru_scan, rg_lru_sequential
 from hooked.ops.rotary import rope_inv_freq
-from loaders.load import from_hf, from_pretrained, normalise_config
-from loaders.meta import on_meta
-from loaders.registry import REGISTRY, find_architecture
+from loaders.load import from_hf
+from loaders.registry import REGISTRY
 
 V = 128  # the char tokenizer's ids fit
 TOL = 1e-12
@@ -124,71 +122,25 @@ def test_float64_equals_hf_with_its_float32_parts_made_float64(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_left_padded_rows_equal_each_prompt_alone_and_hf_alone(variant):
     hf = make_hf(variant)
-    model = from_hf(hf)
-    lengths = (19, 11, 8, 1)
-    toks, mask = left_padded(list(lengths), max(lengths), V)
-    with torch.no_grad():
-        ours = model(toks, attention_mask=mask)
-        for b, n in enumerate(lengths):
-            alone = toks[b:b + 1, toks.shape[1] - n:]
-            assert_rel_close(ours[b:b + 1, -n:], model(alone), f"row {b} vs alone")
-            assert_rel_close(ours[b:b + 1, -n:], hf(alone, use_cache=False).logits, f"row {b} vs HF alone")
+    check_rows_alone(hf, from_hf(hf))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_from_the_state_equals_recompute_and_hf(variant):
     """Prefill 5 tokens, then one at a time past the window: the conv window, h and the keys carried."""
     hf = make_hf(variant)
-    model, toks = from_hf(hf), tokens(pos=14)
-    state, steps = DecodeState(), []
-    with torch.no_grad():
-        steps.append(model(toks[:, :5], state=state))
-        for t in range(5, toks.shape[1]):
-            steps.append(model(toks[:, t:t + 1], state=state))
-        whole, theirs = model(toks), hf(toks, use_cache=False).logits
-        toks_pad, mask = left_padded([9, 4], 9, V)  # a left-padded prompt, then decoding
-        state_pad = DecodeState()
-        first = model(toks_pad, attention_mask=mask, state=state_pad)
-        nxt = model(toks[:, :1], state=state_pad)
-        alone = model(torch.cat([toks_pad[1:, 5:], toks[1:, :1]], 1))
-    stepped = torch.cat(steps, 1)
-    close(stepped, whole, "stepped vs whole", 1e-5)
-    close(stepped, theirs, "stepped vs HF", 1e-4)
-    close(torch.cat([first[1:, 5:], nxt[1:]], 1), alone, "padded prompt then a step vs alone", 1e-5)
+    check_decoding(hf, from_hf(hf), tokens(pos=14))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_save_pretrained_loads_like_the_model_in_memory(variant, tmp_path):
-    hf = make_hf(variant)
-    hf.save_pretrained(tmp_path)
-    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
-    assert loaded.cfg == direct.cfg
-    toks = tokens()
-    mask = torch.ones_like(toks)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        assert torch.equal(loaded(toks, attention_mask=mask), direct(toks, attention_mask=mask))
+    check_save_pretrained(make_hf(variant), tokens(), tmp_path)
 
 
 @pytest.mark.parametrize("size", RELEASED)
 def test_released_config_builds_hf_shapes_on_meta(size):
-    raw = normalise_config(dict(RELEASED[size]))
-    arch = find_architecture(raw)
-    assert arch is REGISTRY["recurrent_gemma"]
-    with torch.device("meta"):
-        hf = transformers.RecurrentGemmaForCausalLM(transformers.AutoConfig.for_model(**RELEASED[size]))
-    cfg = arch.config_from_hf(hf.config.to_dict())
-    with on_meta():
-        model = arch.build(cfg)
-    theirs, ours = hf.state_dict(), dict(model.named_parameters())
-    mapped = arch.key_map(cfg)
-    for name, key in mapped.items():
-        source = theirs[next(n for n in key.names if n in theirs)]
-        shape = key.transform(source).shape if key.transform is not None else source.shape
-        assert tuple(ours[name].shape) == tuple(shape), name
-    assert set(mapped) == set(ours)
-    n_params = sum(p.numel() for p in model.parameters())
-    assert n_params == sum(p.numel() for p in hf.parameters())  # (2b: 2,010,263,040 with HF's defaults)
+    check_released_on_meta(RELEASED[size], "recurrent_gemma", transformers.RecurrentGemmaForCausalLM)
+    # (2b: 2,010,263,040 parameters with HF's defaults)
 
 
 def test_configs_hf_rejects_or_cannot_run_are_refused_by_name():

@@ -28,7 +28,8 @@ import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import assert_rel_close, left_padded, perturbed
+from hybrid_checks import (assert_rel_close, check_decoding, check_released_on_meta, check_rows_alone,
+                           check_save_pretrained, perturbed)
 
 from analysis.ga import ga_scores, head_units, rank_heads
 from analysis.info_flow import info_flow
@@ -36,11 +37,9 @@ from analysis.interventions import ablate_heads, decay_split, knockout, patch
 from analysis.kernel_rows import kernel_cols, kernel_rows, ssm_sites
 from analysis.tasks.known_facts import load_facts
 from analysis.tasks.text import char_tokenizer, kv_retrieval
-from hooked.models.decode_state import DecodeState
 from hooked.ops.rwkv import true_states, wkv_kernel_slice, wkv_scan, wkv_sequential
-from loaders.load import from_hf, from_pretrained, normalise_config
-from loaders.meta import on_meta
-from loaders.registry import REGISTRY, find_architecture
+from loaders.load import from_hf
+from loaders.registry import REGISTRY
 
 V = 128  # the char tokenizer's ids fit
 TOL = 1e-12
@@ -126,69 +125,23 @@ def test_without_rescaling_the_resid_posts_are_hfs_train_mode_ones():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_left_padded_rows_equal_each_prompt_alone_and_hf_alone(variant):
-    hf, model = pair(variant)
-    lengths = (19, 11, 8, 1)
-    toks, mask = left_padded(list(lengths), max(lengths), V)
-    with torch.no_grad():
-        ours = model(toks, attention_mask=mask)
-        for b, n in enumerate(lengths):
-            alone = toks[b:b + 1, toks.shape[1] - n:]
-            assert_rel_close(ours[b:b + 1, -n:], model(alone), f"row {b} vs alone")
-            assert_rel_close(ours[b:b + 1, -n:], hf(alone, use_cache=False).logits, f"row {b} vs HF alone")
+    check_rows_alone(*pair(variant))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_from_the_state_equals_recompute_and_hf(variant):
     """Prefill 5 tokens, then one at a time: both token shifts' last inputs and the WKV state carried."""
-    hf, model = pair(variant)
-    toks = tokens(pos=14)
-    state, steps = DecodeState(), []
-    with torch.no_grad():
-        steps.append(model(toks[:, :5], state=state))
-        for t in range(5, toks.shape[1]):
-            steps.append(model(toks[:, t:t + 1], state=state))
-        whole, theirs = model(toks), hf(toks, use_cache=False).logits
-        toks_pad, mask = left_padded([9, 4], 9, V)  # a left-padded prompt, then decoding
-        state_pad = DecodeState()
-        first = model(toks_pad, attention_mask=mask, state=state_pad)
-        nxt = model(toks[:, :1], state=state_pad)
-        alone = model(torch.cat([toks_pad[1:, 5:], toks[1:, :1]], 1))
-    stepped = torch.cat(steps, 1)
-    close(stepped, whole, "stepped vs whole", 1e-5)
-    close(stepped, theirs, "stepped vs HF", 1e-4)
-    close(torch.cat([first[1:, 5:], nxt[1:]], 1), alone, "padded prompt then a step vs alone", 1e-5)
+    check_decoding(*pair(variant), tokens(pos=14))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_save_pretrained_loads_like_the_model_in_memory(variant, tmp_path):
-    hf = make_hf(variant)
-    hf.save_pretrained(tmp_path)
-    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
-    assert loaded.cfg == direct.cfg
-    toks = tokens()
-    mask = torch.ones_like(toks)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        assert torch.equal(loaded(toks, attention_mask=mask), direct(toks, attention_mask=mask))
+    check_save_pretrained(make_hf(variant), tokens(), tmp_path)
 
 
 @pytest.mark.parametrize("size", RELEASED)
 def test_released_config_builds_hf_shapes_on_meta(size):
-    raw = normalise_config(dict(RELEASED[size]))
-    arch = find_architecture(raw)
-    assert arch is REGISTRY["rwkv"]
-    with torch.device("meta"):
-        hf = transformers.RwkvForCausalLM(transformers.AutoConfig.for_model(**RELEASED[size]))
-    cfg = arch.config_from_hf(hf.config.to_dict())
-    with on_meta():
-        model = arch.build(cfg)
-    theirs, ours = hf.state_dict(), dict(model.named_parameters())
-    mapped = arch.key_map(cfg)
-    for name, key in mapped.items():
-        assert tuple(ours[name].shape) == tuple(theirs[key.names[0]].shape), name
-    assert set(mapped) == set(ours)
-    n_params = sum(p.numel() for p in model.parameters())
-    assert n_params == sum(p.numel() for p in hf.parameters())  # (169m: 169,342,464)
+    check_released_on_meta(RELEASED[size], "rwkv", transformers.RwkvForCausalLM)  # (169m: 169,342,464 parameters)
 
 
 def test_bad_configs_and_rescaled_hf_weights_are_refused_by_name():

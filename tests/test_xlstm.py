@@ -26,20 +26,19 @@ import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import assert_rel_close, check_against_hf, left_padded, perturbed
+from hybrid_checks import (assert_rel_close, check_against_hf, check_decoding, check_heads_are_map_units,
+                           check_knockout_zeroes_head_entries, check_released_on_meta, check_rows_alone,
+                           check_save_pretrained, left_padded, perturbed)
 from safetensors.torch import save_file
 from tiny_families import tiny
 from transformers.models.xlstm import modeling_xlstm as hf_xlstm
 
 from analysis.interventions import knockout
 from analysis.kernel_rows import kernel_cols, kernel_rows
-from hooked.models.decode_state import DecodeState
-from hooked.models.model_map import model_map
 from hooked.ops.mlstm import (mlstm_chunked, mlstm_kernel, mlstm_kernel_cols, mlstm_kernel_rows, mlstm_sequential,
                               pack_state, unpack_state)
-from loaders.load import from_hf, from_pretrained, normalise_config
-from loaders.meta import on_meta
-from loaders.registry import REGISTRY, find_architecture
+from loaders.load import from_hf, from_pretrained
+from loaders.registry import REGISTRY
 
 V = 64
 BASE = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_heads=4, qk_dim_factor=1.0, ffn_proj_factor=0.5,
@@ -103,52 +102,24 @@ def test_float64_within_1e10_of_hf_on_whole_chunks():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_left_padded_rows_equal_each_prompt_alone_and_hf_alone(variant):
     hf = make_hf(variant)
-    model = from_hf(hf)
-    lengths = (19, 11, 8, 1)
-    toks, mask = left_padded(list(lengths), max(lengths), V)
-    with torch.no_grad():
-        ours = model(toks, attention_mask=mask)
-        for b, n in enumerate(lengths):
-            alone = toks[b:b + 1, toks.shape[1] - n:]
-            assert_rel_close(ours[b:b + 1, -n:], model(alone), f"row {b} vs alone", 1e-5)
-            assert_rel_close(ours[b:b + 1, -n:], hf(alone, use_cache=False).logits, f"row {b} vs HF alone")
+    check_rows_alone(hf, from_hf(hf), rel_alone=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_with_the_state_equals_recomputing_and_hf(variant):
+    """5 positions (past one chunk of 4), then one at a time; and HF's own decoding (its xLSTMCache)."""
     hf = make_hf(variant)
-    model, toks = from_hf(hf), tokens(pos=11)
-    state, steps = DecodeState(), []
+    toks = tokens(pos=11)
+    stepped = check_decoding(hf, from_hf(hf), toks)
     with torch.no_grad():
-        steps.append(model(toks[:, :5], state=state))  # 5 positions: past one chunk of 4
-        for t in range(5, 11):
-            steps.append(model(toks[:, t:t + 1], state=state))
-        whole, theirs = model(toks), hf(toks, use_cache=False).logits
-        out = hf(toks[:, :5], use_cache=True)  # HF's own decoding: its xLSTMCache
+        out = hf(toks[:, :5], use_cache=True)
         hf_steps = [out.logits] + [hf(toks[:, t:t + 1], cache=out.cache, use_cache=True).logits for t in range(5, 11)]
-        toks_pad, mask = left_padded([9, 4], 9, V)  # a left-padded prompt, then a step
-        state_pad = DecodeState()
-        first = model(toks_pad, attention_mask=mask, state=state_pad)
-        nxt = model(toks[:, :1], state=state_pad)
-        alone = model(torch.cat([toks_pad[1:, 5:], toks[1:, :1]], 1))
-    stepped = torch.cat(steps, 1)
-    assert_rel_close(stepped, whole, "stepped vs whole", 1e-5)
-    assert_rel_close(stepped, theirs, "stepped vs HF")
     assert_rel_close(stepped, torch.cat(hf_steps, 1), "stepped vs HF's cached decoding")
-    assert_rel_close(torch.cat([first[1:, 5:], nxt[1:]], 1), alone, "padded prompt then a step vs alone", 1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_save_pretrained_loads_like_the_model_in_memory(variant, tmp_path):
-    hf = make_hf(variant)
-    hf.save_pretrained(tmp_path)
-    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
-    assert loaded.cfg == direct.cfg
-    toks = tokens()
-    mask = torch.ones_like(toks)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        assert torch.equal(loaded(toks, attention_mask=mask), direct(toks, attention_mask=mask))
+    check_save_pretrained(make_hf(variant), tokens(), tmp_path)
 
 
 def test_a_fused_checkpoint_loads_as_its_rows(tmp_path):
@@ -169,25 +140,9 @@ def test_a_fused_checkpoint_loads_as_its_rows(tmp_path):
 
 
 def test_released_config_builds_hf_shapes_on_meta():
-    raw = normalise_config(dict(RELEASED))
-    arch = find_architecture(raw)
-    assert arch is REGISTRY["xlstm"]
-    cfg = arch.config_from_hf(raw)
+    cfg, model = check_released_on_meta(RELEASED, "xlstm", transformers.xLSTMForCausalLM, read="raw")
     assert (cfg.n_heads, cfg.d_qk, cfg.d_v, cfg.d_mlp) == (8, 256, 512, 10944)
-    with torch.device("meta"):
-        hf = transformers.xLSTMForCausalLM(transformers.AutoConfig.for_model(**RELEASED))
-    with on_meta():
-        model = arch.build(cfg)
-    theirs, ours = hf.state_dict(), dict(model.named_parameters())
-    mapped = arch.key_map(cfg)
-    for name, key in mapped.items():
-        source = theirs[next(n for n in key.names if n in theirs)]
-        shape = key.transform(source).shape if key.transform is not None else source.shape
-        assert tuple(ours[name].shape) == tuple(shape), name
-    assert set(mapped) == set(ours)  # every parameter of ours is read
-    count = sum(p.numel() for p in model.parameters())
-    assert count == sum(p.numel() for p in hf.parameters())
-    assert round(count / 1e9) == 7  # xLSTM-7B
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9) == 7  # xLSTM-7B
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -336,21 +291,13 @@ def test_an_edit_of_the_normaliser_continues_from_it_and_rescales_y():
 def test_knockout_equals_zeroing_the_dense_kernels_entries_and_a_brute_force(channels):
     model, toks = model64(), tokens(pos=11)
     sources, targets = [1, 3, 6], [4, 6, 9, 10]
+    check_knockout_zeroes_head_entries(model, toks, [0, 1], sources, targets, channels, 4, knockout)
     heads = torch.zeros(4, dtype=torch.bool)
     heads[channels if channels is not None else slice(None)] = True
     cut = torch.zeros(11, 11, dtype=torch.bool)
     cut[torch.tensor(targets)[:, None], torch.tensor(sources)] = True
-
-    def zero_entries(kernel, hook):
-        return kernel.masked_fill(heads[:, None, None] & cut & torch.ones(11, 11, dtype=torch.bool).tril(), 0.0)
-    with torch.no_grad():
-        plain = model(toks)
-        with knockout(model, sources=sources, targets=targets, layers=[0, 1], channels=channels):
-            got = model(toks)
-            cut_cache = mixer_cache(model, toks, layer=0)
-        want = model.run_with_hooks(toks, fwd_hooks=[(f"blocks.{l}.mixer.hook_kernel", zero_entries) for l in (0, 1)])
-    close(got, want, "knockout vs zeroed kernel entries")
-    assert (got - plain).abs().max() > 1e-6
+    with knockout(model, sources=sources, targets=targets, layers=[0, 1], channels=channels):
+        cut_cache = mixer_cache(model, toks, layer=0)
     # brute force (layer 0, its inputs unchanged by the cut): sum over kept sources only, N over all of them
     c = mixer_cache(model, toks, layer=0)
     q = c["q"] * c["q"].shape[-1] ** -0.5
@@ -367,13 +314,5 @@ def test_knockout_equals_zeroing_the_dense_kernels_entries_and_a_brute_force(cha
 
 def test_the_heads_are_the_maps_units():
     model = model64()
-    sites = {s.path: s for s in model_map(model)}
-    mixer = sites["blocks.0.mixer"]
-    assert mixer.labels() == [f"L0H{h}" for h in range(4)] and mixer.recurrent  # a block's own heads: "H"
-    toks = tokens(pos=7)
-    with torch.no_grad():
-        _, cache = model.run_with_cache(toks, names_filter=lambda n: n.startswith("blocks.0."), incl_lazy=True)
-    writes = mixer.writes_from(cache.cache_dict)
-    close(writes, cache["blocks.0.mixer.hook_head_out"], "unit writes")
-    close(writes.sum(-2), cache["blocks.0.hook_mixer_out"], "their sum")
+    check_heads_are_map_units(model, 4, tokens(pos=7))
     assert model.blocks[0].sublayer("mixer").decay_norms().shape == (4,)

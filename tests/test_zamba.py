@@ -30,18 +30,16 @@ import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import assert_rel_close, check_against_hf, left_padded
-from hybrid_checks import perturbed
+from hybrid_checks import (check_against_hf, check_decoding, check_knockout_equals_kernel_zeroing,
+                           check_released_on_meta, check_rows_alone, check_save_pretrained, left_padded, perturbed)
 from transformers.models.zamba import modeling_zamba
 
 from analysis.interventions import ablate_heads, knockout
 from hooked import backends
-from hooked.models.decode_state import DecodeState
 from hooked.ops.grouped_selective import (grouped_kernel, grouped_kernel_cols, grouped_kernel_pairs,
                                           grouped_kernel_rows, grouped_scan, grouped_scan_chunked)
-from loaders.load import from_hf, from_pretrained, normalise_config
-from loaders.meta import on_meta
-from loaders.registry import REGISTRY, find_architecture
+from loaders.load import from_hf
+from loaders.registry import REGISTRY
 
 V = 64
 TOL = 1e-12
@@ -122,15 +120,7 @@ def test_float64_equals_hf_with_its_float32_casts_made_float64():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_left_padded_rows_equal_each_prompt_alone_and_hf_alone(variant):
     hf = make_hf(variant)
-    model = from_hf(hf)
-    lengths = (19, 11, 8, 1)
-    toks, mask = left_padded(list(lengths), max(lengths), V)
-    with torch.no_grad():
-        ours = model(toks, attention_mask=mask)
-        for b, n in enumerate(lengths):
-            alone = toks[b:b + 1, toks.shape[1] - n:]
-            assert_rel_close(ours[b:b + 1, -n:], model(alone), f"row {b} vs alone")
-            assert_rel_close(ours[b:b + 1, -n:], hf(alone, use_cache=False).logits, f"row {b} vs HF alone")
+    check_rows_alone(hf, from_hf(hf))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -138,55 +128,24 @@ def test_decoding_from_the_state_equals_recompute_and_hf(variant):
     """Prefill 5 tokens, then one at a time: the conv window, h per group and the shared block's keys carried."""
     hf = make_hf(variant)
     model, toks = from_hf(hf), tokens(pos=12)
-    state, steps = DecodeState(), []
+    check_decoding(hf, model, toks, padded_then_step=False)
     with torch.no_grad():
-        steps.append(model(toks[:, :5], state=state))
-        for t in range(5, toks.shape[1]):
-            steps.append(model(toks[:, t:t + 1], state=state))
-        whole, theirs = model(toks), hf(toks, use_cache=False).logits
         hf_steps = hf.generate(toks[:, :5], max_new_tokens=4, do_sample=False, output_logits=True,
                                return_dict_in_generate=True, pad_token_id=0)
         ours_greedy = model(hf_steps.sequences)
-    stepped = torch.cat(steps, 1)
-    close(stepped, whole, "stepped vs whole", 1e-5)
-    close(stepped, theirs, "stepped vs HF", 1e-4)
     for k, logits in enumerate(hf_steps.logits):  # HF's own cached decoding agrees with our whole sequence
         close(logits, ours_greedy[:, 4 + k], f"HF cached step {k} vs ours", 1e-4)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_save_pretrained_loads_like_the_model_in_memory(variant, tmp_path):
-    hf = make_hf(variant)
-    hf.save_pretrained(tmp_path)
-    loaded, direct = from_pretrained(tmp_path), from_hf(hf)
-    assert loaded.cfg == direct.cfg
-    toks = tokens()
-    mask = torch.ones_like(toks)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        assert torch.equal(loaded(toks, attention_mask=mask), direct(toks, attention_mask=mask))
+    check_save_pretrained(make_hf(variant), tokens(), tmp_path)
 
 
 @pytest.mark.parametrize("size", RELEASED)
 def test_released_config_builds_hf_shapes_on_meta(size):
-    raw = normalise_config(dict(RELEASED[size]))
-    arch = find_architecture(raw)
-    assert arch is REGISTRY["zamba"]
-    with torch.device("meta"):
-        hf = transformers.ZambaForCausalLM(transformers.AutoConfig.for_model(**RELEASED[size]))
-    cfg = arch.config_from_hf(hf.config.to_dict())
-    assert cfg.layer_types.count("hybrid") == 13 and cfg.n_groups == 2
-    with on_meta():
-        model = arch.build(cfg)
-    theirs, ours = hf.state_dict(), dict(model.named_parameters())
-    mapped = arch.key_map(cfg)
-    for name, key in mapped.items():
-        source = theirs[next(n for n in key.names if n in theirs)]
-        shape = key.transform(source).shape if key.transform is not None else source.shape
-        assert tuple(ours[name].shape) == tuple(shape), name
-    assert set(mapped) == set(ours)
-    n_params = sum(p.numel() for p in model.parameters())
-    assert n_params == sum(p.numel() for p in hf.parameters())  # (7b_v1: the shared block counted once)
+    cfg, _ = check_released_on_meta(RELEASED[size], "zamba", transformers.ZambaForCausalLM)  # the shared block
+    assert cfg.layer_types.count("hybrid") == 13 and cfg.n_groups == 2  # counted once
 
 
 def test_configs_hf_rejects_or_cannot_run_are_refused_by_name():
@@ -301,23 +260,10 @@ def test_state_edit_equals_the_recurrence_from_the_edited_state():
 @pytest.mark.parametrize("layer", [0, 3])
 def test_knockout_equals_zeroing_the_kernel_entries(layer):
     """Layer 0: the mixer alone; layer 3 (hybrid): the shared attention's pattern (attention="pattern") too."""
-    model, toks = model64(), tokens()
-    sources, targets = [1, 4, 7], [9, 12]
-    names = [f"blocks.{layer}.mixer.hook_kernel"] + [f"blocks.{layer}.shared.attn.hook_pattern"] * (layer == 3)
-
-    def zero(K, hook):
-        K = K.clone()
-        for j in targets:
-            K[..., j, [i for i in sources if i <= j]] = 0
-        return K
-
-    with torch.no_grad():
-        plain = model(toks)
-        with knockout(model, sources=sources, targets=targets, layers=[layer], attention="pattern"):
-            cut = model(toks)
-        ref = model.run_with_hooks(toks, fwd_hooks=[(name, zero) for name in names])
-    close(cut, ref, "knockout vs zeroed entries", 1e-10)
-    assert not torch.allclose(cut, plain), "the cut must change the logits"
+    model = model64()
+    assert ("blocks.3.shared.attn.hook_pattern" in model.hook_dict) and "blocks.0.shared.attn.hook_pattern" not in (
+        model.hook_dict)
+    check_knockout_equals_kernel_zeroing(model, tokens(), layer, [1, 4, 7], [9, 12], knockout)
 
 
 def test_ablating_a_channel_equals_zeroing_its_out_proj_column():
