@@ -18,9 +18,13 @@ RecurrentGemma, RWKV, Zamba, Qwen4-Exp, xLSTM, MiniMax, LFM2-MoE, Bailing-hybrid
     check_knockout_equals_kernel_zeroing / check_knockout_zeroes_head_entries
                                 knockout == zeroing the cut entries of hook_kernel (and attention patterns)
     check_heads_are_map_units   a multi-head mixer's heads are its map units; their writes sum to the mixer's
+    check_ablation_zeroes_columns
+                                ablate_heads == zeroing those channels' input columns of the output projection
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import transformers
@@ -297,3 +301,19 @@ def check_heads_are_map_units(model, n_heads: int, tokens, scale: float = 1.0) -
     writes = mixer.writes_from(cache.cache_dict)
     torch.testing.assert_close(writes, cache["blocks.0.mixer.hook_head_out"], rtol=0, atol=1e-12)
     torch.testing.assert_close(writes.sum(-2) * scale, cache["blocks.0.hook_mixer_out"], rtol=0, atol=1e-12)
+
+
+def check_ablation_zeroes_columns(model, tokens, units, weight: str, columns, ablate_heads, keep: bool = False,
+                                  rel: float = 1e-12) -> None:
+    """ablate_heads(units) (keep: every unit but them) == zeroing the input columns `columns` (keep: all others)
+    of the parameter `weight` (the mixer's output projection), on a copy of the model, within `rel`."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        with ablate_heads(model, units, keep=keep):
+            ablated = model(tokens)
+        W = model.get_parameter(weight)
+        for c in range(W.shape[1]):
+            if (c in columns) != keep:
+                W[:, c] = 0
+        zeroed = model(tokens)
+    assert_rel_close(ablated, zeroed, "ablated vs zeroed columns", rel)

@@ -21,7 +21,6 @@ tests (tiny_families.py) add state edits, decode-step knockout, the model map, a
 
 from __future__ import annotations
 
-import copy
 import functools
 import types
 
@@ -29,8 +28,9 @@ import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import (check_against_hf, check_decoding, check_knockout_equals_kernel_zeroing,
-                           check_released_on_meta, check_rows_alone, check_save_pretrained, perturbed)
+from hybrid_checks import (check_ablation_zeroes_columns, check_against_hf, check_decoding,
+                           check_knockout_equals_kernel_zeroing, check_released_on_meta, check_rows_alone,
+                           check_save_pretrained, perturbed)
 from test_parity_dense_families import _float64_method
 
 from analysis.ga import ga_scores, head_units, rank_heads
@@ -280,17 +280,9 @@ def test_knockout_equals_zeroing_the_cut_entries_of_the_kernel(channels):
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_ablate_heads_equals_zeroing_out_proj_columns(keep):
-    model, x = copy.deepcopy(model64()), tokens(pos=12)
     listed = [0, 7, 23]
-    with torch.no_grad():
-        with ablate_heads(model, [(SITE, c) for c in listed], keep=keep):
-            ours = model(x)
-        weight = model.get_submodule(SITE).out_proj.weight
-        for c in range(weight.shape[1]):
-            if (c in listed) != keep:
-                weight[:, c] = 0
-        ref = model(x)
-    close(ours, ref, "ablated vs zeroed columns")
+    check_ablation_zeroes_columns(model64(), tokens(pos=12), [(SITE, c) for c in listed], f"{SITE}.out_proj.weight",
+                                  listed, ablate_heads, keep=keep)
 
 
 def test_kernel_rows_and_cols_are_slices_of_hook_kernel():

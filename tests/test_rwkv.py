@@ -21,15 +21,14 @@ decode-step knockout, the model map, attribution and circuits.
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import (assert_rel_close, check_decoding, check_released_on_meta, check_rows_alone,
-                           check_save_pretrained, perturbed)
+from hybrid_checks import (assert_rel_close, check_ablation_zeroes_columns, check_decoding, check_released_on_meta,
+                           check_rows_alone, check_save_pretrained, perturbed)
 
 from analysis.ga import ga_scores, head_units, rank_heads
 from analysis.info_flow import info_flow
@@ -287,17 +286,9 @@ def test_cut_conv_zeroes_the_token_shift_of_targets_after_a_source():
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_ablate_heads_equals_zeroing_output_columns(keep):
-    model, x = copy.deepcopy(model64()), tokens(pos=12)
     listed = [0, 7, 11]
-    with torch.no_grad():
-        with ablate_heads(model, [(SITE, c) for c in listed], keep=keep):
-            ours = model(x)
-        weight = model.get_submodule(SITE).output.weight
-        for c in range(weight.shape[1]):
-            if (c in listed) != keep:
-                weight[:, c] = 0
-        ref = model(x)
-    close(ours, ref, "ablated vs zeroed columns")
+    check_ablation_zeroes_columns(model64(), tokens(pos=12), [(SITE, c) for c in listed], f"{SITE}.output.weight",
+                                  listed, ablate_heads, keep=keep)
 
 
 def test_kernel_rows_and_cols_are_slices_of_hook_kernel():

@@ -30,8 +30,9 @@ import pytest
 import torch
 import transformers
 from einops import einsum
-from hybrid_checks import (check_against_hf, check_decoding, check_knockout_equals_kernel_zeroing,
-                           check_released_on_meta, check_rows_alone, check_save_pretrained, left_padded, perturbed)
+from hybrid_checks import (check_ablation_zeroes_columns, check_against_hf, check_decoding,
+                           check_knockout_equals_kernel_zeroing, check_released_on_meta, check_rows_alone,
+                           check_save_pretrained, left_padded, perturbed)
 from transformers.models.zamba import modeling_zamba
 
 from analysis.interventions import ablate_heads, knockout
@@ -267,18 +268,8 @@ def test_knockout_equals_zeroing_the_kernel_entries(layer):
 
 
 def test_ablating_a_channel_equals_zeroing_its_out_proj_column():
-    model, toks = model64(), tokens()
-    mixer = model.get_submodule("blocks.2.mixer")
-    with torch.no_grad():
-        with ablate_heads(model, [(2, 5), (2, 20)]):  # one channel of each group
-            ablated = model(toks)
-        saved = mixer.out_proj.weight.clone()
-        mixer.out_proj.weight[:, [5, 20]] = 0
-        try:
-            ref = model(toks)
-        finally:
-            mixer.out_proj.weight.copy_(saved)
-    close(ablated, ref, "ablated vs zeroed columns")
+    check_ablation_zeroes_columns(model64(), tokens(), [(2, 5), (2, 20)], "blocks.2.mixer.out_proj.weight", [5, 20],
+                                  ablate_heads)  # one channel of each group
 
 
 # ------------------------------------------------------------------------------------------- GPU
