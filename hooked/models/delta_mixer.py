@@ -61,7 +61,6 @@ from hooked.ops.conv import causal_conv1d
 from hooked.ops.delta_rule import _per_head, delta_rule_carry, delta_rule_chunked, l2norm
 from hooked.ops.delta_rule_kernel import (delta_rule_kernel, delta_rule_kernel_cols, delta_rule_kernel_rows,
                                           delta_rule_knockout)
-from hooked.ops.edge_cut import edge_pairs
 from hooked.ops.fla_kernels import delta_rule_fused
 from hooked.ops.fused import causal_conv1d_fused
 from hooked.ops.norms import rms_norm_gated
@@ -205,18 +204,14 @@ class DeltaMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             q = q * self.spec.d_k**-0.5
             step = stepping_state()
             if step is not None:  # the rule is linear in (v, S0): the cut sources' part runs on from h_cut
-                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
-                self._check_overlap(hook.name, t, s, channels)
                 return self._cut_step(
-                    step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y,
+                    step, hook.name, masks, spec, channels, y,
                     lambda only, h0: delta_rule_chunked(q, k, v * along(only, v), beta, alpha, h0,
                                                         chunk_size=chunk))
-            t, s = masks(y.shape[0], y.shape[1], y.device)
-            self._check_overlap(hook.name, t, s, channels)
-            row, j, i = edge_pairs(t, s)
-            if not len(row) or (channels is not None and not channels.any()):
+            pairs = self._cut_pairs(hook.name, masks, y, channels)
+            if pairs is None:
                 return None  # nothing to cut: the tensor itself goes on
-            heads = None if channels is None else channels.to(y.device).nonzero()[:, 0]
+            row, j, i, heads = pairs
             return delta_rule_knockout(y, q, k, v, beta, alpha, row, j, i, heads, chunk_size=chunk)
 
         hooks: CutHooks = [(self.hook_q, keeper(seen, "q")), (self.hook_k, keeper(seen, "k")),

@@ -53,7 +53,6 @@ from hooked.models.head_writes import written_by_units
 from hooked.models.mlp import activation
 from hooked.models.norms import RMSNorm
 from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along, keeper, slicer
-from hooked.ops.edge_cut import edge_pairs
 from hooked.ops.lightning import (lightning_chunked, lightning_decays, lightning_kernel, lightning_kernel_cols,
                                   lightning_kernel_rows, lightning_knockout, lightning_states)
 from hooked.ops.set_scan import set_scan
@@ -153,17 +152,13 @@ class LightningMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             slope = self.slope(q.dtype, q.device)
             step = stepping_state()
             if step is not None:  # linear in (v, S0): the cut sources' part runs on from h_cut
-                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
-                self._check_overlap(hook.name, t, s, channels)
-                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y,
+                return self._cut_step(step, hook.name, masks, spec, channels, y,
                                       lambda only, h0: lightning_chunked(q, k, v * along(only, v), slope,
                                                                          self.spec.block_size, h0))
-            t, s = masks(y.shape[0], y.shape[1], y.device)
-            self._check_overlap(hook.name, t, s, channels)
-            row, j, i = edge_pairs(t, s)
-            if not len(row) or (channels is not None and not channels.any()):
+            pairs = self._cut_pairs(hook.name, masks, y, channels)
+            if pairs is None:
                 return None  # nothing to cut: the tensor itself goes on
-            heads = None if channels is None else channels.to(y.device).nonzero()[:, 0]
+            row, j, i, heads = pairs
             return y - lightning_knockout(q, k, v, slope, row, j, i, heads).to(y.dtype)
 
         return [(self.hook_q, keeper(seen, "q")), (self.hook_k, keeper(seen, "k")),

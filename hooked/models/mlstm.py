@@ -63,7 +63,6 @@ from hooked.models.base import Context
 from hooked.models.decode_state import StateRefused, stepping_state
 from hooked.models.head_writes import written_by_units
 from hooked.models.protocol import CutHooks, Heads, Masks, Mixing, RecurrentCut, TokenMixer, along, keeper, slicer
-from hooked.ops.edge_cut import edge_pairs
 from hooked.ops.mlstm import (mlstm_chunked, mlstm_decays, mlstm_kernel, mlstm_kernel_cols, mlstm_kernel_rows,
                               mlstm_knockout, mlstm_states, pack_state, unpack_state)
 from hooked.ops.set_scan import set_scan
@@ -166,8 +165,6 @@ class MLSTMMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
             q = q * self.spec.d_qk**-0.5
             step = stepping_state()
             if step is not None:  # C is linear in (v, C0): the cut sources' part runs on from h_cut, N held
-                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
-                self._check_overlap(hook.name, t, s, channels)
 
                 def scan_sources(only: Tensor, h0: Tensor | None) -> tuple[Tensor, Tensor]:
                     start = (q.new_zeros(*k.shape[:1], *k.shape[2:], v.shape[-1]) if h0 is None else h0,
@@ -175,13 +172,11 @@ class MLSTMMixer(RecurrentCut, TokenMixer, MixerWeights, nn.Module):
                     p = mlstm_chunked(q, k, v * along(only, v), log_i, log_f, start, self.spec.chunk_size)
                     C, _, m = p.state  # stabilised from m0 = 0: C_cut = exp(m) C~
                     return p.num * torch.exp(p.m - torch.log(denom))[..., None], C * torch.exp(m)[..., None, None]
-                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y, scan_sources)
-            t, s = masks(y.shape[0], y.shape[1], y.device)
-            self._check_overlap(hook.name, t, s, channels)
-            row, j, i = edge_pairs(t, s)
-            if not len(row) or (channels is not None and not channels.any()):
+                return self._cut_step(step, hook.name, masks, spec, channels, y, scan_sources)
+            pairs = self._cut_pairs(hook.name, masks, y, channels)
+            if pairs is None:
                 return None  # nothing to cut: the tensor itself goes on
-            heads = None if channels is None else channels.to(y.device).nonzero()[:, 0]
+            row, j, i, heads = pairs
             return y - mlstm_knockout(q, k, v, log_i, log_f, denom, row, j, i, heads).to(y.dtype)
 
         return [(self.hook_q, keeper(seen, "q")), (self.hook_k, keeper(seen, "k")), (self.hook_v, keeper(seen, "v")),

@@ -49,7 +49,7 @@ from torch import Tensor
 from hooked.models.cut_record import CutRecord, resume_cut
 from hooked.models.decode_state import DecodeState, StateRefused, forward_notes, stepping_state
 from hooked.models.site import Site
-from hooked.ops.edge_cut import attention_cut, conv_channels, conv_cut, kernel_cut
+from hooked.ops.edge_cut import attention_cut, conv_channels, conv_cut, edge_pairs, kernel_cut
 
 Masks = Callable[..., tuple[Tensor, Tensor]]  # (batch, pos, device, open_end=False) -> (target, source)
 Index = Callable[[int, torch.device], Tensor]  # (pos, device) -> long positions
@@ -261,14 +261,29 @@ class RecurrentCut:
                     "them disjoint positions or channels")
         earlier.append((t, s, channels))
 
-    def _cut_step(self, step: DecodeState, where: str, spec: tuple, t: Tensor, s: Tensor, channels: Tensor | None,
+    def _cut_pairs(self, name: str, masks: Masks, y: Tensor, channels: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+        """The cut of a whole sequence (no decoding state) at hook `name` reading y [batch pos ...]: its edges as
+        (row, j, i) pairs (edge_cut.edge_pairs) and the cut heads' indices (None: all), after the overlap check;
+        None when nothing is cut (no edge, or no channel)."""
+        t, s = masks(y.shape[0], y.shape[1], y.device)
+        self._check_overlap(name, t, s, channels)
+        row, j, i = edge_pairs(t, s)
+        if not len(row) or (channels is not None and not channels.any()):
+            return None
+        return row, j, i, None if channels is None else channels.to(y.device).nonzero()[:, 0]
+
+    def _cut_step(self, step: DecodeState, name: str, masks: Masks, spec: tuple, channels: Tensor | None,
                   y: Tensor, scan_sources: SourceScan) -> Tensor | None:
-        """The cut while decoding (t, s: the masks over past and new positions): y_j -= (the part of y_j from
-        cut sources) at new targets j; h_cut (cut_record.py), that part of the state, carried in the state from
-        the step before and advanced over the new positions' sources by `scan_sources(only_sources, h0)`: the
-        mixer's recurrence on this step's inputs with the non-source positions' writes zeroed (bool [batch
-        new]), from h0, returning (y_cut, h_cut) (the recurrence is linear in its writes and its state)."""
-        offset = step.length
+        """The cut while decoding at hook `name` reading y (the masks over past and new positions, after the
+        overlap check): y_j -= (the part of y_j from cut sources) at new targets j; h_cut (cut_record.py), that
+        part of the state, carried in the state from the step before and advanced over the new positions'
+        sources by `scan_sources(only_sources, h0)`: the mixer's recurrence on this step's inputs with the
+        non-source positions' writes zeroed (bool [batch new]), from h0, returning (y_cut, h_cut) (the
+        recurrence is linear in its writes and its state)."""
+        offset, where = step.length, name.rsplit(".", 1)[0]
+        t, s = masks(y.shape[0], offset + y.shape[1], y.device, open_end=True)
+        self._check_overlap(name, t, s, channels)
         parent = resume_cut(step, self, where, spec, t, s, needs_h=True)
         h0 = None if parent is None else parent.h_cut
         t_new, s_new = t[:, offset:], s[:, offset:]
@@ -375,9 +390,7 @@ class StateSpaceMixer(RecurrentCut):
             u, dt, B, C = (seen.pop(k) for k in ("u", "dt", "B", "C"))
             step = stepping_state()
             if step is not None:
-                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
-                self._check_overlap(hook.name, t, s, channels)
-                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y,
+                return self._cut_step(step, hook.name, masks, spec, channels, y,
                                       lambda only, h0: self.state_scan(u * along(only, u), dt, B, C, h0))
             t, s = masks(y.shape[0], y.shape[1], y.device)
             self._check_overlap(hook.name, t, s, channels)

@@ -154,13 +154,11 @@ class RGLRUBlock(RecurrentCut, TokenMixer, nn.Module):
             wx = lambda only: mult * gate_i * x.to(a.dtype) * along(only, a)  # noqa: E731  the sources' inputs
             step = stepping_state()
             if step is not None:  # linear in (x, h0): the sources' part runs on from the h_cut carried
-                t, s = masks(y.shape[0], step.length + y.shape[1], y.device, open_end=True)
-                self._check_overlap(hook.name, t, s, channels)
 
                 def scan_sources(only: Tensor, h0: Tensor | None) -> tuple[Tensor, Tensor]:
                     states = rg_lru_scan(a, wx(only), h0)
                     return states, states[:, -1]
-                return self._cut_step(step, hook.name.rsplit(".", 1)[0], spec, t, s, channels, y, scan_sources)
+                return self._cut_step(step, hook.name, masks, spec, channels, y, scan_sources)
             t, s = masks(y.shape[0], y.shape[1], y.device)
             self._check_overlap(hook.name, t, s, channels)
             if not (t.any() and s.any()) or (channels is not None and not channels.any()):

@@ -35,6 +35,15 @@ def _split(t: Tensor, groups: int, dim: int) -> tuple[Tensor, ...]:
     return t.chunk(groups, dim=dim)
 
 
+def _per_group(op: Callable[..., Tensor], dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *args, dim: int,
+               **kwargs) -> Tensor:
+    """op(dt_g, A_g, B_g, C_g, *args, **kwargs), a Mamba-1 kernel op, on each group g's channels with that
+    group's B and C; the groups' results concatenated along `dim` (their channel axis)."""
+    G = B.shape[2]
+    return torch.cat([op(dt_g, A_g, B[:, :, g], C[:, :, g], *args, **kwargs)
+                      for g, (dt_g, A_g) in enumerate(zip(_split(dt, G, -1), _split(A, G, 0)))], dim=dim)
+
+
 def grouped_B_bar(
     dt: Float[Tensor, "batch pos d_inner"], B: Float[Tensor, "batch pos n_groups d_state"]
 ) -> Float[Tensor, "batch pos d_inner d_state"]:
@@ -91,9 +100,7 @@ def grouped_kernel(
     C: Float[Tensor, "batch pos n_groups d_state"],
 ) -> Float[Tensor, "batch d_inner q_pos k_pos"]:
     """The SSM as attention per channel (mamba1_kernel_chunked per group): y_j = sum_i kernel[:, :, j, i] u_i."""
-    G = B.shape[2]
-    return torch.cat([mamba1_kernel_chunked(dt_g, A_g, B[:, :, g], C[:, :, g])
-                      for g, (dt_g, A_g) in enumerate(zip(_split(dt, G, -1), _split(A, G, 0)))], dim=1)
+    return _per_group(mamba1_kernel_chunked, dt, A, B, C, dim=1)
 
 
 def grouped_kernel_discrete(
@@ -118,9 +125,7 @@ def grouped_kernel_pairs(
     chunk: int | None = None,
 ) -> Float[Tensor, "pair d_inner"]:
     """grouped_kernel(dt, A, B, C)[batch_idx, :, target, source] without the pos x pos matrix."""
-    G = B.shape[2]
-    return torch.cat([mamba1_kernel_pairs(dt_g, A_g, B[:, :, g], C[:, :, g], batch_idx, target, source, chunk)
-                      for g, (dt_g, A_g) in enumerate(zip(_split(dt, G, -1), _split(A, G, 0)))], dim=-1)
+    return _per_group(mamba1_kernel_pairs, dt, A, B, C, batch_idx, target, source, chunk, dim=-1)
 
 
 def grouped_kernel_rows(
@@ -132,9 +137,7 @@ def grouped_kernel_rows(
     **kwargs,
 ) -> Float[Tensor, "batch d_inner row k_pos"]:
     """grouped_kernel(dt, A, B, C)[:, :, rows] without the pos x pos matrix (mamba1_kernel_rows per group)."""
-    G = B.shape[2]
-    return torch.cat([mamba1_kernel_rows(dt_g, A_g, B[:, :, g], C[:, :, g], rows, **kwargs)
-                      for g, (dt_g, A_g) in enumerate(zip(_split(dt, G, -1), _split(A, G, 0)))], dim=1)
+    return _per_group(mamba1_kernel_rows, dt, A, B, C, rows, dim=1, **kwargs)
 
 
 def grouped_kernel_cols(
@@ -146,9 +149,7 @@ def grouped_kernel_cols(
     **kwargs,
 ) -> Float[Tensor, "batch d_inner q_pos col"]:
     """grouped_kernel(dt, A, B, C)[..., cols] without the pos x pos matrix (mamba1_kernel_cols per group)."""
-    G = B.shape[2]
-    return torch.cat([mamba1_kernel_cols(dt_g, A_g, B[:, :, g], C[:, :, g], cols, **kwargs)
-                      for g, (dt_g, A_g) in enumerate(zip(_split(dt, G, -1), _split(A, G, 0)))], dim=1)
+    return _per_group(mamba1_kernel_cols, dt, A, B, C, cols, dim=1, **kwargs)
 
 
 def grouped_scan_fused(

@@ -28,9 +28,9 @@ from einops import einsum
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from hooked.ops.pair_cut import pair_cut
 from hooked.ops.ssd import _check_positions, _linear_recurrence
 
-_PAIR_ELEMENTS = 2**22  # elements of one chunk's [pair head d_head] tensors in lightning_knockout
 
 
 def _decay(slope: Float[Tensor, "n_heads"], steps: Tensor) -> Tensor:
@@ -146,15 +146,9 @@ def lightning_knockout(
     heads: Int[Tensor, "head"] | None = None,
 ) -> Float[Tensor, "batch pos n_heads d_value"]:
     """sum over the cut pairs (row, j <- i) of K[row, h, j, i] v[row, i] at (row, j), on `heads` (None: all):
-    what y loses when those edges are cut. Pairs in chunks; no pos x pos tensor."""
-    out = torch.zeros_like(v)
-    step = max(1, _PAIR_ELEMENTS // max(1, q.shape[2] * q.shape[3]))
-    for a in range(0, len(row), step):
-        r, jj, ii = row[a:a + step], j[a:a + step], i[a:a + step]
-        entries = (q[r, jj] * k[r, ii]).sum(-1) * torch.exp(-slope * (jj - ii).to(slope.dtype)[:, None])  # [pair h]
-        out.index_put_((r, jj), entries[..., None] * v[r, ii], accumulate=True)
-    if heads is not None:
-        keep = torch.zeros(q.shape[2], dtype=torch.bool, device=q.device)
-        keep[heads] = True
-        out = out * keep[:, None].to(out.dtype)
-    return out
+    what y loses when those edges are cut (pair_cut.py). No pos x pos tensor."""
+
+    def entries(r: Tensor, jj: Tensor, ii: Tensor) -> Tensor:  # [pair h]: lambda^(j - i) (q_j . k_i)
+        return (q[r, jj] * k[r, ii]).sum(-1) * torch.exp(-slope * (jj - ii).to(slope.dtype)[:, None])
+
+    return pair_cut(entries, v, row, j, i, heads, width=max(q.shape[3], v.shape[3]))

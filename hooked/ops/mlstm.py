@@ -41,9 +41,9 @@ from einops import einsum
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from hooked.ops.pair_cut import pair_cut
 from hooked.ops.ssd import _check_positions, _linear_recurrence
 
-_PAIR_ELEMENTS = 2**22  # elements of one chunk's [pair head d] tensors in mlstm_knockout
 State = tuple[Tensor, Tensor, Tensor]  # HF's (C~ [b h c v], n~ [b h c], m [b h])
 
 
@@ -158,12 +158,13 @@ def mlstm_decays(log_f: Float[Tensor, "batch pos n_heads"]) -> Float[Tensor, "ba
     return torch.exp(log_f)[..., None, None]
 
 
-def _log_weights(log_i: Tensor, log_f: Tensor, log_denom: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
-    """[b h row col]: F_j - F_i + i_i - log N_j for the given rows j and columns i, -inf where i > j."""
+def _kernel_slice(q: Tensor, k: Tensor, log_i: Tensor, log_f: Tensor, denom: Tensor, rows: Tensor,
+                  cols: Tensor) -> Tensor:
+    """K[:, :, rows][..., cols] [b h row col]: exp(F_j - F_i + i_i - log N_j) (q_j . k_i), zero where i > j."""
     F = log_f.cumsum(1)  # [b l h]
-    w = F[:, rows, None] - F[:, None, cols] + log_i[:, None, cols] - log_denom[:, rows, None]  # [b r s h]
+    w = F[:, rows, None] - F[:, None, cols] + log_i[:, None, cols] - torch.log(denom)[:, rows, None]  # [b r s h]
     w = w.masked_fill((cols[None, :] > rows[:, None])[None, :, :, None], -torch.inf)
-    return w.permute(0, 3, 1, 2)
+    return torch.exp(w.permute(0, 3, 1, 2)) * einsum(q[:, rows], k[:, cols], "b r h c, b s h c -> b h r s")
 
 
 def mlstm_kernel(
@@ -188,9 +189,7 @@ def mlstm_kernel_rows(
 ) -> Float[Tensor, "batch n_heads row k_pos"]:
     """mlstm_kernel(...)[:, :, rows, :] without the pos x pos matrix."""
     _check_positions(rows, q.shape[1], "rows")
-    cols = torch.arange(q.shape[1], device=q.device)
-    w = torch.exp(_log_weights(log_i, log_f, torch.log(denom), rows, cols))
-    return w * einsum(q[:, rows], k, "b r h c, b s h c -> b h r s")
+    return _kernel_slice(q, k, log_i, log_f, denom, rows, torch.arange(q.shape[1], device=q.device))
 
 
 def mlstm_kernel_cols(
@@ -203,9 +202,7 @@ def mlstm_kernel_cols(
 ) -> Float[Tensor, "batch n_heads q_pos col"]:
     """mlstm_kernel(...)[..., cols] without the pos x pos matrix."""
     _check_positions(cols, q.shape[1], "cols")
-    rows = torch.arange(q.shape[1], device=q.device)
-    w = torch.exp(_log_weights(log_i, log_f, torch.log(denom), rows, cols))
-    return w * einsum(q, k[:, cols], "b r h c, b s h c -> b h r s")
+    return _kernel_slice(q, k, log_i, log_f, denom, torch.arange(q.shape[1], device=q.device), cols)
 
 
 def mlstm_knockout(
@@ -221,18 +218,12 @@ def mlstm_knockout(
     heads: Int[Tensor, "head"] | None = None,
 ) -> Float[Tensor, "batch pos n_heads d_v"]:
     """sum over the cut pairs (row, j <- i) of K[row, h, j, i] v[row, i] at (row, j), on `heads` (None: all):
-    what y loses when those edges are cut, N_j held. Pairs in chunks; no pos x pos tensor."""
+    what y loses when those edges are cut, N_j held (pair_cut.py). No pos x pos tensor."""
     F = log_f.cumsum(1)
     log_denom = torch.log(denom)
-    out = torch.zeros_like(v)
-    step = max(1, _PAIR_ELEMENTS // max(1, q.shape[2] * max(q.shape[3], v.shape[3])))
-    for a in range(0, len(row), step):
-        r, jj, ii = row[a:a + step], j[a:a + step], i[a:a + step]
-        w = torch.exp(F[r, jj] - F[r, ii] + log_i[r, ii] - log_denom[r, jj])  # [pair h]
-        entries = (q[r, jj] * k[r, ii]).sum(-1) * w
-        out.index_put_((r, jj), entries[..., None] * v[r, ii], accumulate=True)
-    if heads is not None:
-        keep = torch.zeros(q.shape[2], dtype=torch.bool, device=q.device)
-        keep[heads] = True
-        out = out * keep[:, None].to(out.dtype)
-    return out
+
+    def entries(r: Tensor, jj: Tensor, ii: Tensor) -> Tensor:  # [pair h]: exp(F_j - F_i + i_i) (q_j . k_i) / N_j
+        w = torch.exp(F[r, jj] - F[r, ii] + log_i[r, ii] - log_denom[r, jj])
+        return (q[r, jj] * k[r, ii]).sum(-1) * w
+
+    return pair_cut(entries, v, row, j, i, heads, width=max(q.shape[3], v.shape[3]))
