@@ -2,6 +2,7 @@
 RecurrentGemma, RWKV, Zamba, Qwen4-Exp, xLSTM, MiniMax, LFM2-MoE, Bailing-hybrid).
 
     perturbed(hf)               every HF parameter + 0.2 N(0, 1) (HF's init hides misplaced weights)
+    close                       a == b within tol times max(1, the reference's max magnitude) (float64 checks)
     check_against_hf            logits and every residual within `rel` of the reference's max magnitude;
                                 HF's hidden_states are [embedding, outputs of layers 0 .. n-2, final norm]
     left_padded                 left-padded random tokens and their mask
@@ -45,6 +46,10 @@ def perturbed(hf, scale: float = 0.2, seed: int = 0):
         for p in hf.parameters():
             p.add_(scale * torch.randn_like(p))
     return hf.eval()
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str = "", tol: float = 1e-12) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=tol * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 def assert_rel_close(ours: torch.Tensor, ref: torch.Tensor, what: str, rel: float = RTOL) -> None:

@@ -30,7 +30,7 @@ import safetensors.torch
 import torch
 import transformers
 from hybrid_checks import (check_against_hf, check_decoding, check_knockout_equals_kernel_zeroing,
-                           check_released_on_meta, check_rows_alone, check_save_pretrained, perturbed)
+                           check_released_on_meta, check_rows_alone, check_save_pretrained, close, perturbed)
 
 from analysis.interventions import knockout
 from hooked import backends
@@ -75,9 +75,6 @@ def tokens(batch: int = 2, pos: int = 15, seed: int = 1) -> torch.Tensor:
     t[0, 6] = 1  # an eos: the n-grams after it start a new document
     return t
 
-
-def close(a, b, what="", tol=1e-12):
-    torch.testing.assert_close(a, b, rtol=0, atol=tol * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 # ------------------------------------------------------------------------------------------ parity

@@ -30,7 +30,7 @@ import transformers
 from einops import einsum
 from hybrid_checks import (check_ablation_zeroes_columns, check_against_hf, check_decoding,
                            check_knockout_equals_kernel_zeroing, check_released_on_meta, check_rows_alone,
-                           check_save_pretrained, perturbed)
+                           check_save_pretrained, close, perturbed)
 from test_parity_dense_families import _float64_method
 
 from analysis.ga import ga_scores, head_units, rank_heads
@@ -46,7 +46,6 @@ from loaders.load import from_hf
 from loaders.registry import REGISTRY
 
 V = 128  # the char tokenizer's ids fit
-TOL = 1e-12
 BASE = dict(vocab_size=V, hidden_size=16, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
             num_hidden_layers=3, lru_width=24, attention_window_size=4,
             block_types=["recurrent", "recurrent", "attention"])
@@ -81,9 +80,6 @@ def model64(variant: str = "mqa_window4"):
 def tokens(batch: int = 2, pos: int = 13, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, V, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
-
-def close(a, b, what="", tol=TOL):
-    torch.testing.assert_close(a, b, rtol=0, atol=tol * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 # ------------------------------------------------------------------------------------------ parity

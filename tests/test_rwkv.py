@@ -28,7 +28,7 @@ import torch
 import transformers
 from einops import einsum
 from hybrid_checks import (assert_rel_close, check_ablation_zeroes_columns, check_decoding, check_released_on_meta,
-                           check_rows_alone, check_save_pretrained, perturbed)
+                           check_rows_alone, check_save_pretrained, close, perturbed)
 
 from analysis.ga import ga_scores, head_units, rank_heads
 from analysis.info_flow import info_flow
@@ -41,7 +41,6 @@ from loaders.load import from_hf
 from loaders.registry import REGISTRY
 
 V = 128  # the char tokenizer's ids fit
-TOL = 1e-12
 BASE = dict(vocab_size=V, hidden_size=16, attention_hidden_size=12, intermediate_size=24, num_hidden_layers=4,
             rescale_every=2)
 VARIANTS = {
@@ -78,9 +77,6 @@ def model64(variant: str = "att12_rescale2"):
 def tokens(batch: int = 2, pos: int = 13, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, V, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
-
-def close(a, b, what="", tol=TOL):
-    torch.testing.assert_close(a, b, rtol=0, atol=tol * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 # ------------------------------------------------------------------------------------------ parity

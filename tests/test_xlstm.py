@@ -28,7 +28,7 @@ import transformers
 from einops import einsum
 from hybrid_checks import (assert_rel_close, check_against_hf, check_decoding, check_heads_are_map_units,
                            check_knockout_zeroes_head_entries, check_released_on_meta, check_rows_alone,
-                           check_save_pretrained, left_padded, perturbed)
+                           check_save_pretrained, close, left_padded, perturbed)
 from safetensors.torch import save_file
 from tiny_families import tiny
 from transformers.models.xlstm import modeling_xlstm as hf_xlstm
@@ -64,9 +64,6 @@ def make_hf(variant: str, dtype: torch.dtype = torch.float32, **fields):
 def tokens(batch: int = 2, pos: int = 13, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, V, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
-
-def close(a, b, what, rel=1e-12):
-    torch.testing.assert_close(a, b, rtol=0, atol=rel * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 # ------------------------------------------------------------------------------ parity with HF

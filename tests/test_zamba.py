@@ -32,7 +32,7 @@ import transformers
 from einops import einsum
 from hybrid_checks import (check_ablation_zeroes_columns, check_against_hf, check_decoding,
                            check_knockout_equals_kernel_zeroing, check_released_on_meta, check_rows_alone,
-                           check_save_pretrained, left_padded, perturbed)
+                           check_save_pretrained, close, left_padded, perturbed)
 from transformers.models.zamba import modeling_zamba
 
 from analysis.interventions import ablate_heads, knockout
@@ -43,7 +43,6 @@ from loaders.load import from_hf
 from loaders.registry import REGISTRY
 
 V = 64
-TOL = 1e-12
 M, H = "mamba", "hybrid"
 BASE = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
             num_hidden_layers=4, layers_block_type=[M, H, M, H], n_mamba_heads=2, mamba_d_state=4, mamba_dt_rank=3)
@@ -71,9 +70,6 @@ def model64(variant: str = "gqa_groups2"):
 def tokens(batch: int = 2, pos: int = 13, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, V, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
-
-def close(a, b, what="", tol=TOL):
-    torch.testing.assert_close(a, b, rtol=0, atol=tol * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 # ------------------------------------------------------------------------------------------ parity
