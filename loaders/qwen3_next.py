@@ -35,19 +35,22 @@ from loaders.keymaps import (PER_EXPERT_STACKS, delta_mixer_keys, gated_attentio
 LAYER_TYPES = {"linear_attention": "delta", "full_attention": "attention"}
 
 
-def qwen_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """The fields Qwen3-Next and Qwen3.5 read alike (all but the MLP layout)."""
+def qwen_fields(hf: dict[str, Any], layer_types: dict[str, str] = LAYER_TYPES,
+                attention: str = "full_attention") -> dict[str, Any]:
+    """The fields Qwen3-Next, Qwen3.5 and Qwen4-Exp read alike (all but the MLP layout and Qwen4-Exp's new
+    parts). layer_types: HF's layer type -> ours; without HF's layer_types, every full_attention_interval-th
+    layer is `attention`, the others linear_attention."""
     n_layers = int(hf["num_hidden_layers"])
     kinds = hf.get("layer_types") or [
-        "full_attention" if (l + 1) % int(hf.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        attention if (l + 1) % int(hf.get("full_attention_interval", 4)) == 0 else "linear_attention"
         for l in range(n_layers)]
-    unknown = sorted({k for k in kinds if k not in LAYER_TYPES})
+    unknown = sorted({k for k in kinds if k not in layer_types})
     if unknown:
-        raise ValueError(f"layer types {unknown} are not supported (known: {', '.join(LAYER_TYPES)})")
+        raise ValueError(f"layer types {unknown} are not supported (known: {', '.join(layer_types)})")
     rope = rope_fields(hf)
     n_heads = int(hf["num_attention_heads"])
     return dict(
-        d_model=int(hf["hidden_size"]), d_vocab=int(hf["vocab_size"]), layer_types=tuple(LAYER_TYPES[k] for k in kinds),
+        d_model=int(hf["hidden_size"]), d_vocab=int(hf["vocab_size"]), layer_types=tuple(layer_types[k] for k in kinds),
         n_heads=int(hf["linear_num_value_heads"]), n_k_heads=int(hf["linear_num_key_heads"]),
         d_k=int(hf["linear_key_head_dim"]), d_v=int(hf["linear_value_head_dim"]),
         d_conv=int(hf.get("linear_conv_kernel_dim", 4)), n_attn_heads=n_heads,

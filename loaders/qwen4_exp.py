@@ -27,8 +27,9 @@ from typing import Any
 from hooked.models.qwen4_exp import Qwen4ExpConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import chained, expert_view, shard_view
-from loaders.keymaps import (PER_EXPERT_STACKS, delta_mixer_keys, gated_attention_keys, lm_head_keys, rope_fields,
+from loaders.keymaps import (PER_EXPERT_STACKS, delta_mixer_keys, gated_attention_keys, lm_head_keys,
                              sigmoid_shared_moe_keys, squeeze_conv)
+from loaders.qwen3_next import qwen_fields
 
 LAYER_TYPES = {"linear_attention": "delta", "indexed_attention": "attention", "full_attention": "attention"}
 QSA = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
@@ -45,19 +46,13 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen4ExpConfig:
     hf = text_config(hf)
-    n_layers = int(hf["num_hidden_layers"])
-    kinds = hf.get("layer_types") or [
-        "indexed_attention" if (l + 1) % int(hf.get("full_attention_interval", 4)) == 0 else "linear_attention"
-        for l in range(n_layers)]
-    unknown = sorted({k for k in kinds if k not in LAYER_TYPES})
-    if unknown:
-        raise ValueError(f"Qwen4-Exp layer types {unknown} are not supported (known: {', '.join(LAYER_TYPES)})")
+    fields = qwen_fields(hf, LAYER_TYPES, attention="indexed_attention")
+    n_layers = len(fields["layer_types"])
     missing = [f for f in QSA if hf.get(f) is None]
     if missing:
         raise ValueError(f"Qwen4-Exp's attention layers need the QSA indexer fields; missing {missing}")
     if int(hf["indexer_kv_heads"]) != 1:
         raise ValueError(f"Qwen4-Exp QSA has one index key head (indexer_kv_heads=1), got {hf['indexer_kv_heads']}")
-    rope, n_heads = rope_fields(hf), int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     ple_ids = sorted(set(hf.get("ple_layer_ids") or ()))
@@ -65,16 +60,7 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen4ExpConfig:
     if bad:
         raise ValueError(f"ple_layer_ids are one-indexed layers in [1, {n_layers}], got {bad}")
     return Qwen4ExpConfig(
-        d_model=int(hf["hidden_size"]), d_vocab=int(hf["vocab_size"]), layer_types=tuple(LAYER_TYPES[k] for k in kinds),
-        n_heads=int(hf["linear_num_value_heads"]), n_k_heads=int(hf["linear_num_key_heads"]),
-        d_k=int(hf["linear_key_head_dim"]), d_v=int(hf["linear_value_head_dim"]),
-        d_conv=int(hf.get("linear_conv_kernel_dim", 4)), n_attn_heads=n_heads,
-        n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        d_attn_head=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
-        partial_rotary=rope["partial_rotary_factor"], rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"],
-        attention_bias=bool(hf.get("attention_bias", False)), act_fn=hf.get("hidden_act", "silu"),
-        eps=float(hf.get("rms_norm_eps", 1e-6)), tied=bool(hf.get("tie_word_embeddings", False)),
-        n_ctx=int(hf.get("max_position_embeddings") or 32768),
+        **fields,
         mlp_types=("moe",) * n_layers, n_experts=int(hf.get("num_experts", 512)),
         top_k=int(hf.get("num_experts_per_tok", 10)), d_expert=int(hf.get("moe_intermediate_size", 512)),
         d_shared=int(hf.get("shared_expert_intermediate_size", 512)), renormalise=bool(hf.get("norm_topk_prob", True)),
