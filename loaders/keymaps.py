@@ -350,3 +350,31 @@ def lfm2_feed_forward_keys(layer: int) -> dict[str, Key]:
     """A dense feed-forward's keys (w1, w3, w2 = gate, up, down)."""
     return {f"blocks.{layer}.mlp.{m}_proj.weight": Key.of(f"model.layers.{layer}.feed_forward.{t}.weight")
             for m, t in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
+
+
+def qwen_fields(hf: dict[str, Any], layer_types: dict[str, str],
+                attention: str = "full_attention") -> dict[str, Any]:
+    """The fields Qwen3-Next, Qwen3.5 and Qwen4-Exp read alike (all but the MLP layout and Qwen4-Exp's new
+    parts). layer_types: HF's layer type -> ours; without HF's layer_types, every full_attention_interval-th
+    layer is `attention`, the others linear_attention."""
+    n_layers = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types") or [
+        attention if (l + 1) % int(hf.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for l in range(n_layers)]
+    unknown = sorted({k for k in kinds if k not in layer_types})
+    if unknown:
+        raise ValueError(f"layer types {unknown} are not supported (known: {', '.join(layer_types)})")
+    rope = rope_fields(hf)
+    n_heads = int(hf["num_attention_heads"])
+    return dict(
+        d_model=int(hf["hidden_size"]), d_vocab=int(hf["vocab_size"]), layer_types=tuple(layer_types[k] for k in kinds),
+        n_heads=int(hf["linear_num_value_heads"]), n_k_heads=int(hf["linear_num_key_heads"]),
+        d_k=int(hf["linear_key_head_dim"]), d_v=int(hf["linear_value_head_dim"]),
+        d_conv=int(hf.get("linear_conv_kernel_dim", 4)), n_attn_heads=n_heads,
+        n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        d_attn_head=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
+        partial_rotary=rope["partial_rotary_factor"], rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"],
+        attention_bias=bool(hf.get("attention_bias", False)), act_fn=hf.get("hidden_act", "silu"),
+        eps=float(hf.get("rms_norm_eps", 1e-6)), tied=bool(hf.get("tie_word_embeddings", False)),
+        n_ctx=int(hf.get("max_position_embeddings") or 32768),
+    )

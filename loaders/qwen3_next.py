@@ -30,37 +30,9 @@ from hooked.models.qwen3_next import Qwen3NextConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import expert_view
 from loaders.keymaps import (PER_EXPERT_STACKS, delta_mixer_keys, gated_attention_keys, gated_mlp_keys, interleaved,
-                             lm_head_keys, rope_fields, sigmoid_shared_moe_keys)
+                             lm_head_keys, qwen_fields, sigmoid_shared_moe_keys)
 
 LAYER_TYPES = {"linear_attention": "delta", "full_attention": "attention"}
-
-
-def qwen_fields(hf: dict[str, Any], layer_types: dict[str, str] = LAYER_TYPES,
-                attention: str = "full_attention") -> dict[str, Any]:
-    """The fields Qwen3-Next, Qwen3.5 and Qwen4-Exp read alike (all but the MLP layout and Qwen4-Exp's new
-    parts). layer_types: HF's layer type -> ours; without HF's layer_types, every full_attention_interval-th
-    layer is `attention`, the others linear_attention."""
-    n_layers = int(hf["num_hidden_layers"])
-    kinds = hf.get("layer_types") or [
-        attention if (l + 1) % int(hf.get("full_attention_interval", 4)) == 0 else "linear_attention"
-        for l in range(n_layers)]
-    unknown = sorted({k for k in kinds if k not in layer_types})
-    if unknown:
-        raise ValueError(f"layer types {unknown} are not supported (known: {', '.join(layer_types)})")
-    rope = rope_fields(hf)
-    n_heads = int(hf["num_attention_heads"])
-    return dict(
-        d_model=int(hf["hidden_size"]), d_vocab=int(hf["vocab_size"]), layer_types=tuple(layer_types[k] for k in kinds),
-        n_heads=int(hf["linear_num_value_heads"]), n_k_heads=int(hf["linear_num_key_heads"]),
-        d_k=int(hf["linear_key_head_dim"]), d_v=int(hf["linear_value_head_dim"]),
-        d_conv=int(hf.get("linear_conv_kernel_dim", 4)), n_attn_heads=n_heads,
-        n_attn_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        d_attn_head=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
-        partial_rotary=rope["partial_rotary_factor"], rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"],
-        attention_bias=bool(hf.get("attention_bias", False)), act_fn=hf.get("hidden_act", "silu"),
-        eps=float(hf.get("rms_norm_eps", 1e-6)), tied=bool(hf.get("tie_word_embeddings", False)),
-        n_ctx=int(hf.get("max_position_embeddings") or 32768),
-    )
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3NextConfig:
@@ -69,7 +41,7 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3NextConfig:
     mlp_types = tuple("moe" if l not in only and n_experts > 0 and (l + 1) % step == 0 else "dense"
                       for l in range(n_layers))
     return Qwen3NextConfig(
-        **qwen_fields(hf), d_mlp=int(hf["intermediate_size"]), mlp_types=mlp_types, n_experts=n_experts or None,
+        **qwen_fields(hf, LAYER_TYPES), d_mlp=int(hf["intermediate_size"]), mlp_types=mlp_types, n_experts=n_experts or None,
         top_k=int(hf.get("num_experts_per_tok", 10)), d_expert=int(hf.get("moe_intermediate_size", 512)),
         d_shared=int(hf.get("shared_expert_intermediate_size", 512)), renormalise=bool(hf.get("norm_topk_prob", True)),
     )
@@ -83,8 +55,8 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 def qwen3_5_config(hf: dict[str, Any], moe: bool) -> Qwen3_5Config:
     hf = text_config(hf)
     if not moe:
-        return Qwen3_5Config(**qwen_fields(hf), d_mlp=int(hf["intermediate_size"]))
-    return Qwen3_5Config(**qwen_fields(hf), mlp_types=("moe",) * int(hf["num_hidden_layers"]),
+        return Qwen3_5Config(**qwen_fields(hf, LAYER_TYPES), d_mlp=int(hf["intermediate_size"]))
+    return Qwen3_5Config(**qwen_fields(hf, LAYER_TYPES), mlp_types=("moe",) * int(hf["num_hidden_layers"]),
                          n_experts=int(hf["num_experts"]), top_k=int(hf.get("num_experts_per_tok", 8)),
                          d_expert=int(hf.get("moe_intermediate_size", 512)),
                          d_shared=int(hf.get("shared_expert_intermediate_size", 512)))

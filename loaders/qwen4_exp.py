@@ -28,8 +28,7 @@ from hooked.models.qwen4_exp import Qwen4ExpConfig, build
 from loaders.architecture import Architecture, Key
 from loaders.checkpoint_view import chained, expert_view, shard_view
 from loaders.keymaps import (PER_EXPERT_STACKS, delta_mixer_keys, gated_attention_keys, lm_head_keys,
-                             sigmoid_shared_moe_keys, squeeze_conv)
-from loaders.qwen3_next import qwen_fields
+                             qwen_fields, sigmoid_shared_moe_keys, squeeze_conv)
 
 LAYER_TYPES = {"linear_attention": "delta", "indexed_attention": "attention", "full_attention": "attention"}
 QSA = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
