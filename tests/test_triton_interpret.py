@@ -47,7 +47,7 @@ from hooked.ops.fused import mamba_ssm_kernels  # noqa: E402
 pytestmark = pytest.mark.triton_interpret
 
 MAMBA2 = ["mamba2", "zamba2", "bamba", "granite", "falcon_h1", "nemotron_h", "llamba"]
-DELTA = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid"]
+DELTA = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "qwen4_exp"]
 CONV = ["lfm2", "lfm2_moe"]
 KERNEL_FAMILIES = [f for f in MAMBA2 + DELTA + CONV if f in FAMILIES]
 MIXERS = (Mamba2Mixer, DeltaMixer, GatedShortConv)
