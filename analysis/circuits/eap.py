@@ -55,7 +55,7 @@ from analysis.circuits.baselines import INTERVENTIONS, prepare
 from analysis.circuits.graph import Edge, Graph
 from analysis.circuits.integrated import STEPS_AT, activation_ig, clean_corrupted
 from analysis.circuits.prompts import pad_free, prompts_of
-from analysis.circuits.runs import Grads, ReceiverGrads
+from analysis.circuits.runs import Grads, ReceiverGrads, embedding_slots, receiver_blocks
 from hooked.models.protocol import ATTENTION_MODES
 from hooked.validate import Flag, Instance, Integer, OneOf, checked
 
@@ -153,18 +153,12 @@ def _edge_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Gra
     per_pair = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64, device=diff.device)
     last = torch.full((len(graph.receivers),), -1, dtype=torch.long)
     last.scatter_reduce_(0, graph.edge_receiver, graph.edge_sender, "amax")
-    if isinstance(grads, ReceiverGrads):
-        runs = grads.blocks(blocks)
-    else:
-        size = -(-len(graph.receivers) // blocks)
-        runs = ((a, min(a + size, len(graph.receivers)), grads[0][a:a + size]) for a in range(0, len(graph.receivers), size))
-    for start, stop, g in runs:
+    for start, stop, g in receiver_blocks(graph, grads, blocks):
         hi = int(last[start:stop].max()) + 1
         if hi > 0:
             per_pair[:hi, start:stop] = (flat_d[:hi] @ g.flatten(1).to(flat_d.dtype).T).double()
-    emb = grads.emb if isinstance(grads, ReceiverGrads) else grads[1]
     if emb_diff is not None:
-        for rs, ge in zip(graph.receiver_slices, emb):
+        for rs, ge in zip(graph.receiver_slices, embedding_slots(grads)):
             if ge is not None:  # embed (sender 0) reaches a side block through the embedding slot too
                 per_pair[0, rs] += ge.flatten(1).double() @ emb_diff.flatten().double()
     return per_pair[graph.edge_sender, graph.edge_receiver]

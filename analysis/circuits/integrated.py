@@ -35,7 +35,8 @@ from torch import Tensor
 from analysis.circuits.graph import Graph
 from analysis.circuits.metrics import WithClean, with_clean
 from analysis.circuits.prompts import Prompts, pad_free
-from analysis.circuits.runs import Activations, Grads, ReceiverGrads, attached, gradients
+from analysis.circuits.runs import (Activations, Grads, ReceiverGrads, attached, embedding_slots, gradients,
+                                   receiver_blocks)
 from analysis.circuits.senders import EmbedSender
 
 STEPS_AT = ("mid", "left", "right")
@@ -71,12 +72,10 @@ def _add_rows(per_pair: Tensor, graph: Graph, ss: slice, diff: Tensor, emb_diff:
               grads: ReceiverGrads | Grads, weight: float) -> None:
     """per_pair[ss, r] += weight * diff[ss] . grad_r for every receiver r (and the embedding slot for embed)."""
     flat = diff.flatten(1)
-    runs = grads.blocks(4) if isinstance(grads, ReceiverGrads) else [(0, len(graph.receivers), grads[0])]
-    for start, stop, g in runs:
+    for start, stop, g in receiver_blocks(graph, grads, 4):
         per_pair[ss, start:stop] += weight * (flat @ g.flatten(1).to(flat.dtype).T).double()
-    emb = grads.emb if isinstance(grads, ReceiverGrads) else grads[1]
     if emb_diff is not None:
-        for rs, ge in zip(graph.receiver_slices, emb):
+        for rs, ge in zip(graph.receiver_slices, embedding_slots(grads)):
             if ge is not None:
                 per_pair[0, rs] += weight * (ge.flatten(1).double() @ emb_diff.flatten().double())
 

@@ -45,7 +45,7 @@ from analysis.circuits.baselines import prepare
 from analysis.circuits.eap import BATCH_SIZE
 from analysis.circuits.graph import Graph, graph_of
 from analysis.circuits.integrated import STEPS_AT
-from analysis.circuits.runs import ReceiverGrads
+from analysis.circuits.runs import Grads, ReceiverGrads, embedding_slots, receiver_blocks
 from analysis.circuits.token_edges import TokenEdge, TokenEdgeScores, TokenGradients, cut_token_edges, in_chunk
 from analysis.circuits.verify import ABLATION, MASK, _ablated_sweep, _faith, metric_of, sweep
 from hooked.models.protocol import ATTENTION_MODES
@@ -163,18 +163,18 @@ class PositionScores:
         return position_graph(self, n, path, title)
 
 
-def _position_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: ReceiverGrads,
+def _position_scores(graph: Graph, diff: Tensor, emb_diff: Tensor | None, grads: Grads | ReceiverGrads,
                      chunk: int = 256) -> Tensor:
     """[n_edges, pos] sum over batch and d_model of diff[s_e, :, p] . grad[r_e, :, p] (+ the embedding slot)."""
     out = torch.zeros(len(graph), diff.shape[2], dtype=torch.float64, device=diff.device)
-    for start, stop, g in grads.blocks(4):
+    for start, stop, g in receiver_blocks(graph, grads, 4):
         edges = ((graph.edge_receiver >= start) & (graph.edge_receiver < stop)).nonzero()[:, 0]
         for a in range(0, len(edges), chunk):
             e = edges[a:a + chunk]
             d, gr = diff[graph.edge_sender[e]], g[graph.edge_receiver[e] - start].to(diff.dtype)
             out[e] = torch.einsum("ebpd,ebpd->ep", d, gr).double()
     if emb_diff is not None:
-        for rs, ge in zip(graph.receiver_slices, grads.emb):
+        for rs, ge in zip(graph.receiver_slices, embedding_slots(grads)):
             if ge is not None:  # the embed sender reaches a side block through the embedding slot too
                 e = [graph.index((graph.senders[0], graph.receivers[r])) for r in range(rs.start, rs.stop)]
                 out[e] += torch.einsum("ebpd,bpd->ep", ge.double(), emb_diff[0].double())
@@ -200,20 +200,9 @@ def position_attribution(model: Any, clean: Any, corrupt: Any, metric: Metric, m
                         token, values):
         diff = real(ch.base.minus(ch.run), ch.clean.attention_mask)  # pad positions add nothing
         emb_diff = None if ch.run.emb is None else real(ch.base.emb - ch.run.emb, ch.clean.attention_mask)
-        grads = ch.grads if method == "eap" else _Pulled(graph, *ch.grads)
-        total[:, clean.width - ch.clean.width:] += ch.weight * _position_scores(graph, diff, emb_diff, grads).cpu()
+        total[:, clean.width - ch.clean.width:] += ch.weight * _position_scores(graph, diff, emb_diff, ch.grads).cpu()
     return PositionScores(graph, total, token.scores() if token is not None else None, method, *values,
                           settings=settings_of(method, steps, steps_at, intervention, per_position, clean))
-
-
-class _Pulled:
-    """Gradients already pulled back ([n_receivers b p d] and the embedding slots), read like ReceiverGrads."""
-
-    def __init__(self, graph: Graph, g: Tensor, emb: list[Tensor | None]) -> None:
-        self.graph, self.g, self.emb = graph, g, emb
-
-    def blocks(self, n: int) -> list[tuple[int, int, Tensor]]:
-        return [(0, self.g.shape[0], self.g)]
 
 
 # ------------------------------------------------------------------------------------ exact

@@ -149,6 +149,22 @@ class ReceiverGrads:
             yield start, stop, out
 
 
+def receiver_blocks(graph: Graph, grads: "Grads | ReceiverGrads", n: int) -> Iterator[tuple[int, int, Tensor]]:
+    """(first receiver, last + 1, their gradients [m b p d]) in about n runs, from pending gradients
+    (ReceiverGrads.blocks: whole groups, pulled one run at a time) or pulled ones (Grads: slices)."""
+    if isinstance(grads, ReceiverGrads):
+        yield from grads.blocks(n)
+        return
+    size = -(-len(graph.receivers) // n)
+    for a in range(0, len(graph.receivers), size):
+        yield a, min(a + size, len(graph.receivers)), grads[0][a:a + size]
+
+
+def embedding_slots(grads: "Grads | ReceiverGrads") -> list[Tensor | None]:
+    """Each receiver group's embedding-slot gradient (a pending ReceiverGrads: once its blocks were read)."""
+    return grads.emb if isinstance(grads, ReceiverGrads) else grads[1]
+
+
 def gradients(model: Any, graph: Graph, tokens: Tensor, metric: Callable[[Tensor], Tensor],
               attention_mask: Tensor | None = None,
               embed: Callable[[Tensor], Tensor] | None = None,
